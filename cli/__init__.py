@@ -1,0 +1,1 @@
+"""The `dpaudit` command line (imported as dpaudit.cli)."""

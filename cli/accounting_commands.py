@@ -1,0 +1,217 @@
+"""`dpaudit calibrate | epsilon | max-steps | compare | plot`: the accounting questions."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import numpy as np
+import typer
+from rich.table import Table
+
+from dpaudit.accounting import ACCOUNTANTS, calibrate_sigma, default_accountant, epsilon, max_steps
+from dpaudit.accounting.mechanism import check_epsilon
+from dpaudit.accounting.result import json_float
+from dpaudit.atomic import guard_new_file
+from dpaudit.errors import DPAuditError
+from dpaudit.cli.common import (
+    AccountantOpt, BatchOpt, DatasetOpt, DeltaOpt, EpochsOpt, ForceOpt, JsonOpt, McSamplesOpt, MechOpt,
+    POpt, SeedOpt, StepsOpt, accountant_options, assumptions, console, emit_json, fmt, resolve_delta, schedule,
+)
+
+SigmaOpt = Annotated[float, typer.Option("--sigma", "-s", help="Noise multiplier (gaussian) or Laplace scale / sensitivity.")]
+EpsOpt = Annotated[float, typer.Option("--eps", "-e", help="Target epsilon.")]
+
+
+def _print_assumptions(lines: list[str]) -> None:
+    console.print("[bold]Assumptions[/bold]")
+    for line in lines:
+        console.print(f"  - {line}")
+
+
+def calibrate(
+    eps: EpsOpt, mech: MechOpt = "gaussian", delta: DeltaOpt = None, p: POpt = None,
+    batch_size: BatchOpt = None, dataset_size: DatasetOpt = None, steps: StepsOpt = None,
+    epochs: EpochsOpt = None, accountant: AccountantOpt = None,
+    rtol: Annotated[float, typer.Option(help="Relative tolerance on sigma (never on the wrong side).")] = 1e-3,
+    mc_samples: McSamplesOpt = None, seed: SeedOpt = 0, as_json: JsonOpt = False,
+) -> None:
+    """Smallest noise whose accounted epsilon is <= the target (one release when no schedule is given)."""
+    check_epsilon(eps)
+    d = resolve_delta(mech, delta)
+    template = schedule(mech, 1.0, p, batch_size, dataset_size, steps, epochs)
+    name = accountant or default_accountant(template, d)
+    cal = calibrate_sigma(template, eps, d, name, rtol=rtol, **accountant_options(name, mc_samples, seed, not as_json))
+    lines = assumptions(template, d, name, cal.result.relation)
+    if as_json:
+        emit_json({
+            "command": "calibrate", "mechanism": mech, "sampling_rate": template.sampling_rate,
+            "steps": template.steps, "delta": d, "target_epsilon": eps, "accountant": name,
+            "sigma": cal.sigma, "epsilon": json_float(cal.result.epsilon),
+            "sigma_rejected": cal.sigma_rejected, "epsilon_rejected": json_float(cal.epsilon_rejected),
+            "relative_tolerance": rtol, "evaluations": cal.evaluations, "seconds": cal.seconds,
+            "result": cal.result.to_json(), "assumptions": lines,
+        })
+        return
+    noun = "noise multiplier sigma" if mech == "gaussian" else "Laplace scale b / sensitivity"
+    console.print(f"[bold green]{noun} = {fmt(cal.sigma)}[/bold green]  gives eps <= {fmt(cal.result.epsilon)} "
+                  f"(target {eps:g}) at delta = {d:g}")
+    console.print(f"  sigma = {fmt(cal.sigma_rejected)} would give eps = {fmt(cal.epsilon_rejected)} > target"
+                  f"  ({cal.evaluations} evaluations, {cal.seconds:.2f} s)")
+    console.print(f"  guarantee: {cal.result.guarantee}")
+    _print_assumptions(lines)
+
+
+def epsilon_cmd(
+    sigma: SigmaOpt, mech: MechOpt = "gaussian", delta: DeltaOpt = None, p: POpt = None,
+    batch_size: BatchOpt = None, dataset_size: DatasetOpt = None, steps: StepsOpt = None,
+    epochs: EpochsOpt = None, accountant: AccountantOpt = None, mc_samples: McSamplesOpt = None,
+    seed: SeedOpt = 0, as_json: JsonOpt = False,
+) -> None:
+    """Epsilon (an upper bound) spent by a given noise level and schedule."""
+    d = resolve_delta(mech, delta)
+    m = schedule(mech, sigma, p, batch_size, dataset_size, steps, epochs)
+    name = accountant or default_accountant(m, d)
+    res = epsilon(m, d, name, **accountant_options(name, mc_samples, seed, not as_json))
+    lines = assumptions(m, d, name, res.relation)
+    if as_json:
+        emit_json({"command": "epsilon", "sigma": sigma, "sampling_rate": m.sampling_rate, "steps": m.steps,
+                   "result": res.to_json(), "assumptions": lines})
+        return
+    console.print(f"[bold]eps <= {fmt(res.epsilon)}[/bold] at delta = {d:g}  ({res.guarantee})")
+    if res.directions:
+        console.print("  per direction: " + ", ".join(f"{k} {fmt(v)}" for k, v in res.directions.items()))
+    _print_assumptions(lines)
+
+
+def max_steps_cmd(
+    sigma: SigmaOpt, eps: EpsOpt, mech: MechOpt = "gaussian", delta: DeltaOpt = None, p: POpt = None,
+    batch_size: BatchOpt = None, dataset_size: DatasetOpt = None, accountant: AccountantOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Largest number of steps that stays within the target epsilon at a given noise level."""
+    d = resolve_delta(mech, delta)
+    template = schedule(mech, sigma, p, batch_size, dataset_size, 1, None)
+    ans = max_steps(template, eps, d, accountant)
+    lines = assumptions(template.with_steps(ans.steps), d, ans.result.accountant, ans.result.relation)
+    if as_json:
+        emit_json({"command": "max-steps", "sigma": sigma, "sampling_rate": template.sampling_rate,
+                   "target_epsilon": eps, "delta": d, "max_steps": ans.steps, "at_cap": ans.at_cap,
+                   "epsilon": json_float(ans.result.epsilon),
+                   "epsilon_next": None if ans.epsilon_next is None else json_float(ans.epsilon_next),
+                   "epochs": ans.steps * template.sampling_rate, "assumptions": lines})
+        return
+    more = " (the search cap: it may be more)" if ans.at_cap else ""
+    console.print(f"[bold green]max steps T = {ans.steps}{more}[/bold green] "
+                  f"(~{ans.steps * template.sampling_rate:.4g} epochs): eps <= {fmt(ans.result.epsilon)}")
+    if ans.epsilon_next is not None:
+        console.print(f"  T = {ans.steps + 1} would spend eps = {fmt(ans.epsilon_next)} > {eps:g}")
+    _print_assumptions(lines)
+
+
+def compare(
+    sigma: Annotated[Optional[float], typer.Option("--sigma", "-s", help="Noise level to account.")] = None,
+    eps: Annotated[Optional[float], typer.Option("--eps", "-e", help="Or: target eps to calibrate for.")] = None,
+    mech: MechOpt = "gaussian", delta: DeltaOpt = None, p: POpt = None, batch_size: BatchOpt = None,
+    dataset_size: DatasetOpt = None, steps: StepsOpt = None, epochs: EpochsOpt = None,
+    mc_samples: McSamplesOpt = None, seed: SeedOpt = 0,
+    include_slow: Annotated[bool, typer.Option(help="With --eps: also calibrate with prv (~40 s per evaluation).")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Every applicable accountant side by side, with timings (eps for --sigma, or sigma for --eps)."""
+    if (sigma is None) == (eps is None):
+        raise DPAuditError("give exactly one of --sigma (compare epsilons) or --eps (compare calibrated sigmas)")
+    d = resolve_delta(mech, delta)
+    m = schedule(mech, sigma or 1.0, p, batch_size, dataset_size, steps, epochs)
+    rows = []
+    for name, acc in ACCOUNTANTS.items():
+        reason = acc.supports(m, d)
+        if eps is not None and name == "mc":
+            reason = "mc is not calibrated (each evaluation resamples); compare it with --sigma"
+        elif eps is not None and name == "prv" and not include_slow:
+            reason = "prv calibration takes minutes at T this large; add --include-slow" if m.steps > 1000 else reason
+        if reason:
+            rows.append({"accountant": name, "skipped": reason})
+            continue
+        opts = accountant_options(name, mc_samples, seed, not as_json)
+        start = time.perf_counter()
+        with console.status(f"{name} ...", spinner="dots") if not as_json else _nullcontext():
+            try:
+                if sigma is not None:
+                    res = epsilon(m, d, name, **opts)
+                    value = res.epsilon
+                else:
+                    cal = calibrate_sigma(m, eps, d, name, **opts)
+                    res, value = cal.result, cal.sigma
+            except DPAuditError as exc:
+                rows.append({"accountant": name, "skipped": str(exc)})
+                continue
+        rows.append({"accountant": name, "value": json_float(value), "seconds": time.perf_counter() - start,
+                     "relation": res.relation, "guarantee": res.guarantee,
+                     "directions": {k: json_float(v) for k, v in res.directions.items()}})
+    what = "epsilon" if sigma is not None else "sigma"
+    if as_json:
+        emit_json({"command": "compare", "quantity": what, "mechanism": mech, "sigma": sigma, "target_epsilon": eps,
+                   "sampling_rate": m.sampling_rate, "steps": m.steps, "delta": d, "rows": rows})
+        return
+    table = Table(title=f"{what} by accountant — {m.kind}, p={m.sampling_rate:g}, T={m.steps}, delta={d:g}")
+    for col in ("accountant", what, "time (s)", "guarantee"):
+        table.add_column(col)
+    for r in rows:
+        if "skipped" in r:
+            table.add_row(r["accountant"], "—", "—", f"[dim]{r['skipped']}[/dim]")
+        else:
+            table.add_row(r["accountant"], fmt(float(r["value"])), f"{r['seconds']:.3f}", r["guarantee"])
+    console.print(table)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def plot(
+    out: Annotated[Path, typer.Option("--out", "-o", help="PNG file to write.")],
+    vs: Annotated[str, typer.Option("--vs", help="x axis: sigma or steps.")] = "sigma",
+    sigma: Annotated[Optional[float], typer.Option("--sigma", "-s", help="Noise level (for --vs steps).")] = None,
+    eps: Annotated[Optional[float], typer.Option("--eps", "-e", help="Target eps to mark (and calibrate).")] = None,
+    mech: MechOpt = "gaussian", delta: DeltaOpt = None, p: POpt = None, batch_size: BatchOpt = None,
+    dataset_size: DatasetOpt = None, steps: StepsOpt = None, epochs: EpochsOpt = None,
+    accountant: AccountantOpt = None, points: Annotated[int, typer.Option(help="Points on the curve.")] = 25,
+    force: ForceOpt = False, as_json: JsonOpt = False,
+) -> None:
+    """PNG of epsilon against sigma (for a schedule) or against steps (for a sigma)."""
+    from dpaudit.plots import epsilon_curve
+
+    if vs not in ("sigma", "steps"):
+        raise DPAuditError(f"--vs must be sigma or steps, got {vs!r}")
+    if not 3 <= points <= 200:
+        raise DPAuditError(f"--points must be in [3, 200], got {points}")
+    guard_new_file(out, force)
+    d = resolve_delta(mech, delta)
+    m = schedule(mech, sigma or 1.0, p, batch_size, dataset_size, steps, epochs)
+    marker = None
+    if vs == "sigma":
+        if eps is not None:
+            marker = calibrate_sigma(m, eps, d, accountant).sigma
+        centre = marker or sigma or 1.0
+        xs = list(np.geomspace(centre / 4, centre * 4, points))
+        ys = [epsilon(m.with_sigma(float(x)), d, accountant).epsilon for x in xs]
+        label = "sigma (noise multiplier)" if mech == "gaussian" else "Laplace scale / sensitivity"
+    else:
+        if sigma is None:
+            raise DPAuditError("--vs steps needs --sigma")
+        xs = sorted({int(x) for x in np.geomspace(1, m.steps, points)})
+        ys = [epsilon(m.with_steps(x), d, accountant).epsilon for x in xs]
+        label = "steps T"
+    title = f"{mech}, p={m.sampling_rate:g}, " + (f"T={m.steps}" if vs == "sigma" else f"sigma={sigma:g}") + f", delta={d:g}"
+    epsilon_curve(xs, ys, x_label=label, title=title, path=out, target=eps, marker=marker)
+    if as_json:
+        emit_json({"command": "plot", "out": str(out), "x": [float(x) for x in xs], "epsilon": [json_float(y) for y in ys],
+                   "calibrated_sigma": marker})
+    else:
+        console.print(f"wrote {out}")

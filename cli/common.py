@@ -1,0 +1,71 @@
+"""Options and output shared by the commands: one place for the schedule flags and --json."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from dpaudit.accounting.mechanism import Mechanism, sampling_rate_from, steps_from
+from dpaudit.accounting.montecarlo import MonteCarloSettings
+
+console = Console()
+err_console = Console(stderr=True)
+
+MechOpt = Annotated[str, typer.Option("--mech", help="Noise mechanism: gaussian or laplace.")]
+DeltaOpt = Annotated[Optional[float], typer.Option(
+    "--delta", help="Target delta. Default: 1e-5 for gaussian; 0 (pure eps-DP) for laplace.")]
+POpt = Annotated[Optional[float], typer.Option("--p", help="Poisson sampling rate p = B/N.")]
+BatchOpt = Annotated[Optional[int], typer.Option("--batch-size", "-B", help="Expected batch size B (with -N).")]
+DatasetOpt = Annotated[Optional[int], typer.Option("--dataset-size", "-N", help="Dataset size N (with -B).")]
+StepsOpt = Annotated[Optional[int], typer.Option("--steps", "-T", help="Number of steps T.")]
+EpochsOpt = Annotated[Optional[float], typer.Option("--epochs", help="Epochs (T = epochs / p).")]
+AccountantOpt = Annotated[Optional[str], typer.Option(
+    "--accountant", "-a", help="pld, prv, mc, pure, pure-prv, rdp or analytic. Default: the tightest exact "
+                               "route (analytic for one release, pure for laplace at delta=0, else pld).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON only.")]
+McSamplesOpt = Annotated[Optional[int], typer.Option(
+    "--mc-samples", help="mc accountant: composed samples per direction (default: sized to ~2e8 draws).")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="mc accountant: random seed.")]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing output file.")]
+
+
+def schedule(mech: str, sigma: float, p, batch_size, dataset_size, steps, epochs) -> Mechanism:
+    rate = sampling_rate_from(batch_size, dataset_size, p)
+    return Mechanism(mech, sigma, rate, steps_from(steps, epochs, rate))
+
+
+def resolve_delta(mech: str, delta: float | None) -> float:
+    if delta is not None:
+        return delta
+    return 1e-5 if mech == "gaussian" else 0.0
+
+
+def accountant_options(accountant: str | None, mc_samples: int | None, seed: int, progress: bool) -> dict:
+    if accountant == "mc":
+        return {"settings": MonteCarloSettings(samples=mc_samples, seed=seed, progress=progress)}
+    return {}
+
+
+def assumptions(mech: Mechanism, delta: float, accountant: str, relation: str) -> list[str]:
+    noise = ("noise std = sigma x sensitivity (noise multiplier)" if mech.kind == "gaussian"
+             else "Laplace scale b = sigma x sensitivity")
+    lines = [
+        f"mechanism: {mech.kind}; {noise}; sensitivity (clip norm) C = 1 unit",
+        ("one release: no subsampling, one step (p = 1, T = 1)" if mech.is_single_release
+         else f"Poisson sampling with rate p = {mech.sampling_rate:g}, T = {mech.steps} steps"),
+        f"delta = {delta:g}" + (" (pure eps-DP)" if delta == 0 else ""),
+        f"accountant: {accountant}; neighbouring relation: {relation}",
+    ]
+    return lines
+
+
+def emit_json(data: dict) -> None:
+    sys.stdout.write(json.dumps(data, indent=2) + "\n")
+
+
+def fmt(x: float, digits: int = 6) -> str:
+    return f"{x:.{digits}g}" if x == x and abs(x) != float("inf") else str(x)

@@ -1,0 +1,41 @@
+"""Entry point: the typer app, and the one place where errors become one line and exit 2."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from dpaudit.errors import DPAuditError
+from dpaudit.cli import accounting_commands, check_command
+from dpaudit.cli.common import err_console
+
+app = typer.Typer(
+    name="dpaudit", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    help="Calibrate the noise of DP training, prove budgets in CI, and audit what leaked.",
+)
+app.command("calibrate")(accounting_commands.calibrate)
+app.command("epsilon")(accounting_commands.epsilon_cmd)
+app.command("max-steps")(accounting_commands.max_steps_cmd)
+app.command("compare")(accounting_commands.compare)
+app.command("plot")(accounting_commands.plot)
+app.command("check")(check_command.check)
+
+USAGE_ERROR = 2
+
+
+def run(argv: list[str] | None = None) -> None:
+    """Console-script entry: user errors and library refusals print one line and exit 2."""
+    try:
+        app(args=argv, standalone_mode=True)
+    except DPAuditError as exc:
+        err_console.print(f"[bold red]error:[/bold red] {exc}", highlight=False)
+        sys.exit(USAGE_ERROR)
+    except (ValueError, OverflowError, ZeroDivisionError, FloatingPointError, MemoryError) as exc:
+        err_console.print(f"[bold red]error:[/bold red] cannot answer this query: {type(exc).__name__}: {exc}",
+                          highlight=False)
+        sys.exit(USAGE_ERROR)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,193 @@
+"""Calibration: the smallest noise that meets a target, and the reverse questions.
+
+Every answer is checked against the same accountant function that `epsilon` exposes, so a
+calibrated sigma always satisfies its own bound, and a sigma smaller by the relative
+tolerance is shown (and returned) to exceed the target.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from dpaudit.accounting import analytic, pure
+from dpaudit.accounting.mechanism import Mechanism, check_delta, check_epsilon
+from dpaudit.accounting.registry import default_accountant, epsilon, get_accountant
+from dpaudit.accounting.result import EpsilonResult
+from dpaudit.errors import DPAuditError
+
+SIGMA_MIN = 1e-3
+SIGMA_MAX = 1e6
+MAX_STEPS = 10**8
+MAX_EVALUATIONS = 80
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """``sigma`` meets the target; ``sigma_rejected`` (= sigma * (1 - rtol/2)) does not."""
+
+    sigma: float
+    result: EpsilonResult
+    sigma_rejected: float
+    epsilon_rejected: float
+    target_epsilon: float
+    evaluations: int
+    seconds: float
+
+
+class _Evaluator:
+    """epsilon(sigma) for a fixed schedule and accountant, memoised, with an evaluation count."""
+
+    def __init__(self, template: Mechanism, delta: float, accountant: str, options: dict) -> None:
+        self.template, self.delta, self.accountant, self.options = template, delta, accountant, options
+        self.cache: dict[float, EpsilonResult] = {}
+
+    def __call__(self, sigma: float) -> EpsilonResult:
+        if sigma not in self.cache:
+            if len(self.cache) >= MAX_EVALUATIONS:
+                raise DPAuditError("calibration did not converge (accountant is not monotone here?)")
+            self.cache[sigma] = epsilon(self.template.with_sigma(sigma), self.delta, self.accountant, **self.options)
+        return self.cache[sigma]
+
+
+def _initial_sigma(template: Mechanism, target: float, delta: float) -> float:
+    if template.kind == "laplace":
+        return pure.sigma_closed_form(template, target)  # pure >= every other bound: an upper end
+    # Gaussian: the classic sqrt(2 log(1.25/delta)) scaling, with amplification p sqrt(T).
+    scale = template.sampling_rate * math.sqrt(template.steps) if template.steps > 1 else 1.0
+    return max(0.3, scale * math.sqrt(2 * math.log(1.25 / max(delta, 1e-300))) / target)
+
+
+def _closed_form(name: str, template: Mechanism, target: float, delta: float) -> float | None:
+    if name == "pure":
+        return pure.sigma_closed_form(template, target)
+    if name == "analytic":
+        return analytic.sigma_closed_form(template, target, delta)
+    return None
+
+
+def _bracket(f, target: float, sigma0: float) -> tuple[float, float]:
+    """(lo, hi) with eps(lo) > target >= eps(hi), stepping in log-log space (eps ~ 1/sigma)."""
+    lo, hi, sigma = None, None, min(max(sigma0, SIGMA_MIN), SIGMA_MAX)
+    while lo is None or hi is None:
+        eps = f(sigma).epsilon
+        if eps <= target:
+            hi = sigma
+            if sigma <= SIGMA_MIN:
+                raise DPAuditError(f"target eps={target:g} is met even with sigma={SIGMA_MIN:g}: "
+                                   f"no meaningful noise level to calibrate")
+            factor = min(16.0, max(1.25, target / max(eps, 1e-12)))
+            sigma = max(SIGMA_MIN, sigma / factor if lo is None else sigma)
+        else:
+            lo = sigma
+            if sigma >= SIGMA_MAX:
+                raise DPAuditError(f"target eps={target:g} is unreachable: even sigma={SIGMA_MAX:g} gives eps={eps:.4g}")
+            factor = 16.0 if not math.isfinite(eps) else min(16.0, max(1.25, eps / target))
+            sigma = min(SIGMA_MAX, sigma * factor if hi is None else sigma)
+        if lo is not None and hi is not None:
+            return lo, hi
+
+
+def calibrate_sigma(template: Mechanism, target_eps: float, delta: float, accountant: str | None = None,
+                    rtol: float = 1e-3, **options) -> Calibration:
+    """Smallest sigma (to relative tolerance ``rtol``, never on the wrong side) with eps <= target."""
+    check_epsilon(target_eps)
+    check_delta(delta, allow_zero=True)
+    if not 0 < rtol < 0.5:
+        raise DPAuditError(f"relative tolerance must be in (0, 0.5), got {rtol}")
+    name = accountant or default_accountant(template, delta)
+    get_accountant(name)
+    start = time.perf_counter()
+    f = _Evaluator(template, delta, name, options)
+    width = math.log1p(rtol / 2)
+
+    exact = _closed_form(name, template, target_eps, delta)
+    if exact is not None:
+        hi = exact
+        bump = 1e-14
+        while f(hi).epsilon > target_eps:  # floating-point rounding of the inverse only
+            hi *= 1 + bump
+            bump *= 10
+        lo = hi * (1 - rtol / 2)
+    else:
+        lo, hi = _bracket(f, target_eps, _initial_sigma(template, target_eps, delta))
+        lo, hi = _refine(f, target_eps, lo, hi, width)
+    return Calibration(
+        sigma=hi, result=f(hi), sigma_rejected=lo, epsilon_rejected=f(lo).epsilon,
+        target_epsilon=target_eps, evaluations=len(f.cache), seconds=time.perf_counter() - start,
+    )
+
+
+def _refine(f, target: float, lo: float, hi: float, width: float) -> tuple[float, float]:
+    """Shrink the bracket to relative width ``width``: secant on (log sigma, log eps), then
+    evaluate just either side of the estimate so that one pass usually closes the bracket."""
+    log_t = math.log(target)
+
+    def g(sigma: float) -> float:
+        eps = f(sigma).epsilon
+        return (math.log(eps) if eps > 0 else -math.inf) - log_t if math.isfinite(eps) else math.inf
+
+    for _ in range(MAX_EVALUATIONS):
+        u_lo, u_hi = math.log(lo), math.log(hi)
+        if u_hi - u_lo <= width:
+            return lo, hi
+        if u_hi - u_lo <= 4 * width:  # narrow: plain bisection
+            mid = math.exp((u_lo + u_hi) / 2)
+            lo, hi = (lo, mid) if f(mid).epsilon <= target else (mid, hi)
+            continue
+        g_lo, g_hi = g(lo), g(hi)
+        if math.isfinite(g_lo) and math.isfinite(g_hi) and g_lo != g_hi:
+            u = u_lo + g_lo * (u_hi - u_lo) / (g_lo - g_hi)
+        else:
+            u = (u_lo + u_hi) / 2
+        u = min(max(u, u_lo + width), u_hi - width)
+        above, below = math.exp(u + width / 2), math.exp(u - width / 2)
+        if f(above).epsilon <= target:
+            hi = above
+            lo, hi = (lo, below) if f(below).epsilon <= target else (below, hi)
+        else:
+            lo = above
+    raise DPAuditError("calibration did not converge (accountant is not monotone here?)")
+
+
+@dataclass(frozen=True)
+class StepsAnswer:
+    steps: int
+    at_cap: bool  # True when even MAX_STEPS steps stay within the target
+    result: EpsilonResult  # at ``steps``
+    epsilon_next: float | None  # epsilon at steps + 1 (exceeds the target), None at the cap
+
+
+def max_steps(template: Mechanism, target_eps: float, delta: float, accountant: str | None = None,
+              **options) -> StepsAnswer:
+    """Largest T with eps(T) <= target for the given sigma and p."""
+    check_epsilon(target_eps)
+    check_delta(delta, allow_zero=True)
+    name = accountant or default_accountant(template.with_steps(2), delta)
+    cache: dict[int, EpsilonResult] = {}
+
+    def eps_at(steps: int) -> float:
+        if steps not in cache:
+            cache[steps] = epsilon(template.with_steps(steps), delta, name, **options)
+        return cache[steps].epsilon
+
+    if eps_at(1) > target_eps:
+        raise DPAuditError(f"even one step spends eps={eps_at(1):.4g} > target {target_eps:g}; raise sigma")
+    good = 1
+    bad = None
+    while bad is None:
+        nxt = min(good * 2, MAX_STEPS)
+        if eps_at(nxt) <= target_eps:
+            good = nxt
+            if good == MAX_STEPS:
+                return StepsAnswer(good, True, cache[good], None)
+        else:
+            bad = nxt
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if eps_at(mid) <= target_eps:
+            good = mid
+        else:
+            bad = mid
+    return StepsAnswer(good, False, cache[good], eps_at(good + 1))

@@ -1,0 +1,248 @@
+"""`mc`: the Monte-Carlo accountant (Wang, Mahloujifar, Wu, Jia & Mittal 2023).
+
+For one direction with dominating pair (P, Q), delta(eps) = E_{L}[(1 - e^{eps - L})_+] where
+L = sum_t log(P(x_t)/Q(x_t)), x_t ~ P, is the composed privacy loss. We sample L exactly
+(vectorised and chunked), average h(L) = (1 - e^{eps - L})_+ in [0, 1], and turn the average
+into a rigorous upper bound with the empirical Bernstein inequality (Maurer & Pontil 2009,
+Thm. 4): with probability >= 1 - b,
+    E h <= mean + sqrt(2 V log(2/b) / n) + 7 log(2/b) / (3 (n - 1)),
+V the unbiased sample variance. The bound is applied on a grid of eps values fixed before
+sampling, in both directions (remove: x ~ (1-p)mu_0 + p mu_1 against mu_0; add: the
+reverse), with a union bound, so *all* reported bounds hold together with probability
+>= 1 - beta. The reported epsilon is the smallest grid eps whose delta bound is <= delta.
+``epsilon_estimate`` (plain Monte-Carlo point estimate) is an estimate, not a bound.
+
+No library implements this accountant (dp-accounting and prv-accountant are numerical
+composers), hence this module. The Laplace sampler uses an exact shortcut: a Laplace step's
+loss depends on x only through clip(x, 0, 1), so the steps falling below 0 / above 1 are
+counted with one multinomial draw and only the steps inside (0, 1) are sampled one by one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from dpaudit.accounting.mechanism import Mechanism
+from dpaudit.accounting.result import ADD_REMOVE, SINGLE_RELEASE, EpsilonResult
+from dpaudit.errors import DPAuditError
+
+DIRECTIONS = ("remove", "add")
+MAX_ROWS = 16384
+# Work budget (per-step loss draws per direction) used when no sample count is given.
+DEFAULT_WORK = 2e8
+
+
+@dataclass(frozen=True)
+class MonteCarloSettings:
+    samples: int | None = None  # composed samples per direction; None: sized by DEFAULT_WORK
+    seed: int = 0
+    beta: float = 1e-3  # failure probability of all the bounds together
+    grid_size: int = 400
+    chunk_elements: int = 1 << 22
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        if self.samples is not None and self.samples < 100:
+            raise DPAuditError(f"the mc accountant needs at least 100 samples, got {self.samples}")
+        if not 0 < self.beta < 1:
+            raise DPAuditError(f"mc failure probability beta must be in (0, 1), got {self.beta}")
+
+
+def _log_mix(p: float, a: np.ndarray) -> np.ndarray:
+    """log(1 - p + p e^a), the loss of the subsampled step as a function of a = log(mu_1/mu_0)."""
+    if p == 1.0:
+        return a
+    return np.logaddexp(math.log1p(-p), math.log(p) + a)
+
+
+def _draws_per_sample(mech: Mechanism) -> float:
+    """Expected number of per-step draws that one composed sample costs."""
+    if mech.kind == "laplace":
+        return 3 + mech.steps * (1 - math.exp(-1 / mech.sigma)) / 2
+    return float(mech.steps)
+
+
+def _gaussian_composed(mech: Mechanism, direction: str, rows: int, rng: np.random.Generator, block: int) -> np.ndarray:
+    s, p = mech.sigma, mech.sampling_rate
+    total = np.zeros(rows)
+    for start in range(0, mech.steps, block):
+        cols = min(block, mech.steps - start)
+        x = rng.standard_normal((rows, cols)) * s
+        if direction == "remove":
+            x += (rng.random((rows, cols)) < p) if p < 1 else 1.0
+        loss = _log_mix(p, (2 * x - 1) / (2 * s * s))
+        total += loss.sum(axis=1) if direction == "remove" else -loss.sum(axis=1)
+    return total
+
+
+def _laplace_composed(mech: Mechanism, direction: str, rows: int, rng: np.random.Generator) -> np.ndarray:
+    b, p, steps = mech.sigma, mech.sampling_rate, mech.steps
+    q = math.exp(-1 / b)
+    mid = (1 - q) / 2
+    if direction == "remove":  # x ~ (1-p) Lap(0,b) + p Lap(1,b)
+        low, high = (1 - p) / 2 + p * q / 2, (1 - p) * q / 2 + p / 2
+    else:  # x ~ Lap(0,b)
+        low, high = 0.5, q / 2
+    counts = rng.multinomial(steps, [low, mid, max(0.0, 1 - low - mid)], size=rows)
+    n_mid = counts[:, 1]
+    # Inside (0, 1) a Lap(0,b) draw has density prop. to e^{-x/b}; a Lap(1,b) draw is its mirror.
+    u = rng.random(int(n_mid.sum()))
+    x = -b * np.log1p(-u * (1 - q))
+    if direction == "remove" and p < 1:
+        mirrored = rng.random(x.size) < p
+        x = np.where(mirrored, 1 - x, x)
+    elif direction == "remove":
+        x = 1 - x
+    mid_loss = np.bincount(np.repeat(np.arange(rows), n_mid), weights=_log_mix(p, (2 * x - 1) / b), minlength=rows)
+    ends = _log_mix(p, np.array([-1 / b, 1 / b]))
+    loss = counts[:, 0] * ends[0] + counts[:, 2] * ends[1] + mid_loss
+    return loss if direction == "remove" else -loss
+
+
+def composed_losses(mech: Mechanism, direction: str, rows: int, rng: np.random.Generator,
+                    chunk_elements: int = 1 << 22) -> np.ndarray:
+    """``rows`` exact draws of the composed privacy loss of ``direction``."""
+    if mech.kind == "laplace":
+        return _laplace_composed(mech, direction, rows, rng)
+    return _gaussian_composed(mech, direction, rows, rng, max(1, chunk_elements // rows))
+
+
+def _bernstein_upper(s1: np.ndarray, s2: np.ndarray, n: int, fail: float) -> np.ndarray:
+    mean = s1 / n
+    var = np.maximum(0.0, (s2 - n * mean * mean) / (n - 1))
+    log_term = math.log(2 / fail)
+    return np.minimum(1.0, mean + np.sqrt(2 * var * log_term / n) + 7 * log_term / (3 * (n - 1)))
+
+
+@dataclass(frozen=True)
+class DeltaCurve:
+    """Monte-Carlo delta(eps) on a grid: point estimates and simultaneous upper bounds."""
+
+    eps_grid: np.ndarray
+    estimate: dict[str, np.ndarray]
+    upper: dict[str, np.ndarray]
+    samples: int
+    beta: float
+
+    def max_over_directions(self, which: str) -> np.ndarray:
+        table = self.estimate if which == "estimate" else self.upper
+        return np.maximum(*(table[d] for d in DIRECTIONS))
+
+
+def sample_count(mech: Mechanism, settings: MonteCarloSettings) -> int:
+    if settings.samples is not None:
+        return settings.samples
+    return int(min(1e6, max(1e4, DEFAULT_WORK / _draws_per_sample(mech))))
+
+
+def delta_curve(mech: Mechanism, eps_grid: np.ndarray, settings: MonteCarloSettings) -> DeltaCurve:
+    """Stream samples in chunks (bounded memory) and accumulate sum h and sum h^2 per grid eps."""
+    eps_grid = np.asarray(eps_grid, dtype=float)
+    n = sample_count(mech, settings)
+    rows_per_chunk = int(max(1, min(MAX_ROWS, settings.chunk_elements // max(1.0, _draws_per_sample(mech)))))
+    chunks = [(start, min(rows_per_chunk, n - start)) for start in range(0, n, rows_per_chunk)]
+    s1 = {d: np.zeros(eps_grid.size) for d in DIRECTIONS}
+    s2 = {d: np.zeros(eps_grid.size) for d in DIRECTIONS}
+    progress = _Progress(settings.progress, len(chunks) * len(DIRECTIONS))
+    for d_index, direction in enumerate(DIRECTIONS):
+        for c_index, (_, rows) in enumerate(chunks):
+            # Each chunk has its own stream, so results do not depend on how chunks are scheduled.
+            rng = np.random.default_rng(np.random.SeedSequence(settings.seed, spawn_key=(d_index, c_index)))
+            loss = composed_losses(mech, direction, rows, rng, settings.chunk_elements)
+            tail = loss[loss > eps_grid.min()]
+            if tail.size:
+                h = np.maximum(0.0, -np.expm1(eps_grid[None, :] - tail[:, None]))
+                s1[direction] += h.sum(axis=0)
+                s2[direction] += (h * h).sum(axis=0)
+            progress.advance()
+    progress.close()
+    fail = settings.beta / (len(DIRECTIONS) * eps_grid.size)
+    return DeltaCurve(
+        eps_grid=eps_grid,
+        estimate={d: s1[d] / n for d in DIRECTIONS},
+        upper={d: _bernstein_upper(s1[d], s2[d], n, fail) for d in DIRECTIONS},
+        samples=n,
+        beta=settings.beta,
+    )
+
+
+class _Progress:
+    """A rich progress bar when asked for, otherwise nothing."""
+
+    def __init__(self, enabled: bool, total: int) -> None:
+        self._bar = None
+        if enabled:
+            from rich.progress import Progress
+
+            self._bar = Progress(transient=True)
+            self._bar.start()
+            self._task = self._bar.add_task("Monte-Carlo accountant", total=total)
+
+    def advance(self) -> None:
+        if self._bar is not None:
+            self._bar.advance(self._task)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+def _grid_top(mech: Mechanism, delta: float) -> float:
+    """A data-independent top of the eps grid: 1.25 x a coarse (valid, loose) PLD bound."""
+    from dpaudit.accounting import pld
+
+    return 1.25 * pld.epsilon(mech, delta, grid=1e-3).epsilon + 1e-3
+
+
+def _crossing(grid: np.ndarray, deltas: np.ndarray, delta: float) -> float:
+    """Where a decreasing delta(eps) on ``grid`` crosses ``delta``, interpolating log delta."""
+    below = np.nonzero(deltas <= delta)[0]
+    if not below.size:
+        return math.inf
+    i = int(below[0])
+    if i == 0 or deltas[i] <= 0:
+        return float(grid[i])
+    a, b = math.log(deltas[i - 1]), math.log(deltas[i])
+    return float(grid[i - 1] + (grid[i] - grid[i - 1]) * (a - math.log(delta)) / (a - b))
+
+
+def epsilon(mech: Mechanism, delta: float, settings: MonteCarloSettings = MonteCarloSettings()) -> EpsilonResult:
+    if delta <= 0:
+        raise DPAuditError("the mc accountant needs delta > 0")
+    top = _grid_top(mech, delta)
+    if not math.isfinite(top):
+        raise DPAuditError("the mc accountant found no finite epsilon grid for this mechanism (noise too small)")
+    grid = np.linspace(top / settings.grid_size, top, settings.grid_size)
+    curve = delta_curve(mech, grid, settings)
+    per_dir = {}
+    for d in DIRECTIONS:
+        ok = np.nonzero(curve.upper[d] <= delta)[0]
+        per_dir[d] = float(grid[ok[0]]) if ok.size else math.inf
+    eps_estimate = _crossing(grid, curve.max_over_directions("estimate"), delta)
+    return EpsilonResult(
+        accountant="mc",
+        epsilon=max(per_dir.values()),
+        delta=delta,
+        relation=SINGLE_RELEASE if mech.is_single_release else ADD_REMOVE,
+        guarantee=(f"upper bound holding with probability >= 1 - {settings.beta:g} "
+                   f"(Monte-Carlo, empirical Bernstein, {curve.samples} samples per direction)"),
+        directions=per_dir,
+        details={"samples": curve.samples, "beta": settings.beta, "seed": settings.seed,
+                 "grid_step": float(grid[1] - grid[0]), "epsilon_estimate": eps_estimate},
+    )
+
+
+def delta_for_epsilon(mech: Mechanism, eps: float, settings: MonteCarloSettings = MonteCarloSettings()) -> dict:
+    """delta(eps): point estimate and upper bound (probability >= 1 - beta), per direction and max."""
+    curve = delta_curve(mech, np.array([eps]), settings)
+    return {
+        "estimate": float(curve.max_over_directions("estimate")[0]),
+        "upper": float(curve.max_over_directions("upper")[0]),
+        "directions": {d: {"estimate": float(curve.estimate[d][0]), "upper": float(curve.upper[d][0])}
+                       for d in DIRECTIONS},
+        "samples": curve.samples,
+        "beta": settings.beta,
+    }

@@ -1,0 +1,43 @@
+"""Atomic file writes: a reader sees the old file or the new one, never half of one."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from dpaudit.errors import DPAuditError
+
+
+def guard_new_file(path: Path, force: bool) -> None:
+    """Refuse to replace a file the user already has, unless told to."""
+    if path.exists() and not force:
+        raise DPAuditError(f"{path} exists; pass --force to replace it")
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> Path:
+    """Call ``write(tmp)`` on a temporary file beside ``path``, fsync it, then rename it over ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def atomic_write_text(path: Path, text: str) -> Path:
+    return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def atomic_write_json(path: Path, data: object) -> Path:
+    return atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")

@@ -1,0 +1,5 @@
+"""The one exception type that the CLI turns into a single line and exit code 2."""
+
+
+class DPAuditError(ValueError):
+    """A user-facing error: bad input, an unusable config, an unreachable target."""

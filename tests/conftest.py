@@ -1,0 +1,24 @@
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _reference_dir() -> Path:
+    for candidate in (REPO.parent / "shared" / "reference", REPO / "shared" / "reference"):
+        if candidate.is_dir():
+            return candidate
+    return REPO.parent / "shared" / "reference"
+
+
+@pytest.fixture(scope="session")
+def reference_dir() -> Path:
+    path = _reference_dir()
+    if not path.is_dir():
+        pytest.skip("../shared/reference is not present in this checkout")
+    return path
+
+
+os.environ.setdefault("MPLBACKEND", "Agg")
