@@ -1,0 +1,79 @@
+"""The command line: answers, --json, exit codes, and one-line errors (never a traceback)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "examples"
+
+
+def dpaudit(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "dpaudit.cli.main", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_laplace_single_release_json():
+    out = dpaudit("calibrate", "--mech", "laplace", "--eps", "4", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["sigma"] == pytest.approx(0.25) and data["epsilon"] <= 4
+    assert any("one release" in line for line in data["assumptions"])
+
+
+def test_check_passing_and_failing_examples():
+    ok = dpaudit("check", str(DOCS / "passing.yaml"), "--json")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["passed"] is True
+    bad = dpaudit("check", str(DOCS / "failing.toml"), "--json")
+    assert bad.returncode == 1
+    data = json.loads(bad.stdout)
+    assert data["passed"] is False and data["excess_epsilon"] > 0 and data["minimal_sigma"] > 12
+
+
+@pytest.mark.parametrize("args", [
+    ["calibrate", "--eps", "0"],
+    ["calibrate", "--eps", "-1"],
+    ["calibrate", "--eps", "1", "--delta", "1.5"],
+    ["calibrate", "--eps", "1", "--p", "1.5"],
+    ["epsilon", "--sigma", "0"],
+    ["epsilon", "--sigma", "1", "--p", "0.1", "-T", "0"],
+    ["epsilon", "--sigma", "1", "--accountant", "nope"],
+    ["epsilon", "--sigma", "1", "--p", "0.1", "-T", "10", "--accountant", "pure"],
+    ["max-steps", "--sigma", "0.5", "--eps", "0.01", "--p", "0.5"],
+    ["check", "/nonexistent/config.yaml"],
+])
+def test_bad_input_is_one_line_and_exit_2(args):
+    out = dpaudit(*args, timeout=120)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr
+    assert out.stderr.strip().startswith("error:") or "Usage" in out.stderr
+
+
+def test_unusable_config(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("mechanism: gaussian\nnoise_multipler: 3\ntarget_epsilon: 1\ndelta: 1e-5\n")
+    out = dpaudit("check", str(cfg))
+    assert out.returncode == 2 and "unknown config key" in out.stderr
+
+
+@pytest.mark.parametrize("args", [
+    ["calibrate", "--eps", "50", "-B", "16", "-N", "1000", "-T", "1000"],
+    ["calibrate", "--eps", "1", "--delta", "1e-12", "-B", "16", "-N", "1000", "-T", "75000"],
+    ["epsilon", "--sigma", "0.3", "--p", "1", "-T", "1000000"],
+])
+def test_extreme_valid_inputs_answer_in_bounded_time(args):
+    out = dpaudit(*args, "--json", timeout=120)
+    assert out.returncode == 0, out.stderr
+    json.loads(out.stdout)
+
+
+def test_plot_writes_png_and_does_not_overwrite(tmp_path):
+    png = tmp_path / "curve.png"
+    out = dpaudit("plot", "--vs", "sigma", "--eps", "1", "--p", "0.01", "-T", "1000", "-o", str(png), "--points", "5")
+    assert out.returncode == 0, out.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    again = dpaudit("plot", "--vs", "sigma", "--p", "0.01", "-T", "1000", "-o", str(png), "--points", "5")
+    assert again.returncode == 2 and "exists" in again.stderr
