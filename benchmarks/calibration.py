@@ -24,7 +24,7 @@ def ours(target):
     return calibrate_sigma(Mechanism("gaussian", 1.0, P, T), target, DELTA, "pld").sigma
 
 
-def opacus(target):
+def opacus_prv(target):
     from opacus.accountants.utils import get_noise_multiplier
     return get_noise_multiplier(target_epsilon=target, target_delta=DELTA, sample_rate=P, steps=T, accountant="prv")
 
@@ -42,7 +42,7 @@ def main():
     peers = {"dpaudit pld": ours, "dp-accounting calibrate": google}
     try:
         import opacus  # noqa: F401
-        peers["opacus prv"] = opacus
+        peers["opacus prv"] = opacus_prv
     except ImportError:
         print("opacus not installed (pip install '.[train]'): skipped")
     print(f"{'target':>6} {'tool':<24} {'sigma':>9} {'eps (PLD check)':>16} {'valid':>6} {'time s':>8}")
