@@ -52,6 +52,13 @@ def epsilon(mech: Mechanism, delta: float, grid: float | None = None) -> Epsilon
             best, grid = coarse, COARSE_GRID
     else:
         best = _directions(composed_pld(mech, grid), delta)
+    if mech.kind == "laplace":
+        # A Laplace run is also pure (T * eps_1)-DP; pessimistic rounding can put PLD a grid step
+        # above that, and the smaller of two valid upper bounds is still valid.
+        from dpaudit.accounting.pure import step_epsilon
+
+        cap = mech.steps * step_epsilon(mech.sigma, mech.sampling_rate)
+        best = {k: min(v, cap) for k, v in best.items()}
     return EpsilonResult(
         accountant="pld",
         epsilon=max(best.values()),
