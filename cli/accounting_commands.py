@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -136,7 +137,7 @@ def compare(
             continue
         opts = accountant_options(name, mc_samples, seed, not as_json)
         start = time.perf_counter()
-        with console.status(f"{name} ...", spinner="dots") if not as_json else _nullcontext():
+        with console.status(f"{name} ...", spinner="dots") if not as_json else nullcontext():
             try:
                 if sigma is not None:
                     res = epsilon(m, d, name, **opts)
@@ -164,14 +165,6 @@ def compare(
         else:
             table.add_row(r["accountant"], fmt(float(r["value"])), f"{r['seconds']:.3f}", r["guarantee"])
     console.print(table)
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def plot(

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
 from dpaudit.accounting.mechanism import Mechanism
+from dpaudit.accounting.pure import step_epsilon
 from dpaudit.accounting.result import ADD_REMOVE, SINGLE_RELEASE, EpsilonResult
 
 COARSE_GRID = 1e-3
@@ -55,8 +56,6 @@ def epsilon(mech: Mechanism, delta: float, grid: float | None = None) -> Epsilon
     if mech.kind == "laplace":
         # A Laplace run is also pure (T * eps_1)-DP; pessimistic rounding can put PLD a grid step
         # above that, and the smaller of two valid upper bounds is still valid.
-        from dpaudit.accounting.pure import step_epsilon
-
         cap = mech.steps * step_epsilon(mech.sigma, mech.sampling_rate)
         best = {k: min(v, cap) for k, v in best.items()}
     return EpsilonResult(
