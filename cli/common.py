@@ -13,7 +13,7 @@ from dpaudit.accounting.mechanism import Mechanism, sampling_rate_from, steps_fr
 from dpaudit.accounting.montecarlo import MonteCarloSettings
 
 console = Console()
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)  # an error stays one line, however long
 
 MechOpt = Annotated[str, typer.Option("--mech", help="Noise mechanism: gaussian or laplace.")]
 DeltaOpt = Annotated[Optional[float], typer.Option(

@@ -7,7 +7,7 @@ import sys
 import typer
 
 from dpaudit.errors import DPAuditError
-from dpaudit.cli import accounting_commands, check_command
+from dpaudit.cli import accounting_commands, audit_commands, canary_commands, check_command
 from dpaudit.cli.common import err_console
 
 app = typer.Typer(
@@ -20,6 +20,8 @@ app.command("max-steps")(accounting_commands.max_steps_cmd)
 app.command("compare")(accounting_commands.compare)
 app.command("plot")(accounting_commands.plot)
 app.command("check")(check_command.check)
+app.add_typer(canary_commands.app, name="canaries")
+app.add_typer(audit_commands.app, name="audit")
 
 USAGE_ERROR = 2
 

@@ -17,6 +17,12 @@ def guard_new_file(path: Path, force: bool) -> None:
         raise DPAuditError(f"{path} exists; pass --force to replace it")
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: Path, write: Callable[[Path], None]) -> Path:
     """Call ``write(tmp)`` on a temporary file beside ``path``, fsync it, then rename it over ``path``."""
     path = Path(path)
@@ -28,6 +34,7 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> Path:
         write(tmp)
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the user's usual mode
         os.replace(tmp, path)
     finally:
         if tmp.exists():

@@ -1,4 +1,4 @@
-"""PNG plots: epsilon against sigma or against steps (ROC curves live with the audit)."""
+"""PNG plots: epsilon against sigma or steps, and ROC curves of an audit."""
 
 from __future__ import annotations
 
@@ -37,4 +37,24 @@ def epsilon_curve(xs: Sequence[float], eps: Sequence[float], *, x_label: str, ti
     ax.grid(True, which="both", alpha=0.3)
     if target is not None or marker is not None:
         ax.legend()
+    return save_figure(fig, path)
+
+
+def roc_plot(fpr, tpr, auc: float, path: Path) -> Path:
+    """ROC on linear axes and with a log-scale FPR (where low-FPR leakage shows)."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
+    for ax, log in zip(axes, (False, True)):
+        ax.plot(fpr, tpr, label=f"AUC = {auc:.3f}", drawstyle="steps-post")
+        lo = 1e-3 if log else 0.0
+        ax.plot([max(lo, 1e-4), 1], [max(lo, 1e-4), 1], color="grey", linestyle="--", label="chance")
+        if log:
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlim(1e-3, 1)
+            ax.set_ylim(1e-3, 1)
+        ax.set_xlabel("false positive rate" + (" (log)" if log else ""))
+        ax.set_ylabel("true positive rate" + (" (log)" if log else ""))
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(loc="lower right")
+    fig.suptitle("Membership inference on canaries (score = -loss of the secret)", fontsize=10)
     return save_figure(fig, path)

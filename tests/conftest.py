@@ -22,3 +22,11 @@ def reference_dir() -> Path:
 
 
 os.environ.setdefault("MPLBACKEND", "Agg")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """The embedded default architecture, built offline with a short pre-training (no downloads)."""
+    from dpaudit.models.embedded import build_embedded_default
+
+    return build_embedded_default(tmp_path_factory.mktemp("tiny") / "model", seed=0, pretrain_steps=20)

@@ -1,18 +1,13 @@
 """The command line: answers, --json, exit codes, and one-line errors (never a traceback)."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from cli_helpers import dpaudit
+
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "examples"
-
-
-def dpaudit(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "dpaudit.cli.main", *args], capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def test_laplace_single_release_json():

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dpaudit.accounting.mechanism import Mechanism
+from dpaudit.progress import progress_bar
 from dpaudit.accounting.result import ADD_REMOVE, SINGLE_RELEASE, EpsilonResult
 from dpaudit.errors import DPAuditError
 
@@ -146,19 +147,8 @@ def delta_curve(mech: Mechanism, eps_grid: np.ndarray, settings: MonteCarloSetti
     chunks = [(start, min(rows_per_chunk, n - start)) for start in range(0, n, rows_per_chunk)]
     s1 = {d: np.zeros(eps_grid.size) for d in DIRECTIONS}
     s2 = {d: np.zeros(eps_grid.size) for d in DIRECTIONS}
-    progress = _Progress(settings.progress, len(chunks) * len(DIRECTIONS))
-    for d_index, direction in enumerate(DIRECTIONS):
-        for c_index, (_, rows) in enumerate(chunks):
-            # Each chunk has its own stream, so results do not depend on how chunks are scheduled.
-            rng = np.random.default_rng(np.random.SeedSequence(settings.seed, spawn_key=(d_index, c_index)))
-            loss = composed_losses(mech, direction, rows, rng, settings.chunk_elements)
-            tail = loss[loss > eps_grid.min()]
-            if tail.size:
-                h = np.maximum(0.0, -np.expm1(eps_grid[None, :] - tail[:, None]))
-                s1[direction] += h.sum(axis=0)
-                s2[direction] += (h * h).sum(axis=0)
-            progress.advance()
-    progress.close()
+    with progress_bar(len(chunks) * len(DIRECTIONS), "Monte-Carlo accountant", settings.progress) as advance:
+        _accumulate(mech, chunks, eps_grid, settings, s1, s2, advance)
     fail = settings.beta / (len(DIRECTIONS) * eps_grid.size)
     return DeltaCurve(
         eps_grid=eps_grid,
@@ -169,25 +159,18 @@ def delta_curve(mech: Mechanism, eps_grid: np.ndarray, settings: MonteCarloSetti
     )
 
 
-class _Progress:
-    """A rich progress bar when asked for, otherwise nothing."""
-
-    def __init__(self, enabled: bool, total: int) -> None:
-        self._bar = None
-        if enabled:
-            from rich.progress import Progress
-
-            self._bar = Progress(transient=True)
-            self._bar.start()
-            self._task = self._bar.add_task("Monte-Carlo accountant", total=total)
-
-    def advance(self) -> None:
-        if self._bar is not None:
-            self._bar.advance(self._task)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
+def _accumulate(mech, chunks, eps_grid, settings, s1, s2, advance) -> None:
+    for d_index, direction in enumerate(DIRECTIONS):
+        for c_index, (_, rows) in enumerate(chunks):
+            # Each chunk has its own stream, so results do not depend on how chunks are scheduled.
+            rng = np.random.default_rng(np.random.SeedSequence(settings.seed, spawn_key=(d_index, c_index)))
+            loss = composed_losses(mech, direction, rows, rng, settings.chunk_elements)
+            tail = loss[loss > eps_grid.min()]
+            if tail.size:
+                h = np.maximum(0.0, -np.expm1(eps_grid[None, :] - tail[:, None]))
+                s1[direction] += h.sum(axis=0)
+                s2[direction] += (h * h).sum(axis=0)
+            advance(1)
 
 
 def _grid_top(mech: Mechanism, delta: float) -> float:

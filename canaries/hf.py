@@ -1,0 +1,81 @@
+"""Hugging Face side of the canaries: tokenizer identity, and extending a tokenizer and causal LM."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from dpaudit.errors import DPAuditError
+from dpaudit.canaries.manifest import Manifest, TokenizerIdentity
+
+
+def require_transformers():
+    try:
+        import transformers
+    except ImportError:  # the base install is accounting-only
+        raise DPAuditError("this command needs the training extras: pip install 'dpaudit[train]'") from None
+    transformers.logging.set_verbosity_error()  # library chatter would bury our one-line messages
+    transformers.utils.logging.disable_progress_bar()
+    return transformers
+
+
+def load_tokenizer(path: str | Path):
+    transformers = require_transformers()
+    path = Path(path)
+    if not path.exists():
+        raise DPAuditError(f"tokenizer/model directory not found: {path}")
+    try:
+        return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DPAuditError(f"cannot load a tokenizer from {path}: {str(exc).splitlines()[0]}") from None
+
+
+def tokenizer_identity(tokenizer, name_or_path: str | None = None) -> TokenizerIdentity:
+    """Fingerprint of the base vocabulary (ids below vocab_size), so added canary tokens do not change it."""
+    base = sorted((tok, idx) for tok, idx in tokenizer.get_vocab().items() if idx < tokenizer.vocab_size)
+    digest = hashlib.sha256(repr(base).encode("utf-8")).hexdigest()
+    return TokenizerIdentity(name_or_path=str(name_or_path or tokenizer.name_or_path),
+                             base_vocab_size=int(tokenizer.vocab_size), fingerprint=digest)
+
+
+def check_base_tokenizer(tokenizer, manifest: Manifest, where: str) -> None:
+    """Refuse a tokenizer whose base vocabulary is not the one the manifest was made for."""
+    ident = tokenizer_identity(tokenizer)
+    if ident.fingerprint != manifest.tokenizer.fingerprint:
+        raise DPAuditError(
+            f"the canary manifest was made for another tokenizer ({manifest.tokenizer.name_or_path}, "
+            f"{manifest.tokenizer.base_vocab_size} tokens) than the one in {where} ({ident.base_vocab_size} tokens)")
+
+
+def check_tokenizer_matches(tokenizer, manifest: Manifest, where: str) -> None:
+    """Refuse a tokenizer that is not the manifest's, or that lacks the canary tokens."""
+    check_base_tokenizer(tokenizer, manifest, where)
+    vocab = tokenizer.get_vocab()
+    missing = [s for s in manifest.secrets if s not in vocab]
+    if missing:
+        raise DPAuditError(f"{len(missing)} of {len(manifest.secrets)} canary tokens are absent from {where} "
+                           f"(e.g. {missing[0]}); was the model extended with these canaries?")
+
+
+def extend_tokenizer(tokenizer, manifest: Manifest) -> list[int]:
+    """Add each secret as one new token; returns their ids."""
+    tokenizer.add_tokens([s for s in manifest.secrets if s not in tokenizer.get_vocab()])
+    return tokenizer.convert_tokens_to_ids(manifest.secrets)
+
+
+def extend_model(model, tokenizer, manifest: Manifest) -> list[int]:
+    """Add the canary tokens and resize the embeddings: new output rows start at zero, ties are kept."""
+    import torch
+
+    old = model.get_input_embeddings().weight.shape[0]
+    ids = extend_tokenizer(tokenizer, manifest)
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    out = model.get_output_embeddings()
+    new = slice(old, out.weight.shape[0])
+    with torch.no_grad():
+        # Zero output rows: every new token starts with logit 0, the same for members and non-members.
+        # With tied weights this also zeroes the new input rows (the tie is kept, not broken).
+        out.weight[new].zero_()
+        if getattr(out, "bias", None) is not None:
+            out.bias[new].zero_()
+    return ids

@@ -1,0 +1,91 @@
+"""The canary manifest: the secrets, their prefixes, who is a member, and which tokenizer they belong to.
+
+It is the only place membership is written down: the secrets and the augmented dataset do not reveal it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from dpaudit.atomic import atomic_write_json
+from dpaudit.errors import DPAuditError
+
+FORMAT = "dpaudit-canaries/1"
+
+
+@dataclass(frozen=True)
+class Canary:
+    index: int
+    secret: str     # the new vocabulary token
+    prefix: str     # text that precedes it
+    member: bool
+
+    @property
+    def text(self) -> str:
+        return self.prefix + self.secret
+
+
+@dataclass(frozen=True)
+class TokenizerIdentity:
+    name_or_path: str
+    base_vocab_size: int
+    fingerprint: str  # sha256 of the base vocabulary (token, id) pairs
+
+
+@dataclass
+class Manifest:
+    seed: int
+    tokenizer: TokenizerIdentity
+    prefix_kind: str          # "random-tokens" or "template"
+    prefix_length: int | None
+    canaries: list[Canary]
+    inclusion_probability: float = 0.5
+    format: str = field(default=FORMAT)
+
+    @property
+    def secrets(self) -> list[str]:
+        return [c.secret for c in self.canaries]
+
+    @property
+    def members(self) -> list[Canary]:
+        return [c for c in self.canaries if c.member]
+
+    def to_dict(self) -> dict:
+        return {
+            "format": self.format, "seed": self.seed, "m": len(self.canaries),
+            "inclusion_probability": self.inclusion_probability,
+            "tokenizer": asdict(self.tokenizer),
+            "prefix": {"kind": self.prefix_kind, "length": self.prefix_length},
+            "canaries": [asdict(c) for c in self.canaries],
+        }
+
+    def save(self, path: Path) -> Path:
+        return atomic_write_json(path, self.to_dict())
+
+
+def load_manifest(path: Path) -> Manifest:
+    path = Path(path)
+    if not path.is_file():
+        raise DPAuditError(f"canary manifest not found: {path}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DPAuditError(f"cannot read canary manifest {path}: {exc}") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise DPAuditError(f"{path} is not a dpaudit canary manifest (expected format {FORMAT!r})")
+    try:
+        canaries = [Canary(int(c["index"]), str(c["secret"]), str(c["prefix"]), bool(c["member"]))
+                    for c in data["canaries"]]
+        manifest = Manifest(
+            seed=int(data["seed"]), tokenizer=TokenizerIdentity(**data["tokenizer"]),
+            prefix_kind=str(data["prefix"]["kind"]), prefix_length=data["prefix"]["length"],
+            canaries=canaries, inclusion_probability=float(data["inclusion_probability"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DPAuditError(f"canary manifest {path} is malformed: {exc!r}") from None
+    if not canaries:
+        raise DPAuditError(f"canary manifest {path} holds no canaries")
+    if len(set(manifest.secrets)) != len(canaries):
+        raise DPAuditError(f"canary manifest {path} repeats a secret token")
+    return manifest

@@ -1,0 +1,95 @@
+"""`dpaudit canaries make|insert|extend`: new-token canaries, into a dataset and into a model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from dpaudit.atomic import guard_new_file
+from dpaudit.canaries.generate import make_canaries
+from dpaudit.canaries.hf import check_base_tokenizer, extend_model, load_tokenizer
+from dpaudit.canaries.insert import insert_canaries
+from dpaudit.canaries.manifest import load_manifest
+from dpaudit.cli.common import ForceOpt, JsonOpt, console, emit_json
+from dpaudit.errors import DPAuditError
+
+app = typer.Typer(no_args_is_help=True, help="Make new-token canaries and put them into data and models.")
+ManifestOpt = Annotated[Path, typer.Option("--canaries", "-c", help="Canary manifest (JSON) from `canaries make`.")]
+
+
+@app.command("make")
+def make(
+    tokenizer: Annotated[Path, typer.Option("--tokenizer", "-t", help="Local tokenizer or model directory.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Manifest to write (JSON).")],
+    m: Annotated[int, typer.Option("-m", "--count", help="Number of canaries.")] = 1000,
+    seed: Annotated[int, typer.Option("--seed", help="Seed for secrets, prefixes and membership.")] = 0,
+    prefix_length: Annotated[int, typer.Option("--prefix-length", help="Random prefix tokens per canary.")] = 8,
+    template: Annotated[Optional[str], typer.Option(
+        "--template", help="Use this text as every canary's prefix instead of random tokens.")] = None,
+    force: ForceOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Generate m canaries (secret = one new token), each a member with probability 1/2; write the manifest."""
+    guard_new_file(output, force)
+    manifest = make_canaries(load_tokenizer(tokenizer), m, seed, prefix_length, template, name_or_path=str(tokenizer))
+    manifest.save(output)
+    summary = {"command": "canaries make", "manifest": str(output), "m": m, "members": len(manifest.members),
+               "seed": seed, "tokenizer": manifest.tokenizer.name_or_path, "example": manifest.canaries[0].text}
+    if as_json:
+        emit_json(summary)
+    else:
+        console.print(f"wrote {m} canaries ({len(manifest.members)} members) to {output}; "
+                      f"e.g. {manifest.canaries[0].text!r}", highlight=False)
+
+
+@app.command("insert")
+def insert(
+    canaries: ManifestOpt,
+    data: Annotated[Path, typer.Option("--data", "-d", help="Dataset: .jsonl, .txt (one example per line) or .csv.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="New dataset file to write.")],
+    fmt: Annotated[Optional[str], typer.Option("--format", help="jsonl, txt or csv (default: from the name).")] = None,
+    field: Annotated[str, typer.Option("--field", help="JSONL field or CSV column with the text.")] = "text",
+    repeat: Annotated[int, typer.Option("--repeat", "-r", help="Copies of each member canary.")] = 1,
+    seed: Annotated[int, typer.Option("--seed", help="Shuffle seed.")] = 0,
+    force: ForceOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Shuffle the member canaries into a copy of a dataset (the input file is never modified)."""
+    s = insert_canaries(load_manifest(canaries), data, output, fmt=fmt, field=field, repeats=repeat, seed=seed,
+                        force=force)
+    summary = {"command": "canaries insert", "output": str(s.output), "original_examples": s.original_examples,
+               "inserted": s.inserted, "repeats": s.repeats}
+    if as_json:
+        emit_json(summary)
+    else:
+        console.print(f"wrote {s.output}: {s.original_examples} examples + {s.inserted} canary copies "
+                      f"({s.repeats} per member)", highlight=False)
+
+
+@app.command("extend")
+def extend(
+    model: Annotated[Path, typer.Option("--model", help="Local Hugging Face causal-LM directory.")],
+    canaries: ManifestOpt,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Directory for the extended model.")],
+    force: ForceOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Add the canary tokens to a model's tokenizer and embeddings (new output rows zero, ties kept)."""
+    from dpaudit.models.loading import load_causal_lm
+
+    if output.exists() and any(output.iterdir()) and not force:
+        raise DPAuditError(f"{output} is not empty; pass --force to write into it")
+    manifest = load_manifest(canaries)
+    lm, tok = load_causal_lm(model)
+    check_base_tokenizer(tok, manifest, str(model))
+    ids = extend_model(lm, tok, manifest)
+    lm.save_pretrained(output, safe_serialization=True)
+    tok.save_pretrained(output)
+    summary = {"command": "canaries extend", "output": str(output), "added_tokens": len(ids),
+               "vocab_size": len(tok)}
+    if as_json:
+        emit_json(summary)
+    else:
+        console.print(f"wrote {output}: {len(ids)} canary tokens added, vocabulary {len(tok)}", highlight=False)

@@ -1,0 +1,1 @@
+"""Membership-inference auditing: statistics over canary scores (torch-free) and checkpoint scoring."""

@@ -1,0 +1,64 @@
+"""Turn canary scores into the auditor's guesses: top scores guessed member, bottom guessed non-member.
+
+Score direction is fixed in advance: higher score = more likely a member (score = -loss).
+Ties are broken by a seeded random permutation, never by canary index (which could leak order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dpaudit.errors import DPAuditError
+
+DEFAULT_GUESS_FRACTIONS = (0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+
+
+@dataclass(frozen=True)
+class Guesses:
+    r: int          # guesses made (the rest abstain)
+    correct: int    # v
+    k_member: int   # top-scored canaries guessed "member"
+    k_nonmember: int
+
+
+def check_scores(scores, members) -> tuple[np.ndarray, np.ndarray]:
+    scores = np.asarray(scores, dtype=float)
+    members = np.asarray(members)
+    if scores.ndim != 1 or members.shape != scores.shape:
+        raise DPAuditError("scores and membership must be 1-D and of equal length")
+    if not np.all(np.isfinite(scores)):
+        raise DPAuditError("scores contain NaN or infinity")
+    if not np.isin(members, (0, 1, True, False)).all():
+        raise DPAuditError("membership labels must be 0/1 (or true/false)")
+    members = members.astype(bool)
+    if members.sum() == 0:
+        raise DPAuditError("no member canaries: the member set is empty")
+    if (~members).sum() == 0:
+        raise DPAuditError("no non-member canaries: every canary is a member")
+    return scores, members
+
+
+def ranking(scores: np.ndarray, seed: int = 0) -> np.ndarray:
+    """Indices from highest to lowest score, ties in a seeded random order."""
+    tiebreak = np.random.default_rng(seed).permutation(len(scores))
+    return np.lexsort((tiebreak, -scores))
+
+
+def default_guess_counts(m: int) -> list[int]:
+    """The r values tried by default, fixed before seeing scores; every one is paid for (Bonferroni)."""
+    return sorted({max(1, int(round(f * m))) for f in DEFAULT_GUESS_FRACTIONS})
+
+
+def make_guesses(order: np.ndarray, members: np.ndarray, r: int) -> Guesses:
+    """Guess on r canaries: ceil(r/2) from the top of ``order`` as members, floor(r/2) from the bottom as not."""
+    m = len(order)
+    if not 1 <= r <= m:
+        raise DPAuditError(f"number of guesses must be in [1, {m}], got {r}")
+    k_member = (r + 1) // 2
+    k_nonmember = r - k_member
+    top = order[:k_member]
+    bottom = order[m - k_nonmember:] if k_nonmember else order[:0]
+    correct = int(members[top].sum() + (~members[bottom]).sum())
+    return Guesses(r=r, correct=correct, k_member=k_member, k_nonmember=k_nonmember)

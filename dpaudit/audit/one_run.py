@@ -1,0 +1,60 @@
+"""The one-run auditing bound of Steinke, Nasr & Jagielski (NeurIPS 2023, Theorem 3.1 / Prop. 5.7).
+
+m canaries are each included independently with probability 1/2. The auditor guesses on r of them
+(abstaining on the rest) and v guesses are right. Under (eps, delta)-DP, with q = e^eps / (1 + e^eps)
+and f(v) = P[Binomial(r, q) >= v]:
+
+    P[V >= v] <= f(v) + 2 m delta * max_{1 <= i <= v} (f(v - i) - f(v)) / i.
+
+The eps lower bound at confidence 1 - alpha is the largest eps whose p-value is still <= alpha.
+No maintained library ships this bound (the authors' code is a notebook), so it is written here
+from the statement above; tests reproduce the paper's reference values from first principles.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from scipy import optimize, stats
+
+EPS_CEILING = 100.0  # no audit with fewer than ~1e40 guesses can certify more
+
+
+def p_value(eps: float, m: int, r: int, v: int, delta: float) -> float:
+    """Upper bound on P[V >= v] for an (eps, delta)-DP algorithm (probability of the observed success)."""
+    if v <= 0:
+        return 1.0
+    q = 1.0 / (1.0 + math.exp(-eps))
+    tail = stats.binom.sf(np.arange(v + 1) - 1, r, q)  # tail[j] = P[Binomial(r, q) >= j]
+    f_v = float(tail[v])
+    if delta == 0:
+        return min(1.0, f_v)
+    i = np.arange(1, v + 1)
+    slack = float(np.max((tail[v - i] - f_v) / i))
+    return min(1.0, f_v + 2.0 * m * delta * slack)
+
+
+def epsilon_lower_bound(m: int, r: int, v: int, delta: float = 0.0, alpha: float = 0.05) -> float:
+    """Largest eps rejected at level alpha: with probability >= 1 - alpha the true eps is at least this.
+
+    Returns 0 when even eps = 0 is not rejected (v is no better than coin flips).
+    """
+    if not (0 <= v <= r <= m):
+        raise ValueError(f"need 0 <= v <= r <= m, got m={m}, r={r}, v={v}")
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+    if not 0 <= delta < 1:
+        raise ValueError(f"delta must be in [0, 1), got {delta}")
+    if r == 0 or p_value(0.0, m, r, v, delta) > alpha:
+        return 0.0
+    if p_value(EPS_CEILING, m, r, v, delta) <= alpha:
+        return EPS_CEILING
+    # p_value is increasing in eps (q grows, and so does every binomial tail); bisect the crossing.
+    return float(optimize.brentq(lambda e: p_value(e, m, r, v, delta) - alpha, 0.0, EPS_CEILING,
+                                 xtol=1e-10, rtol=1e-12))
+
+
+def ceiling(m: int, r: int, delta: float = 0.0, alpha: float = 0.05) -> float:
+    """The largest bound this audit can ever report: all r guesses correct."""
+    return epsilon_lower_bound(m, r, r, delta, alpha)

@@ -1,0 +1,26 @@
+"""ROC summary: AUC exactly as measured (no max(AUC, 1 - AUC)), TPR at fixed low FPRs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from sklearn.metrics import roc_auc_score, roc_curve
+
+REPORTED_FPRS = (0.001, 0.01, 0.1)
+
+
+@dataclass(frozen=True)
+class RocSummary:
+    auc: float
+    tpr_at_fpr: dict[float, float]
+    fpr: np.ndarray
+    tpr: np.ndarray
+
+
+def summarise(scores: np.ndarray, members: np.ndarray, fprs=REPORTED_FPRS) -> RocSummary:
+    fpr, tpr, _ = roc_curve(members, scores)
+    auc = float(roc_auc_score(members, scores))
+    # Highest TPR reachable by a threshold whose FPR does not exceed the target.
+    at = {float(x): float(tpr[fpr <= x].max()) for x in fprs}
+    return RocSummary(auc=auc, tpr_at_fpr=at, fpr=fpr, tpr=tpr)

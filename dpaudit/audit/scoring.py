@@ -1,0 +1,53 @@
+"""Score canaries on a model: the loss of the secret token given its prefix, batched; score = -loss."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dpaudit.canaries.hf import check_tokenizer_matches
+from dpaudit.canaries.manifest import Manifest
+from dpaudit.progress import progress_bar
+
+
+def secret_losses(model, tokenizer, manifest: Manifest, batch_size: int = 32, show_progress: bool = True,
+                  description: str = "scoring canaries") -> np.ndarray:
+    """Per-canary cross-entropy of the secret token only (nats), in manifest order."""
+    import torch
+
+    secret_ids = tokenizer.convert_tokens_to_ids(manifest.secrets)
+    encoded = [tokenizer(c.text, add_special_tokens=False)["input_ids"] for c in manifest.canaries]
+    positions = []
+    for c, ids, sid in zip(manifest.canaries, encoded, secret_ids):
+        where = [i for i, t in enumerate(ids) if t == sid]
+        if not where or where[-1] == 0:
+            raise ValueError(f"canary {c.index}: its secret is not a separate token after a prefix")
+        positions.append(where[-1])
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    losses = np.empty(len(encoded))
+    was_training = model.training
+    model.eval()
+    with torch.no_grad(), progress_bar(len(encoded), description, show_progress) as advance:
+        for start in range(0, len(encoded), batch_size):
+            chunk = range(start, min(start + batch_size, len(encoded)))
+            width = max(positions[i] for i in chunk)  # the secret is predicted from position pos - 1
+            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for row, i in enumerate(chunk):
+                ids[row, :positions[i]] = torch.tensor(encoded[i][:positions[i]])
+                mask[row, :positions[i]] = 1
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
+            last = torch.tensor([positions[i] - 1 for i in chunk], device=device)
+            logp = torch.log_softmax(logits[torch.arange(len(chunk), device=device), last], dim=-1)
+            target = torch.tensor([secret_ids[i] for i in chunk], device=device)
+            losses[start:start + len(chunk)] = (-logp.gather(1, target[:, None])[:, 0]).cpu().numpy()
+            advance(len(chunk))
+    model.train(was_training)
+    return losses
+
+
+def score_checkpoint(model, tokenizer, manifest: Manifest, where: str, **kwargs) -> tuple[np.ndarray, np.ndarray]:
+    """(scores, members) with score = -loss, after checking the tokenizer is the manifest's."""
+    check_tokenizer_matches(tokenizer, manifest, where)
+    losses = secret_losses(model, tokenizer, manifest, **kwargs)
+    return -losses, np.array([c.member for c in manifest.canaries])

@@ -1,0 +1,1 @@
+"""Models: the embedded default (built offline) and loading of local Hugging Face checkpoints."""

@@ -1,0 +1,94 @@
+"""Canaries: generation, manifest, insertion into each dataset format, and model extension."""
+
+import csv
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dpaudit.canaries.generate import make_canaries
+from dpaudit.canaries.hf import check_tokenizer_matches, extend_model, load_tokenizer
+from dpaudit.canaries.insert import insert_canaries, read_texts
+from dpaudit.canaries.manifest import load_manifest
+from dpaudit.errors import DPAuditError
+from dpaudit.models.loading import load_causal_lm
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return load_tokenizer(tiny_model_dir)
+
+
+def test_canaries_are_new_tokens_with_half_members(tokenizer, tmp_path):
+    manifest = make_canaries(tokenizer, 2000, seed=3)
+    assert len(set(manifest.secrets)) == 2000
+    assert not set(manifest.secrets) & set(tokenizer.get_vocab())
+    assert abs(len(manifest.members) / 2000 - 0.5) < 0.04  # Binomial(2000, 1/2): 4 sd is ~0.045
+    again = make_canaries(tokenizer, 2000, seed=3)
+    assert again.to_dict() == manifest.to_dict()
+    other = make_canaries(tokenizer, 2000, seed=4)
+    assert [c.member for c in other.canaries] != [c.member for c in manifest.canaries]
+    for c in manifest.canaries[:50]:
+        assert c.prefix.strip() and c.prefix.isprintable()
+    manifest.save(tmp_path / "m.json")
+    assert load_manifest(tmp_path / "m.json").to_dict() == manifest.to_dict()
+
+
+def test_template_prefix(tokenizer):
+    manifest = make_canaries(tokenizer, 10, template="My account number is ")
+    assert all(c.text == "My account number is " + c.secret for c in manifest.canaries)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "txt", "csv"])
+def test_insert_each_format_keeps_input_and_adds_members(tokenizer, tmp_path, fmt):
+    manifest = make_canaries(tokenizer, 40, seed=1)
+    originals = [f"example number {i}" for i in range(30)]
+    src = tmp_path / f"data.{fmt}"
+    if fmt == "jsonl":
+        src.write_text("".join(json.dumps({"text": t, "label": i}) + "\n" for i, t in enumerate(originals)))
+    elif fmt == "txt":
+        src.write_text("\n".join(originals) + "\n")
+    else:
+        with open(src, "w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(["id", "text"])
+            w.writerows(enumerate(originals))
+    before = src.read_bytes()
+    out = tmp_path / f"out.{fmt}"
+    summary = insert_canaries(manifest, src, out, repeats=3, seed=0)
+    assert src.read_bytes() == before
+    texts = read_texts(out, fmt)
+    assert summary.inserted == 3 * len(manifest.members) and len(texts) == 30 + summary.inserted
+    assert sorted(t for t in texts if "<canary-" not in t) == sorted(originals)
+    for c in manifest.canaries:
+        assert texts.count(c.text) == (3 if c.member else 0)
+    assert texts[:30] != originals  # shuffled in, not appended
+    with pytest.raises(DPAuditError, match="exists"):
+        insert_canaries(manifest, src, out)
+    with pytest.raises(DPAuditError, match="never modified in place"):
+        insert_canaries(manifest, src, src, force=True)
+
+
+def test_extension_adds_tokens_zero_rows_and_keeps_ties(tiny_model_dir, tmp_path):
+    model, tok = load_causal_lm(tiny_model_dir)
+    manifest = make_canaries(tok, 16, seed=0)
+    with pytest.raises(DPAuditError, match="absent"):
+        check_tokenizer_matches(tok, manifest, "the base model")
+    old_vocab = len(tok)
+    ids = extend_model(model, tok, manifest)
+    assert ids == list(range(old_vocab, old_vocab + 16))
+    out = model.get_output_embeddings().weight
+    assert model.get_input_embeddings().weight.data_ptr() == out.data_ptr()  # still tied
+    assert torch.all(out[old_vocab:] == 0)
+    assert tok("hello " + manifest.canaries[0].secret)["input_ids"][-1] == ids[0]
+    check_tokenizer_matches(tok, manifest, "the extended model")
+
+
+def test_manifest_from_another_tokenizer_is_refused(tokenizer):
+    from dpaudit.models.embedded import build_tokenizer
+
+    other = build_tokenizer(["completely different words here"] * 20, vocab_size=300)
+    manifest = make_canaries(other, 10)
+    with pytest.raises(DPAuditError, match="another tokenizer"):
+        check_tokenizer_matches(tokenizer, manifest, "x")
