@@ -27,15 +27,17 @@ GuessesOpt = Annotated[Optional[list[int]], typer.Option(
 ReportOpt = Annotated[Optional[Path], typer.Option("--report", help="Write report.json/.md, roc.png, scores.csv here.")]
 
 
-def present(result: AuditResult, context: dict, report: Path | None, force: bool, scores, members,
-            as_json: bool) -> None:
+def present(result: AuditResult, context: dict, as_json: bool, *, report: Path | None = None, force: bool = False,
+            scores=None, members=None, extra: dict | None = None) -> None:
     """Print (or emit) the audit, write the report folder, and exit 1 on a violation."""
     files = {}
     if report is not None:
         files = {k: str(v) for k, v in write_report(prepare_folder(report, force), result, scores, members,
                                                      context).items()}
+    extra = extra or {}
+    files = files or extra.get("report_files", {})
     if as_json:
-        emit_json({**result.to_dict(), "context": context, "report_files": files})
+        emit_json({**result.to_dict(), "context": context, **extra, "report_files": files})
     else:
         d = result.to_dict()
         table = Table(title="membership-inference audit", show_header=False)
@@ -54,7 +56,7 @@ def present(result: AuditResult, context: dict, report: Path | None, force: bool
         style = "bold red" if result.violation else "bold green"
         console.print(f"[{style}]{result.verdict}[/{style}]", highlight=False)
         if files:
-            console.print(f"report: {report}", highlight=False)
+            console.print(f"report: {Path(files['markdown']).parent}", highlight=False)
     if result.violation:
         raise typer.Exit(1)
 
@@ -91,7 +93,7 @@ def audit_scores(
     """Audit precomputed canary scores; exit 1 if the empirical eps exceeds the claimed eps."""
     scores, members = read_scores(scores_file)
     result = analyse(scores, members, claimed_epsilon=claimed_eps, delta=delta, alpha=alpha, guess_counts=guesses)
-    present(result, {"scores": str(scores_file)}, report, force, scores, members, as_json)
+    present(result, {"scores": str(scores_file)}, as_json, report=report, force=force, scores=scores, members=members)
 
 
 def audit_checkpoint(
@@ -117,7 +119,8 @@ def audit_checkpoint(
     scores, members = score_checkpoint(lm, tok, manifest, str(model), batch_size=batch_size,
                                        show_progress=not as_json)
     result = analyse(scores, members, claimed_epsilon=claimed_eps, delta=delta, alpha=alpha, guess_counts=guesses)
-    present(result, {"model": str(model), "canaries": str(canaries)}, report, True, scores, members, as_json)
+    present(result, {"model": str(model), "canaries": str(canaries)}, as_json, report=report, force=True,
+            scores=scores, members=members)
 
 
 app.command("scores")(audit_scores)

@@ -7,7 +7,7 @@ import sys
 import typer
 
 from dpaudit.errors import DPAuditError
-from dpaudit.cli import accounting_commands, audit_commands, canary_commands, check_command
+from dpaudit.cli import accounting_commands, audit_commands, canary_commands, check_command, train_commands
 from dpaudit.cli.common import err_console
 
 app = typer.Typer(
@@ -21,7 +21,10 @@ app.command("compare")(accounting_commands.compare)
 app.command("plot")(accounting_commands.plot)
 app.command("check")(check_command.check)
 app.add_typer(canary_commands.app, name="canaries")
+audit_commands.app.command("run")(train_commands.audit_run)
 app.add_typer(audit_commands.app, name="audit")
+app.command("train")(train_commands.train_cmd)
+app.command("replay")(train_commands.replay_cmd)
 
 USAGE_ERROR = 2
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dpaudit.atomic import atomic_write_json
+from dpaudit.canaries.hf import require_transformers
 from dpaudit.models.corpus import sentences
 
 PAD, EOS, UNK = "<pad>", "</s>", "<unk>"
@@ -15,6 +16,7 @@ DEFAULT_SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers
 
 
 def build_tokenizer(corpus: list[str], vocab_size: int = 512):
+    require_transformers()  # quiets the library
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -33,7 +35,8 @@ def build_model(tokenizer, seed: int = 0, **sizes):
 
     cfg = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=128, tie_word_embeddings=True,
                       pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                      bos_token_id=None, **{**DEFAULT_SIZES, **sizes})
+                      bos_token_id=None, attention_bias=True, mlp_bias=True,  # biases for DP-BiTFiT
+                      **{**DEFAULT_SIZES, **sizes})
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg)
 

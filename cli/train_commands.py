@@ -1,0 +1,158 @@
+"""`dpaudit train`, `dpaudit audit run` and `dpaudit replay`: the bundled trainers from the command line."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from dpaudit.cli.common import ForceOpt, JsonOpt, console, emit_json, fmt
+from dpaudit.errors import DPAuditError
+
+MethodOpt = Annotated[str, typer.Option("--method", help="dp-zo or dp-sgd.")]
+EpsOpt = Annotated[Optional[str], typer.Option(
+    "--eps", help="Target eps (sigma is calibrated); 'inf' for the non-private baseline.")]
+SigmaOpt = Annotated[Optional[float], typer.Option("--sigma", help="Noise multiplier to use (eps is reported).")]
+TrainDeltaOpt = Annotated[float, typer.Option("--delta", help="Target delta.")]
+TrainMechOpt = Annotated[str, typer.Option("--mech", help="Noise: gaussian, or laplace (dp-zo only).")]
+ClipOpt = Annotated[Optional[float], typer.Option("--clip", help="C (default: dp-zo 0.05, dp-sgd 1.0).")]
+LrOpt = Annotated[Optional[float], typer.Option("--lr", help="Learning rate (default per method).")]
+OptimizerOpt = Annotated[str, typer.Option("--optimizer", help="dp-sgd: adamw or sgd.")]
+TrainStepsOpt = Annotated[Optional[int], typer.Option("--steps", "-T", help="Training steps (default per method).")]
+TrainBatchOpt = Annotated[int, typer.Option("--batch-size", "-B", help="Expected batch size (p = B/N).")]
+PhiOpt = Annotated[float, typer.Option("--phi", help="dp-zo perturbation scale.")]
+DirectionOpt = Annotated[str, typer.Option("--direction", help="dp-zo direction: gaussian or sphere (DPZero).")]
+TrainableOpt = Annotated[str, typer.Option("--trainable", help="full, lora or bias (DP-BiTFiT).")]
+Bf16Opt = Annotated[bool, typer.Option("--bf16", help="bf16 weights and activations, no loss scaling.")]
+TrainSeedOpt = Annotated[int, typer.Option("--seed", help="Public seed (directions, adapters, canaries).")]
+SecretSeedOpt = Annotated[Optional[int], typer.Option(
+    "--secret-seed", help="Seed for batches and noise (default: fresh OS entropy; set only for tests).")]
+AccountantTrainOpt = Annotated[Optional[str], typer.Option("--accountant", "-a", help="Accountant for sigma.")]
+
+DEFAULT_STEPS = {"dp-sgd": 300, "dp-zo": 3000}
+
+
+def parse_eps(eps: str | None, sigma: float | None) -> float:
+    if eps is None:
+        if sigma is None:
+            raise DPAuditError("give --eps (a number, or inf for no DP) or --sigma")
+        return math.inf
+    try:
+        value = float(eps)
+    except ValueError:
+        raise DPAuditError(f"--eps must be a number or inf, got {eps!r}") from None
+    if sigma is not None:
+        raise DPAuditError("give --eps or --sigma, not both")
+    return value
+
+
+def make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction, trainable,
+                bf16, seed, secret_seed, accountant, **extra):
+    from dpaudit.training.runner import TrainConfig
+
+    return TrainConfig(method=method, target_epsilon=parse_eps(eps, sigma), sigma=sigma, delta=delta,
+                       mechanism=mech, clip=clip, lr=lr, optimizer=optimizer,
+                       steps=steps or DEFAULT_STEPS.get(method, 300), batch_size=batch_size, phi=phi,
+                       direction=direction, trainable=trainable, bf16=bf16, seed=seed, secret_seed=secret_seed,
+                       accountant=accountant, **extra)
+
+
+def train_cmd(
+    model: Annotated[Path, typer.Option("--model", help="Local Hugging Face causal-LM directory.")],
+    data: Annotated[Path, typer.Option("--data", "-d", help="Training data: .jsonl, .txt or .csv.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Run folder (ledger, logs, checkpoint, model).")],
+    method: MethodOpt = "dp-sgd", eps: EpsOpt = None, sigma: SigmaOpt = None, delta: TrainDeltaOpt = 1e-5,
+    mech: TrainMechOpt = "gaussian", clip: ClipOpt = None, lr: LrOpt = None, optimizer: OptimizerOpt = "adamw",
+    steps: TrainStepsOpt = None, batch_size: TrainBatchOpt = 64, phi: PhiOpt = 1e-3,
+    direction: DirectionOpt = "gaussian", trainable: TrainableOpt = "full", bf16: Bf16Opt = False,
+    seed: TrainSeedOpt = 0, secret_seed: SecretSeedOpt = None, accountant: AccountantTrainOpt = None,
+    data_format: Annotated[Optional[str], typer.Option("--format", help="jsonl, txt or csv.")] = None,
+    field: Annotated[str, typer.Option("--field", help="JSONL field or CSV column.")] = "text",
+    save_every: Annotated[int, typer.Option("--save-every", help="Checkpoint every k steps (0: at the end).")] = 0,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its checkpoint.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Fine-tune a local causal LM with DP-ZO or DP-SGD (sigma calibrated to --eps) or a non-private baseline."""
+    from dpaudit.canaries.insert import detect_format, read_texts
+    from dpaudit.training.runner import train
+
+    cfg = make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction,
+                      trainable, bf16, seed, secret_seed, accountant, save_every=save_every)
+    texts = read_texts(data, detect_format(data, data_format), field)
+    result = train(model, texts, out, cfg, resume=resume, show_progress=not as_json)
+    if as_json:
+        emit_json({"command": "train", **result.to_dict()})
+    else:
+        privacy = (f"eps <= {fmt(result.epsilon)} at delta = {result.delta:g} (sigma {fmt(result.sigma)}, "
+                   f"{result.accountant}, {result.relation})" if result.private else "non-private (eps = inf)")
+        console.print(f"trained {result.steps} steps of {method} in {result.seconds:.1f} s; {privacy}; "
+                      f"model: {result.model_dir}", highlight=False)
+
+
+def audit_run(
+    out: Annotated[Path, typer.Option("--out", "-o", help="Output folder.")] = Path("dpaudit-run"),
+    method: MethodOpt = "dp-sgd", eps: EpsOpt = "1", sigma: SigmaOpt = None, delta: TrainDeltaOpt = 1e-5,
+    mech: TrainMechOpt = "gaussian", clip: ClipOpt = None, lr: LrOpt = None, optimizer: OptimizerOpt = "adamw",
+    steps: TrainStepsOpt = None, batch_size: TrainBatchOpt = 64, phi: PhiOpt = 1e-3,
+    direction: DirectionOpt = "gaussian", trainable: TrainableOpt = "full", bf16: Bf16Opt = False,
+    seed: TrainSeedOpt = 0, secret_seed: SecretSeedOpt = None, accountant: AccountantTrainOpt = None,
+    model: Annotated[Optional[Path], typer.Option("--model", help="Local causal LM (default: embedded).")] = None,
+    data: Annotated[Optional[Path], typer.Option("--data", "-d", help="Training data (default: synthetic).")] = None,
+    canaries: Annotated[int, typer.Option("--canaries", "-m", help="Number of canaries.")] = 1000,
+    repeat: Annotated[int, typer.Option("--repeat", "-r", help="Copies of each member canary.")] = 1,
+    unsafe_disable_noise: Annotated[bool, typer.Option(
+        "--unsafe-disable-noise", hidden=True, help="Testing only: claim eps but add no noise.")] = False,
+    force: ForceOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Canaries -> insert -> train (DP-ZO/DP-SGD at --eps) -> score -> report; exit 1 on a violation."""
+    from dpaudit.audit.pipeline import AuditRunSettings, run_audit
+    from dpaudit.cli.audit_commands import present
+
+    if sigma is not None and eps == "1":
+        eps = None  # --sigma replaces the default target
+    cfg = make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction,
+                      trainable, bf16, seed, secret_seed, accountant, unsafe_disable_noise=unsafe_disable_noise)
+    if repeat > 1 and cfg.private:
+        console.print(f"[yellow]note:[/yellow] {repeat} copies per canary: the claimed eps is per example, "
+                      "a canary's group guarantee is weaker", highlight=False)
+    audit, result, summary = run_audit(out, cfg, AuditRunSettings(canaries=canaries, repeats=repeat, seed=seed),
+                                       model=model, data=data, force=force, show_progress=not as_json)
+    if not as_json:
+        console.print(f"trained {result.steps} steps of {method} in {result.seconds:.1f} s "
+                      f"({result.seconds_per_step * 1000:.0f} ms/step)", highlight=False)
+    present(audit, summary["context"], as_json,
+            extra={"training": summary["training"], "report_files": summary["report_files"]})
+
+
+def replay_cmd(
+    run: Annotated[Path, typer.Option("--run", help="A DP-ZO run folder (run_config.json, zo_steps.jsonl).")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the replayed model.")],
+    base: Annotated[Optional[Path], typer.Option("--base", help="Base model (default: the run's).")] = None,
+    force: ForceOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Rebuild a DP-ZO model from the base weights and the (seed, scalar) log, and compare it with the run's."""
+    import torch
+
+    from dpaudit.models.loading import load_causal_lm
+    from dpaudit.training.replay import replay_run
+
+    if out.exists() and any(out.iterdir()) and not force:
+        raise DPAuditError(f"{out} is not empty; pass --force to write into it")
+    model, tok = replay_run(run, base)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    diff = None
+    if (run / "model").is_dir():
+        trained, _ = load_causal_lm(run / "model")
+        ref = dict(trained.named_parameters())
+        diff = max(float((p.float() - ref[n].float()).abs().max()) for n, p in model.named_parameters())
+    summary = {"command": "replay", "output": str(out), "max_abs_difference_to_run_model": diff}
+    if as_json:
+        emit_json(summary)
+    else:
+        console.print(f"replayed into {out}" + (f"; max |difference| to the run's model: {diff:.3g}"
+                                                  if diff is not None else ""), highlight=False)

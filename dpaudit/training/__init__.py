@@ -1,0 +1,2 @@
+"""The bundled trainers: DP-ZO (zeroth order, one noisy scalar per step) and DP-SGD (Opacus), plus
+their non-private baselines, with a privacy ledger written every step."""

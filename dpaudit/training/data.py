@@ -1,0 +1,39 @@
+"""Tokenised training examples and the per-example loss both trainers use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class TokenizedDataset:
+    input_ids: torch.Tensor       # [N, L], right-padded
+    attention_mask: torch.Tensor  # [N, L]
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def batch(self, indices) -> dict[str, torch.Tensor]:
+        idx = torch.as_tensor(indices, dtype=torch.long)
+        mask = self.attention_mask[idx]
+        width = max(1, int(mask.sum(1).max())) if len(idx) else 1
+        return {"input_ids": self.input_ids[idx, :width], "attention_mask": mask[:, :width]}
+
+
+def tokenize(tokenizer, texts: list[str], max_length: int = 64) -> TokenizedDataset:
+    enc = tokenizer(texts, return_tensors="pt", padding="max_length", truncation=True, max_length=max_length,
+                    add_special_tokens=False)
+    return TokenizedDataset(enc["input_ids"], enc["attention_mask"])
+
+
+def per_example_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean next-token cross-entropy of each example (padding ignored), in float32."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+    target = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+    tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
+    tok = tok.view(target.shape)
+    return tok.sum(1) / (target != -100).sum(1).clamp(min=1)

@@ -1,0 +1,54 @@
+"""The privacy ledger of a run: what it claims, which accountant and relation, and the eps spent so far.
+
+Rewritten atomically after every step, so a killed run still tells what it spent. eps is computed
+ahead of time at a grid of step counts; after t steps the ledger reports eps at the first grid point
+>= t, an upper bound because eps grows with the number of steps.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from pathlib import Path
+
+from dpaudit.accounting import Mechanism, epsilon
+from dpaudit.accounting.result import json_float
+from dpaudit.atomic import atomic_write_json
+
+GRID_POINTS = 25
+
+
+class PrivacyLedger:
+    def __init__(self, path: Path, header: dict, mech: Mechanism | None, delta: float, accountant: str | None):
+        self.path = Path(path)
+        self.header = header
+        self.grid: list[int] = []
+        self.eps: list[float] = []
+        self.relation = "none: non-private run (eps = infinity)"
+        if mech is not None:
+            total = mech.steps
+            self.grid = sorted({max(1, math.ceil(total * k / GRID_POINTS)) for k in range(1, GRID_POINTS + 1)})
+            results = [epsilon(mech.with_steps(t), delta, accountant) for t in self.grid]
+            self.eps = [r.epsilon for r in results]
+            self.relation = results[-1].relation
+            self.accountant = results[-1].accountant
+        else:
+            self.accountant = None
+
+    @property
+    def planned_epsilon(self) -> float:
+        return self.eps[-1] if self.eps else math.inf
+
+    def spent(self, steps_done: int) -> float:
+        if not self.grid:
+            return math.inf
+        if steps_done <= 0:
+            return 0.0
+        return self.eps[min(bisect.bisect_left(self.grid, steps_done), len(self.grid) - 1)]
+
+    def record(self, steps_done: int, **extra) -> None:
+        atomic_write_json(self.path, {
+            **self.header, "accountant": self.accountant, "relation": self.relation,
+            "steps_done": steps_done, "epsilon_spent": json_float(self.spent(steps_done)),
+            "epsilon_planned": json_float(self.planned_epsilon), **extra,
+        })

@@ -1,0 +1,36 @@
+"""Rebuild a DP-ZO fine-tuned model from the base model and the run's (seed, scalar) log alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dpaudit.errors import DPAuditError
+
+
+def replay_run(run_dir: Path, base_model: Path | None = None):
+    """(model, tokenizer) after re-applying every logged step to the base weights."""
+    import torch
+
+    from dpaudit.models.loading import load_causal_lm
+    from dpaudit.training.trainable import select_trainable, trainable_parameters
+    from dpaudit.training.zo import replay
+
+    run_dir = Path(run_dir)
+    try:
+        meta = json.loads((run_dir / "run_config.json").read_text())
+        steps = [(int(r["seed"]), float(r["scalar"]))
+                 for r in map(json.loads, (run_dir / "zo_steps.jsonl").read_text().splitlines())]
+    except (OSError, json.JSONDecodeError, KeyError, ValueError) as exc:
+        raise DPAuditError(f"{run_dir} is not a readable DP-ZO run folder: {exc}") from None
+    cfg = meta["config"]
+    if cfg["method"] != "dp-zo":
+        raise DPAuditError("only DP-ZO runs can be replayed from their log (DP-SGD releases whole gradients)")
+    base = Path(base_model or meta["base_model"])
+    model, tokenizer = load_causal_lm(base, dtype=torch.bfloat16 if cfg["bf16"] else None)
+    torch.manual_seed(cfg["seed"])
+    model = select_trainable(model, cfg["trainable"], cfg["lora_rank"])
+    replay(trainable_parameters(model), steps, cfg["lr"], cfg["direction"])
+    if hasattr(model, "merge_and_unload"):
+        model = model.merge_and_unload()
+    return model, tokenizer

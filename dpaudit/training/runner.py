@@ -1,0 +1,270 @@
+"""One training run: load a local causal LM, pick the trainable subset, calibrate sigma with the
+accounting core, train with DP-ZO or DP-SGD (or their non-private baselines), keep the privacy ledger,
+the DP-ZO (seed, scalar) log and checkpoints in the run folder; resume from the last checkpoint."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from dpaudit.accounting import Mechanism, calibrate_sigma
+from dpaudit.atomic import atomic_write_json
+from dpaudit.errors import DPAuditError
+from dpaudit.progress import progress_bar
+
+METHODS = ("dp-zo", "dp-sgd")
+# Defaults tuned on the embedded default (see docs/trainers.md); every one can be overridden.
+METHOD_DEFAULTS = {
+    "dp-zo": {"lr": 2e-4, "clip": 0.05},
+    "dp-sgd": {"lr": 2e-3, "clip": 1.0},
+}
+
+
+@dataclass
+class TrainConfig:
+    method: str = "dp-sgd"
+    target_epsilon: float = 1.0          # math.inf: the non-private baseline
+    delta: float = 1e-5
+    sigma: float | None = None           # given: eps is reported instead of calibrated
+    mechanism: str = "gaussian"          # laplace: DP-ZO only
+    clip: float | None = None            # C (method default when None)
+    lr: float | None = None
+    optimizer: str = "adamw"             # first-order methods: adamw or sgd
+    steps: int = 300
+    batch_size: int = 64                 # expected batch size B; p = B / N
+    phi: float = 1e-3                    # DP-ZO perturbation scale
+    direction: str = "gaussian"          # DP-ZO: gaussian or sphere (DPZero)
+    trainable: str = "full"              # full, lora or bias (DP-BiTFiT)
+    lora_rank: int = 8
+    bf16: bool = False
+    seed: int = 0                        # public: init of adapters, DP-ZO directions
+    secret_seed: int | None = None       # batch sampling and noise; None = fresh OS entropy
+    max_length: int = 64
+    accountant: str | None = None
+    save_every: int = 0
+    unsafe_disable_noise: bool = False   # for audit tests only: claims eps but adds no noise
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise DPAuditError(f"unknown method {self.method!r}; use dp-zo or dp-sgd")
+        if self.mechanism not in ("gaussian", "laplace"):
+            raise DPAuditError(f"unknown mechanism {self.mechanism!r}; use gaussian or laplace")
+        if self.mechanism == "laplace" and self.method == "dp-sgd":
+            raise DPAuditError("DP-SGD clips an L2 norm and adds Gaussian noise; --mech laplace is for dp-zo")
+        if not (self.target_epsilon > 0):
+            raise DPAuditError(f"target eps must be > 0 (inf for non-private), got {self.target_epsilon}")
+        for name in ("steps", "batch_size", "max_length"):
+            if getattr(self, name) < 1:
+                raise DPAuditError(f"{name.replace('_', ' ')} must be >= 1, got {getattr(self, name)}")
+        if self.method == "dp-zo" and self.bf16:
+            pass  # allowed: forward passes in bf16, z generated in float32 and cast
+        for k, v in METHOD_DEFAULTS[self.method].items():
+            if getattr(self, k) is None:
+                setattr(self, k, v)
+        if self.optimizer not in ("adamw", "sgd"):
+            raise DPAuditError(f"unknown optimizer {self.optimizer!r}; use adamw or sgd")
+        if self.lr <= 0 or self.clip <= 0 or self.phi <= 0:
+            raise DPAuditError("lr, clip and phi must be > 0")
+
+    @property
+    def private(self) -> bool:
+        return self.sigma is not None or math.isfinite(self.target_epsilon)
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    model_dir: Path
+    private: bool
+    sigma: float | None
+    epsilon: float
+    delta: float
+    sampling_rate: float
+    steps: int
+    examples: int
+    seconds: float
+    seconds_per_step: float
+    last_loss: float | None
+    accountant: str | None = None
+    relation: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        from dpaudit.accounting.result import json_float
+
+        d = asdict(self)
+        d.update(run_dir=str(self.run_dir), model_dir=str(self.model_dir), epsilon=json_float(self.epsilon))
+        return d
+
+
+def public_seed(seed: int, step: int) -> int:
+    """The per-step direction seed: public, logged, and derivable from (run seed, step)."""
+    return int(np.random.SeedSequence([seed, step]).generate_state(1)[0])
+
+
+def resolve_sigma(cfg: TrainConfig, rate: float) -> float | None:
+    if not cfg.private:
+        return None
+    if cfg.sigma is not None:
+        return cfg.sigma
+    template = Mechanism(cfg.mechanism, 1.0, rate, cfg.steps)
+    return calibrate_sigma(template, cfg.target_epsilon, cfg.delta, cfg.accountant).sigma
+
+
+def _save_checkpoint(run_dir: Path, model, tokenizer, state: dict, trainer_state=None) -> None:
+    """Write the checkpoint beside the old one, then swap, so a crash leaves one intact copy."""
+    import torch
+
+    tmp, final, old = run_dir / ".checkpoint.tmp", run_dir / "checkpoint", run_dir / ".checkpoint.old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    if trainer_state is not None:
+        torch.save(trainer_state, tmp / "optimizer.pt")
+    atomic_write_json(tmp / "trainer_state.json", state)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *, resume: bool = False,
+          show_progress: bool = True) -> TrainResult:
+    import torch
+
+    from dpaudit.models.loading import load_causal_lm
+    from dpaudit.training.data import tokenize
+    from dpaudit.training.ledger import PrivacyLedger
+    from dpaudit.training.sampling import poisson_batch, shuffled_batches
+    from dpaudit.training.trainable import select_trainable, trainable_parameters
+
+    run_dir = Path(run_dir)
+    checkpoint = run_dir / "checkpoint"
+    start = 0
+    if resume and (checkpoint / "trainer_state.json").is_file():
+        if cfg.trainable == "lora":
+            raise DPAuditError("resuming a LoRA run is not supported; start it again")
+        state = json.loads((checkpoint / "trainer_state.json").read_text())
+        if state["config"] != _config_for_state(cfg):
+            raise DPAuditError(f"{run_dir} holds a run with another configuration; use a new folder")
+        start = int(state["step"])
+        model_dir = checkpoint
+    elif run_dir.exists() and any(run_dir.iterdir()):
+        raise DPAuditError(f"run folder {run_dir} is not empty; pass --resume to continue it or use a new folder")
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    if len(texts) < 2:
+        raise DPAuditError("the training set needs at least 2 examples")
+    model, tokenizer = load_causal_lm(model_dir, dtype=torch.bfloat16 if cfg.bf16 else None)
+    torch.manual_seed(cfg.seed)
+    model = select_trainable(model, cfg.trainable, cfg.lora_rank)
+    params = trainable_parameters(model)
+    data = tokenize(tokenizer, texts, cfg.max_length)
+    n = len(data)
+    if cfg.batch_size > n:
+        raise DPAuditError(f"batch size {cfg.batch_size} exceeds the {n} training examples")
+    rate = cfg.batch_size / n
+    sigma = resolve_sigma(cfg, rate)
+    header = {"method": cfg.method, "private": cfg.private, "mechanism": cfg.mechanism if cfg.private else None,
+              "sigma": sigma, "clip": cfg.clip, "sampling_rate": rate, "steps_planned": cfg.steps,
+              "delta": cfg.delta, "target_epsilon": cfg.target_epsilon if math.isfinite(cfg.target_epsilon)
+              else "inf", "examples": n, "noise_disabled_unsafely": cfg.unsafe_disable_noise}
+    ledger = PrivacyLedger(run_dir / "privacy_ledger.json", header,
+                           Mechanism(cfg.mechanism, sigma, rate, cfg.steps) if cfg.private else None,
+                           cfg.delta, cfg.accountant)
+    atomic_write_json(run_dir / "run_config.json", {"config": _config_for_state(cfg), "base_model": str(model_dir),
+                                                    "sigma": sigma, "sampling_rate": rate, "examples": n})
+    secret = cfg.secret_seed if cfg.secret_seed is not None else np.random.SeedSequence().entropy
+    rng = np.random.default_rng([int(secret), start])
+    batches = None if cfg.private else shuffled_batches(n, cfg.batch_size, rng)
+    noise_sigma = 0.0 if cfg.unsafe_disable_noise else (sigma or 0.0)
+
+    if cfg.method == "dp-zo":
+        from dpaudit.training.zo import ZOSettings, zo_step
+
+        zo = ZOSettings(lr=cfg.lr, phi=cfg.phi, clip=cfg.clip if cfg.private else None,
+                        noise=cfg.mechanism if cfg.private and noise_sigma > 0 else None, sigma=noise_sigma,
+                        direction=cfg.direction)
+        log_path = run_dir / "zo_steps.jsonl"
+        _truncate_log(log_path, start)
+        log = open(log_path, "a", encoding="utf-8")
+    else:
+        from dpaudit.training.sgd import FirstOrderTrainer
+
+        trainer = FirstOrderTrainer(model, params, lr=cfg.lr, private=cfg.private, clip=cfg.clip,
+                                    sigma=noise_sigma, expected_batch_size=cfg.batch_size,
+                                    noise_generator=torch.Generator().manual_seed(int(secret) + start),
+                                    optimizer=cfg.optimizer)
+        if start and (checkpoint / "optimizer.pt").is_file():
+            trainer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=True))
+
+    last_loss = None
+    began = time.perf_counter()
+    label = f"{cfg.method}{'' if cfg.private else ' (non-private)'}"
+    try:
+        with progress_bar(cfg.steps - start, label, show_progress) as advance:
+            for step in range(start, cfg.steps):
+                idx = poisson_batch(n, rate, rng) if cfg.private else next(batches)
+                batch = data.batch(idx)
+                if cfg.method == "dp-zo":
+                    seed = public_seed(cfg.seed, step)
+                    denom = cfg.batch_size if cfg.private else max(1, len(idx))
+                    scalar, last_loss = zo_step(model, params, batch, seed, zo, denom, rng)
+                    log.write(json.dumps({"step": step, "seed": seed, "scalar": scalar}) + "\n")
+                    log.flush()
+                else:
+                    last_loss = trainer.step(batch)
+                ledger.record(step + 1)
+                advance(1)
+                if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
+                    _checkpoint(run_dir, model, tokenizer, cfg, step + 1,
+                                trainer.state_dict() if cfg.method == "dp-sgd" else None)
+    finally:
+        if cfg.method == "dp-zo":
+            log.close()
+    seconds = time.perf_counter() - began
+    _checkpoint(run_dir, model, tokenizer, cfg, cfg.steps, trainer.state_dict() if cfg.method == "dp-sgd" else None)
+    final = _export(run_dir, model, tokenizer)
+    return TrainResult(run_dir=run_dir, model_dir=final, private=cfg.private, sigma=sigma,
+                       epsilon=ledger.planned_epsilon, delta=cfg.delta, sampling_rate=rate, steps=cfg.steps,
+                       examples=n, seconds=seconds, seconds_per_step=seconds / max(1, cfg.steps - start),
+                       last_loss=last_loss, accountant=ledger.accountant, relation=ledger.relation)
+
+
+def _config_for_state(cfg: TrainConfig) -> dict:
+    d = asdict(cfg)
+    d.pop("secret_seed")  # never written down: it would reveal batches and noise
+    d["target_epsilon"] = d["target_epsilon"] if math.isfinite(d["target_epsilon"]) else "inf"
+    return d
+
+
+def _checkpoint(run_dir, model, tokenizer, cfg, step, trainer_state) -> None:
+    if cfg.trainable == "lora":
+        return  # adapters are merged once, at export
+    _save_checkpoint(run_dir, model, tokenizer, {"step": step, "config": _config_for_state(cfg)}, trainer_state)
+
+
+def _export(run_dir: Path, model, tokenizer) -> Path:
+    """The fine-tuned model as a plain Hugging Face directory (LoRA merged), for auditing and use."""
+    out = run_dir / "model"
+    shutil.rmtree(out, ignore_errors=True)
+    if hasattr(model, "merge_and_unload"):
+        model = model.merge_and_unload()
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _truncate_log(path: Path, steps: int) -> None:
+    """Keep the first ``steps`` lines of the DP-ZO log (a resumed run rewrites what followed)."""
+    if not path.exists():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines()[:steps]
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")

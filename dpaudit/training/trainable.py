@@ -1,0 +1,36 @@
+"""Which parameters train: all of them, LoRA adapters (peft), or bias terms only (DP-BiTFiT)."""
+
+from __future__ import annotations
+
+from dpaudit.errors import DPAuditError
+
+SUBSETS = ("full", "lora", "bias")
+
+
+def select_trainable(model, subset: str, lora_rank: int = 8):
+    """Return the (possibly peft-wrapped) model with requires_grad set for the chosen subset."""
+    if subset not in SUBSETS:
+        raise DPAuditError(f"unknown trainable subset {subset!r}; use one of {', '.join(SUBSETS)}")
+    if subset == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0,
+                                                 target_modules="all-linear", bias="none"))
+    for name, p in model.named_parameters():
+        if subset == "full":
+            p.requires_grad_(True)
+        elif subset == "bias":
+            p.requires_grad_(name.endswith(".bias"))
+    if not any(p.requires_grad for p in model.parameters()):
+        raise DPAuditError(f"the model has no parameters in the {subset!r} subset (no bias terms?)")
+    return model
+
+
+def trainable_parameters(model) -> list:
+    """Trainable parameters in a fixed order (shared storage counted once)."""
+    seen, out = set(), []
+    for p in model.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out

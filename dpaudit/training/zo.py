@@ -1,0 +1,104 @@
+"""DP-ZO (Tang et al. 2024, Algorithms 1-2) and its non-private baseline (MeZO-style SPSA).
+
+Per step: a public seed gives a direction z (Gaussian, or uniform on the sqrt(d)-sphere as in DPZero);
+each example's loss difference l(theta + phi z) - l(theta - phi z) is clipped to [-C, C]; the sum gets
+Gaussian N(0, C^2 sigma^2) or Laplace(0, C sigma) noise; theta <- theta - lr * s * z with
+s = noisy sum / (2 phi B). Only the scalar s touches the data, so (seed, s) pairs replay the run.
+Memory is that of inference: z is regenerated from its seed, chunk by chunk, and never stored.
+No library implements this (MeZO's and DP-ZO's code are research scripts), hence written here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dpaudit.training.data import per_example_loss
+
+DIRECTIONS = ("gaussian", "sphere")
+
+
+@dataclass(frozen=True)
+class ZOSettings:
+    lr: float
+    phi: float = 1e-3               # perturbation scale
+    clip: float | None = 1.0        # C; None = no clipping (non-private)
+    noise: str | None = "gaussian"  # gaussian, laplace, or None (non-private)
+    sigma: float = 0.0              # noise multiplier (Gaussian std / Laplace scale, in units of C)
+    direction: str = "gaussian"
+
+
+def _chunks(params, seed: int):
+    """The direction z, one tensor per parameter, regenerated from ``seed`` (float32)."""
+    gen = torch.Generator(device=params[0].device).manual_seed(int(seed))
+    for p in params:
+        yield p, torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32)
+
+
+def direction_scale(params, seed: int, direction: str) -> float:
+    """1 for Gaussian z; sqrt(d) / ||g|| to put z on the sqrt(d)-sphere (one extra regeneration pass)."""
+    if direction == "gaussian":
+        return 1.0
+    if direction != "sphere":
+        raise ValueError(f"unknown direction {direction!r}; use gaussian or sphere")
+    sq = sum(float(g.square().sum()) for _, g in _chunks(params, seed))
+    d = sum(p.numel() for p in params)
+    return math.sqrt(d / sq)
+
+
+@torch.no_grad()
+def add_direction(params, seed: int, factor: float) -> None:
+    """theta <- theta + factor * z, in place."""
+    for p, g in _chunks(params, seed):
+        p.add_(g.to(p.dtype), alpha=factor)
+
+
+@torch.no_grad()
+def perturbed_losses(model, params, batch, seed: int, phi: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-example l(theta + phi z) and l(theta - phi z); theta is restored (up to float rounding)."""
+    add_direction(params, seed, phi * scale)
+    plus = per_example_loss(model, batch)
+    add_direction(params, seed, -2 * phi * scale)
+    minus = per_example_loss(model, batch)
+    add_direction(params, seed, phi * scale)
+    return plus, minus
+
+
+def noisy_scalar(diffs: torch.Tensor, settings: ZOSettings, denominator: float, rng: np.random.Generator) -> float:
+    """s = (sum of clipped differences + noise) / (2 phi B): the only data-dependent quantity of a step."""
+    if settings.clip is not None:
+        diffs = diffs.clamp(-settings.clip, settings.clip)
+    total = float(diffs.double().sum()) if diffs.numel() else 0.0
+    if settings.noise == "gaussian":
+        total += rng.normal(0.0, settings.clip * settings.sigma)
+    elif settings.noise == "laplace":
+        total += rng.laplace(0.0, settings.clip * settings.sigma)
+    elif settings.noise is not None:
+        raise ValueError(f"unknown noise {settings.noise!r}")
+    return total / (2 * settings.phi * denominator)
+
+
+def apply_update(params, seed: int, scalar: float, lr: float, scale: float) -> None:
+    add_direction(params, seed, -lr * scalar * scale)
+
+
+def zo_step(model, params, batch, seed: int, settings: ZOSettings, denominator: float,
+            rng: np.random.Generator) -> tuple[float, float]:
+    """One step; returns (s, mean loss around theta for logging: NaN for an empty batch)."""
+    scale = direction_scale(params, seed, settings.direction)
+    if batch["input_ids"].shape[0] == 0:
+        plus = minus = torch.zeros(0)
+    else:
+        plus, minus = perturbed_losses(model, params, batch, seed, settings.phi, scale)
+    s = noisy_scalar(plus - minus, settings, denominator, rng)
+    apply_update(params, seed, s, settings.lr, scale)
+    return s, float((plus + minus).mean() / 2) if plus.numel() else float("nan")
+
+
+def replay(params, steps, lr: float, direction: str) -> None:
+    """Re-apply logged (seed, s) pairs to the base weights: the fine-tuned model, without the data."""
+    for seed, s in steps:
+        apply_update(params, seed, s, lr, direction_scale(params, seed, direction))

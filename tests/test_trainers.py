@@ -1,0 +1,177 @@
+"""Trainer mechanics: clipping bounds one example's influence, noise has the calibrated scale,
+Poisson sampling has rate p, DP-ZO replays from its log, the ledger tells what a killed run spent."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from dpaudit.models.loading import load_causal_lm
+from dpaudit.training import zo
+from dpaudit.training.data import tokenize
+from dpaudit.training.runner import TrainConfig, train
+from dpaudit.training.sampling import poisson_batch
+from dpaudit.training.sgd import FirstOrderTrainer
+from dpaudit.training.trainable import select_trainable, trainable_parameters
+
+TEXTS = [f"Alice number {i} lives in Paris and likes bread." for i in range(30)] + \
+        ["zq xv kj wp " * 6 + "!" for _ in range(2)]
+
+
+def test_poisson_sampling_rate():
+    rng = np.random.default_rng(0)
+    sizes = np.array([len(poisson_batch(1000, 0.03, rng)) for _ in range(2000)])
+    # mean 30, sd of the mean sqrt(1000*0.03*0.97/2000) = 0.12
+    assert abs(sizes.mean() - 30) < 0.5
+    assert abs(sizes.var() - 1000 * 0.03 * 0.97) < 3
+    inclusion = np.zeros(50)
+    for _ in range(4000):
+        inclusion[poisson_batch(50, 0.2, rng)] += 1
+    assert stats.chisquare(inclusion).pvalue > 1e-3  # every example equally likely
+
+
+def _summed_clipped_grad(model, params, batch, clip):
+    trainer = FirstOrderTrainer(model, params, lr=0.0, private=True, clip=clip, sigma=0.0, expected_batch_size=1)
+    trainer.model.train()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    from dpaudit.training.data import per_example_loss
+    per_example_loss(trainer.model, batch).mean().backward()
+    trainer.optimizer.clip_and_accumulate()
+    out = torch.cat([p.summed_grad.flatten() for p in params]).clone()
+    trainer.model._close()
+    return out
+
+
+def test_dp_sgd_clipping_bounds_one_examples_influence(tiny_model_dir):
+    model, tok = load_causal_lm(tiny_model_dir)
+    params = trainable_parameters(select_trainable(model, "full"))
+    data = tokenize(tok, TEXTS, 32)
+    clip = 0.5
+    with_outlier = _summed_clipped_grad(model, params, data.batch(range(len(TEXTS))), clip)
+    without = _summed_clipped_grad(model, params, data.batch(range(len(TEXTS) - 1)), clip)
+    change = float((with_outlier - without).norm())
+    assert 0.0 < change <= clip * (1 + 1e-4)
+    # Unclipped, the outlier moves the sum by far more than C: the bound comes from clipping.
+    from dpaudit.training.data import per_example_loss
+    model.zero_grad()
+    per_example_loss(model, data.batch([len(TEXTS) - 1])).sum().backward()
+    assert float(torch.cat([p.grad.flatten() for p in params]).norm()) > 2 * clip
+
+
+def test_dp_sgd_noise_has_calibrated_scale(tiny_model_dir):
+    model, _ = load_causal_lm(tiny_model_dir)
+    params = trainable_parameters(select_trainable(model, "bias"))
+    sigma, clip, batch = 1.7, 0.3, 8
+    trainer = FirstOrderTrainer(model, params, lr=0.0, private=True, clip=clip, sigma=sigma,
+                                expected_batch_size=batch, noise_generator=torch.Generator().manual_seed(0))
+    for p in params:
+        p.grad_sample = torch.zeros((0, *p.shape))
+    trainer.optimizer.pre_step()  # clip, add noise, scale: no example, so the gradient is pure noise
+    noise = torch.cat([p.grad.flatten() for p in params]).double().numpy()
+    assert noise.size > 500
+    assert stats.kstest(noise / (sigma * clip / batch), "norm").pvalue > 1e-3
+
+
+@pytest.mark.parametrize("mech,dist", [("gaussian", "norm"), ("laplace", "laplace")])
+def test_dp_zo_noise_scale_and_clipping(mech, dist):
+    settings = zo.ZOSettings(lr=1.0, phi=0.01, clip=0.2, noise=mech, sigma=3.0)
+    rng = np.random.default_rng(1)
+    draws = np.array([zo.noisy_scalar(torch.zeros(4), settings, 10, rng) for _ in range(4000)])
+    pre_noise = draws * 2 * settings.phi * 10  # back to the scale of the noisy sum
+    assert stats.kstest(pre_noise / (settings.clip * settings.sigma), dist).pvalue > 1e-3
+    quiet = zo.ZOSettings(lr=1.0, phi=0.01, clip=0.2, noise=None)
+    diffs = torch.tensor([0.05, -0.1, 0.15])
+    base = zo.noisy_scalar(diffs, quiet, 1, rng)
+    for outlier in (1e6, -1e6, 0.1, float(0)):
+        moved = zo.noisy_scalar(torch.cat([diffs, torch.tensor([outlier])]), quiet, 1, rng)
+        assert abs(moved - base) * 2 * quiet.phi <= quiet.clip * (1 + 1e-6)  # float32 clamp
+
+
+def test_sphere_direction_has_norm_sqrt_d():
+    params = [torch.zeros(30, 7), torch.zeros(11)]
+    scale = zo.direction_scale(params, seed=5, direction="sphere")
+    zo.add_direction(params, 5, scale)
+    norm = math.sqrt(sum(float(p.square().sum()) for p in params))
+    assert norm == pytest.approx(math.sqrt(221), rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def zo_run(tiny_model_dir, tmp_path_factory):
+    run = tmp_path_factory.mktemp("zo") / "run"
+    cfg = TrainConfig(method="dp-zo", target_epsilon=2.0, steps=25, batch_size=8, lr=1e-3, secret_seed=3)
+    return train(tiny_model_dir, TEXTS, run, cfg, show_progress=False)
+
+
+def test_dp_zo_replay_reproduces_weights(zo_run, tiny_model_dir):
+    from dpaudit.training.replay import replay_run
+
+    replayed, _ = replay_run(zo_run.run_dir)
+    trained, _ = load_causal_lm(zo_run.model_dir)
+    base, _ = load_causal_lm(tiny_model_dir)
+    ref, start = dict(trained.named_parameters()), dict(base.named_parameters())
+    moved = max(float((ref[n] - start[n]).abs().max()) for n in ref)
+    gap = max(float((p - ref[n]).abs().max()) for n, p in replayed.named_parameters())
+    assert moved > 1e-4 and gap < 1e-3 * moved
+    log = (zo_run.run_dir / "zo_steps.jsonl").read_text().splitlines()
+    assert len(log) == 25 and set(json.loads(log[0])) == {"step", "seed", "scalar"}
+
+
+def test_ledger_records_spend_and_claim(zo_run):
+    ledger = json.loads((zo_run.run_dir / "privacy_ledger.json").read_text())
+    assert ledger["steps_done"] == 25 and ledger["epsilon_spent"] <= 2.0
+    assert ledger["relation"].startswith("add/remove") and ledger["sigma"] == pytest.approx(zo_run.sigma)
+    assert "secret_seed" not in json.dumps(json.loads((zo_run.run_dir / "run_config.json").read_text()))
+
+
+def test_killed_run_keeps_ledger_and_resumes(tiny_model_dir, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    cfg = TrainConfig(method="dp-zo", target_epsilon=2.0, steps=12, batch_size=8, lr=1e-3, save_every=5,
+                      secret_seed=4)
+    real = zo.zo_step
+    calls = {"n": 0}
+
+    def dies_at_step_8(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 8:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(zo, "zo_step", dies_at_step_8)
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_model_dir, TEXTS, run, cfg, show_progress=False)
+    ledger = json.loads((run / "privacy_ledger.json").read_text())
+    assert ledger["steps_done"] == 7 and 0 < ledger["epsilon_spent"] <= ledger["epsilon_planned"] <= 2.0
+    assert json.loads((run / "checkpoint" / "trainer_state.json").read_text())["step"] == 5
+    monkeypatch.setattr(zo, "zo_step", real)
+    from dpaudit.errors import DPAuditError
+    with pytest.raises(DPAuditError, match="not empty"):
+        train(tiny_model_dir, TEXTS, run, cfg, show_progress=False)
+    result = train(tiny_model_dir, TEXTS, run, cfg, resume=True, show_progress=False)
+    assert result.steps == 12
+    assert [json.loads(x)["step"] for x in (run / "zo_steps.jsonl").read_text().splitlines()] == list(range(12))
+    assert json.loads((run / "privacy_ledger.json").read_text())["steps_done"] == 12
+
+
+@pytest.mark.parametrize("subset", ["lora", "bias"])
+def test_trainable_subsets_train_only_their_parameters(tiny_model_dir, tmp_path, subset):
+    cfg = TrainConfig(method="dp-sgd", target_epsilon=8.0, steps=3, batch_size=8, trainable=subset, secret_seed=0)
+    result = train(tiny_model_dir, TEXTS, tmp_path / "run", cfg, show_progress=False)
+    base, _ = load_causal_lm(tiny_model_dir)
+    tuned, _ = load_causal_lm(result.model_dir)
+    ref = dict(base.named_parameters())
+    changed = {n for n, p in tuned.named_parameters() if not torch.equal(p, ref[n])}
+    assert changed
+    if subset == "bias":
+        assert all(n.endswith(".bias") for n in changed)
+    else:
+        assert all("proj" in n for n in changed)  # merged adapters touch only the linear layers
+
+
+def test_bf16_dp_sgd_runs(tiny_model_dir, tmp_path):
+    cfg = TrainConfig(method="dp-sgd", target_epsilon=8.0, steps=2, batch_size=8, bf16=True, secret_seed=0)
+    result = train(tiny_model_dir, TEXTS, tmp_path / "run", cfg, show_progress=False)
+    tuned, _ = load_causal_lm(result.model_dir)
+    assert next(tuned.parameters()).dtype == torch.bfloat16
