@@ -22,8 +22,8 @@ from dpaudit.progress import progress_bar
 METHODS = ("dp-zo", "dp-sgd")
 # Defaults tuned on the embedded default (see docs/trainers.md); every one can be overridden.
 METHOD_DEFAULTS = {
-    "dp-zo": {"lr": 2e-4, "clip": 0.05},
-    "dp-sgd": {"lr": 2e-3, "clip": 1.0},
+    "dp-zo": {"lr": 3e-5, "clip": 0.05, "steps": 3000},
+    "dp-sgd": {"lr": 5e-3, "clip": 1.0, "steps": 300},
 }
 
 
@@ -37,7 +37,7 @@ class TrainConfig:
     clip: float | None = None            # C (method default when None)
     lr: float | None = None
     optimizer: str = "adamw"             # first-order methods: adamw or sgd
-    steps: int = 300
+    steps: int | None = None             # method default when None
     batch_size: int = 64                 # expected batch size B; p = B / N
     phi: float = 1e-3                    # DP-ZO perturbation scale
     direction: str = "gaussian"          # DP-ZO: gaussian or sphere (DPZero)
@@ -60,14 +60,12 @@ class TrainConfig:
             raise DPAuditError("DP-SGD clips an L2 norm and adds Gaussian noise; --mech laplace is for dp-zo")
         if not (self.target_epsilon > 0):
             raise DPAuditError(f"target eps must be > 0 (inf for non-private), got {self.target_epsilon}")
-        for name in ("steps", "batch_size", "max_length"):
-            if getattr(self, name) < 1:
-                raise DPAuditError(f"{name.replace('_', ' ')} must be >= 1, got {getattr(self, name)}")
-        if self.method == "dp-zo" and self.bf16:
-            pass  # allowed: forward passes in bf16, z generated in float32 and cast
         for k, v in METHOD_DEFAULTS[self.method].items():
             if getattr(self, k) is None:
                 setattr(self, k, v)
+        for name in ("steps", "batch_size", "max_length"):
+            if getattr(self, name) < 1:
+                raise DPAuditError(f"{name.replace('_', ' ')} must be >= 1, got {getattr(self, name)}")
         if self.optimizer not in ("adamw", "sgd"):
             raise DPAuditError(f"unknown optimizer {self.optimizer!r}; use adamw or sgd")
         if self.lr <= 0 or self.clip <= 0 or self.phi <= 0:
@@ -141,10 +139,12 @@ def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *,
 
     from dpaudit.models.loading import load_causal_lm
     from dpaudit.training.data import tokenize
+    from dpaudit.training.distributed import setup_world
     from dpaudit.training.ledger import PrivacyLedger
     from dpaudit.training.sampling import poisson_batch, shuffled_batches
     from dpaudit.training.trainable import select_trainable, trainable_parameters
 
+    world = setup_world()
     run_dir = Path(run_dir)
     checkpoint = run_dir / "checkpoint"
     start = 0
@@ -158,13 +158,15 @@ def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *,
         model_dir = checkpoint
     elif run_dir.exists() and any(run_dir.iterdir()):
         raise DPAuditError(f"run folder {run_dir} is not empty; pass --resume to continue it or use a new folder")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    world.barrier()  # every rank has checked the folder before rank 0 writes to it
+    if world.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
 
     if len(texts) < 2:
         raise DPAuditError("the training set needs at least 2 examples")
     model, tokenizer = load_causal_lm(model_dir, dtype=torch.bfloat16 if cfg.bf16 else None)
     torch.manual_seed(cfg.seed)
-    model = select_trainable(model, cfg.trainable, cfg.lora_rank)
+    model = select_trainable(model, cfg.trainable, cfg.lora_rank).to(world.device)
     params = trainable_parameters(model)
     data = tokenize(tokenizer, texts, cfg.max_length)
     n = len(data)
@@ -176,15 +178,19 @@ def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *,
               "sigma": sigma, "clip": cfg.clip, "sampling_rate": rate, "steps_planned": cfg.steps,
               "delta": cfg.delta, "target_epsilon": cfg.target_epsilon if math.isfinite(cfg.target_epsilon)
               else "inf", "examples": n, "noise_disabled_unsafely": cfg.unsafe_disable_noise}
+    header["world_size"] = world.size
     ledger = PrivacyLedger(run_dir / "privacy_ledger.json", header,
                            Mechanism(cfg.mechanism, sigma, rate, cfg.steps) if cfg.private else None,
                            cfg.delta, cfg.accountant)
-    atomic_write_json(run_dir / "run_config.json", {"config": _config_for_state(cfg), "base_model": str(model_dir),
-                                                    "sigma": sigma, "sampling_rate": rate, "examples": n})
-    secret = cfg.secret_seed if cfg.secret_seed is not None else np.random.SeedSequence().entropy
+    main = world.is_main  # only rank 0 writes: ledger, log, checkpoints, model
+    if main:
+        atomic_write_json(run_dir / "run_config.json", {"config": _config_for_state(cfg), "base_model": str(model_dir),
+                                                        "sigma": sigma, "sampling_rate": rate, "examples": n})
+    secret = cfg.secret_seed if cfg.secret_seed is not None else _shared_entropy(world)
     rng = np.random.default_rng([int(secret), start])
     batches = None if cfg.private else shuffled_batches(n, cfg.batch_size, rng)
     noise_sigma = 0.0 if cfg.unsafe_disable_noise else (sigma or 0.0)
+    log = None
 
     if cfg.method == "dp-zo":
         from dpaudit.training.zo import ZOSettings, zo_step
@@ -193,15 +199,16 @@ def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *,
                         noise=cfg.mechanism if cfg.private and noise_sigma > 0 else None, sigma=noise_sigma,
                         direction=cfg.direction)
         log_path = run_dir / "zo_steps.jsonl"
-        _truncate_log(log_path, start)
-        log = open(log_path, "a", encoding="utf-8")
+        if main:
+            _truncate_log(log_path, start)
+        log = open(log_path, "a", encoding="utf-8") if main else None
     else:
         from dpaudit.training.sgd import FirstOrderTrainer
 
         trainer = FirstOrderTrainer(model, params, lr=cfg.lr, private=cfg.private, clip=cfg.clip,
                                     sigma=noise_sigma, expected_batch_size=cfg.batch_size,
-                                    noise_generator=torch.Generator().manual_seed(int(secret) + start),
-                                    optimizer=cfg.optimizer)
+                                    noise_generator=torch.Generator(world.device).manual_seed(int(secret) + start),
+                                    optimizer=cfg.optimizer, world_size=world.size)
         if start and (checkpoint / "optimizer.pt").is_file():
             trainer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=True))
 
@@ -209,33 +216,52 @@ def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *,
     began = time.perf_counter()
     label = f"{cfg.method}{'' if cfg.private else ' (non-private)'}"
     try:
-        with progress_bar(cfg.steps - start, label, show_progress) as advance:
+        with progress_bar(cfg.steps - start, label, show_progress and world.is_main) as advance:
             for step in range(start, cfg.steps):
                 idx = poisson_batch(n, rate, rng) if cfg.private else next(batches)
-                batch = data.batch(idx)
+                batch = {k: v.to(world.device) for k, v in data.batch(world.shard(idx)).items()}
                 if cfg.method == "dp-zo":
                     seed = public_seed(cfg.seed, step)
                     denom = cfg.batch_size if cfg.private else max(1, len(idx))
-                    scalar, last_loss = zo_step(model, params, batch, seed, zo, denom, rng)
-                    log.write(json.dumps({"step": step, "seed": seed, "scalar": scalar}) + "\n")
-                    log.flush()
+                    scalar, last_loss = zo_step(model, params, batch, seed, zo, denom, rng, world.sum)
+                    if main:
+                        log.write(json.dumps({"step": step, "seed": seed, "scalar": scalar}) + "\n")
+                        log.flush()
                 else:
-                    last_loss = trainer.step(batch)
-                ledger.record(step + 1)
+                    last_loss = trainer.step(batch, len(idx))
+                if main:
+                    ledger.record(step + 1)
                 advance(1)
-                if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
+                if main and cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
                     _checkpoint(run_dir, model, tokenizer, cfg, step + 1,
                                 trainer.state_dict() if cfg.method == "dp-sgd" else None)
     finally:
-        if cfg.method == "dp-zo":
+        if log is not None:
             log.close()
     seconds = time.perf_counter() - began
-    _checkpoint(run_dir, model, tokenizer, cfg, cfg.steps, trainer.state_dict() if cfg.method == "dp-sgd" else None)
-    final = _export(run_dir, model, tokenizer)
+    final = run_dir / "model"
+    if main:
+        _checkpoint(run_dir, model, tokenizer, cfg, cfg.steps,
+                    trainer.state_dict() if cfg.method == "dp-sgd" else None)
+        final = _export(run_dir, model, tokenizer)
+    world.barrier()
     return TrainResult(run_dir=run_dir, model_dir=final, private=cfg.private, sigma=sigma,
                        epsilon=ledger.planned_epsilon, delta=cfg.delta, sampling_rate=rate, steps=cfg.steps,
                        examples=n, seconds=seconds, seconds_per_step=seconds / max(1, cfg.steps - start),
                        last_loss=last_loss, accountant=ledger.accountant, relation=ledger.relation)
+
+
+def _shared_entropy(world) -> int:
+    """Fresh OS entropy for batches and noise, the same on every rank (rank 0's, broadcast)."""
+    entropy = np.random.SeedSequence().entropy % (2**62)
+    if world.size > 1:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([entropy], dtype=torch.int64, device=world.device)
+        dist.broadcast(t, src=0)
+        entropy = int(t.item())
+    return entropy
 
 
 def _config_for_state(cfg: TrainConfig) -> dict:

@@ -12,27 +12,33 @@ from dpaudit.training.data import per_example_loss
 class FirstOrderTrainer:
     def __init__(self, model, params, *, lr: float, private: bool, clip: float = 1.0, sigma: float = 0.0,
                  expected_batch_size: int = 1, noise_generator: torch.Generator | None = None,
-                 optimizer: str = "adamw") -> None:
+                 optimizer: str = "adamw", world_size: int = 1) -> None:
         self.private = private
+        self.world_size = world_size
         base = (torch.optim.AdamW(params, lr=lr, weight_decay=0.0) if optimizer == "adamw"
                 else torch.optim.SGD(params, lr=lr))
         if private:
             import warnings
 
             from opacus import GradSampleModule
-            from opacus.optimizers import DPOptimizer
+            from opacus.optimizers import DistributedDPOptimizer, DPOptimizer
 
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # Opacus warns about secure_mode; the noise seed is ours
                 self.model = GradSampleModule(model)
-            self.optimizer = DPOptimizer(base, noise_multiplier=sigma, max_grad_norm=clip,
-                                         expected_batch_size=expected_batch_size, generator=noise_generator)
+            # Opacus' hooks trip a torch notice when no input needs a gradient (token ids never do).
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            # Distributed: each rank scales by B / world and the ranks average, so the update is
+            # (sum of clipped gradients + one noise draw, on rank 0) / B, as in one process.
+            cls = DistributedDPOptimizer if world_size > 1 else DPOptimizer
+            self.optimizer = cls(base, noise_multiplier=sigma, max_grad_norm=clip,
+                                 expected_batch_size=expected_batch_size / world_size, generator=noise_generator)
         else:
             self.model, self.optimizer = model, base
         self.params = params
 
-    def step(self, batch) -> float:
-        """One update on ``batch`` (may be empty under Poisson sampling); returns the mean loss."""
+    def step(self, batch, global_batch_size: int | None = None) -> float:
+        """One update on ``batch`` (this rank's share; may be empty under Poisson sampling); returns its mean loss."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         if batch["input_ids"].shape[0] == 0:
@@ -41,7 +47,14 @@ class FirstOrderTrainer:
             self.optimizer.step()
             return float("nan")
         losses = per_example_loss(self.model, batch)
-        losses.mean().backward()  # Opacus' loss_reduction="mean" matches this
+        if self.private or self.world_size == 1:
+            losses.mean().backward()  # Opacus' loss_reduction="mean" matches this
+        else:  # non-private data parallel: the mean over the global batch, gradients summed
+            import torch.distributed as dist
+
+            (losses.sum() / global_batch_size).backward()
+            for p in self.params:
+                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
         self.optimizer.step()
         return float(losses.detach().mean())
 

@@ -67,11 +67,15 @@ def perturbed_losses(model, params, batch, seed: int, phi: float, scale: float) 
     return plus, minus
 
 
-def noisy_scalar(diffs: torch.Tensor, settings: ZOSettings, denominator: float, rng: np.random.Generator) -> float:
-    """s = (sum of clipped differences + noise) / (2 phi B): the only data-dependent quantity of a step."""
-    if settings.clip is not None:
-        diffs = diffs.clamp(-settings.clip, settings.clip)
-    total = float(diffs.double().sum()) if diffs.numel() else 0.0
+def clipped_sum(diffs: torch.Tensor, clip: float | None) -> float:
+    """Sum of the per-example differences, each clipped to [-C, C] (no clipping when C is None)."""
+    if clip is not None:
+        diffs = diffs.clamp(-clip, clip)
+    return float(diffs.double().sum()) if diffs.numel() else 0.0
+
+
+def privatize(total: float, settings: ZOSettings, denominator: float, rng: np.random.Generator) -> float:
+    """s = (clipped sum + noise) / (2 phi B): the only data-dependent quantity of a step."""
     if settings.noise == "gaussian":
         total += rng.normal(0.0, settings.clip * settings.sigma)
     elif settings.noise == "laplace":
@@ -81,19 +85,27 @@ def noisy_scalar(diffs: torch.Tensor, settings: ZOSettings, denominator: float, 
     return total / (2 * settings.phi * denominator)
 
 
+def noisy_scalar(diffs: torch.Tensor, settings: ZOSettings, denominator: float, rng: np.random.Generator) -> float:
+    return privatize(clipped_sum(diffs, settings.clip), settings, denominator, rng)
+
+
 def apply_update(params, seed: int, scalar: float, lr: float, scale: float) -> None:
     add_direction(params, seed, -lr * scalar * scale)
 
 
 def zo_step(model, params, batch, seed: int, settings: ZOSettings, denominator: float,
-            rng: np.random.Generator) -> tuple[float, float]:
-    """One step; returns (s, mean loss around theta for logging: NaN for an empty batch)."""
+            rng: np.random.Generator, all_sum=lambda x: x) -> tuple[float, float]:
+    """One step; returns (s, mean loss around theta on this process's examples: NaN if it had none).
+
+    ``all_sum`` adds the clipped sums of all data-parallel ranks (a few bytes); every rank draws the
+    same noise from the same generator, so every rank applies the same update.
+    """
     scale = direction_scale(params, seed, settings.direction)
     if batch["input_ids"].shape[0] == 0:
         plus = minus = torch.zeros(0)
     else:
         plus, minus = perturbed_losses(model, params, batch, seed, settings.phi, scale)
-    s = noisy_scalar(plus - minus, settings, denominator, rng)
+    s = privatize(all_sum(clipped_sum(plus - minus, settings.clip)), settings, denominator, rng)
     apply_update(params, seed, s, settings.lr, scale)
     return s, float((plus + minus).mean() / 2) if plus.numel() else float("nan")
 

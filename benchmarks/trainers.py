@@ -1,0 +1,134 @@
+"""DP-ZO vs DP-SGD (Opacus) vs non-private SGD vs one inference forward: same model, same batch.
+
+Each method runs in its own subprocess so that peak memory is its own. Peak memory is the parameter
+bytes plus the high-water mark of the resident set above the level after loading (CPU), or
+torch.cuda.max_memory_allocated (GPU). Prints step time and peak memory as ratios to one forward.
+
+    .venv/bin/python benchmarks/trainers.py [--hidden 512 --layers 4 --batch 16 --seq 64 --steps 5]
+Targets (issue 4): DP-ZO peak memory <= 1.2x a forward pass; DP-ZO step <= 2.5x one forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+METHODS = ("forward", "dp-zo", "dp-sgd", "sgd")
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        import os
+
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def worker(method: str, args) -> dict:
+    import numpy as np
+    import torch
+
+    from dpaudit.models.corpus import sentences
+    from dpaudit.models.embedded import build_model, build_tokenizer
+    from dpaudit.training.data import per_example_loss, tokenize
+    from dpaudit.training.sgd import FirstOrderTrainer
+    from dpaudit.training.trainable import trainable_parameters
+    from dpaudit.training.zo import ZOSettings, zo_step
+
+    torch.set_num_threads(args.threads)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    corpus = sentences(2000, seed=0)
+    tok = build_tokenizer(corpus)
+    model = build_model(tok, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+                        num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=8).to(device)
+    params = trainable_parameters(model)
+    data = tokenize(tok, [" ".join(corpus[i:i + 6]) for i in range(args.batch)], args.seq)
+    batch = {k: v.to(device) for k, v in data.batch(range(args.batch)).items()}
+    batch["attention_mask"][:] = 1
+    rng = np.random.default_rng(0)
+    if method == "forward":
+        model.eval()
+
+        def step():
+            with torch.no_grad():
+                per_example_loss(model, batch)
+    elif method == "dp-zo":
+        settings = ZOSettings(lr=1e-6, clip=0.05, noise="gaussian", sigma=1.0)
+
+        def step():
+            zo_step(model, params, batch, seed=int(rng.integers(2**31)), settings=settings,
+                    denominator=args.batch, rng=rng)
+    else:
+        trainer = FirstOrderTrainer(model, params, lr=1e-4, private=method == "dp-sgd", clip=1.0, sigma=1.0,
+                                    expected_batch_size=args.batch, optimizer="sgd")
+
+        def step():
+            trainer.step(batch)
+    step()  # warm-up (allocations, kernels)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    base_rss = rss_bytes()
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if device == "cuda":
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = param_bytes + max(0, peak_rss_bytes() - base_rss)
+    return {"method": method, "seconds_per_step": statistics.median(times), "peak_bytes": peak,
+            "parameters": sum(p.numel() for p in model.parameters()), "device": device}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--worker", choices=METHODS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, args)))
+        return
+    rows = {}
+    # forward runs twice (first and last) so drift of the machine shows up in the ratios' baseline.
+    for method in METHODS:
+        cmd = [sys.executable, __file__, "--worker", method] + [
+            f"--{k}={getattr(args, k)}" for k in ("hidden", "layers", "batch", "seq", "steps", "threads")]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        rows[method] = json.loads(out.stdout.strip().splitlines()[-1])
+    fwd = rows["forward"]
+    print(f"model: {fwd['parameters'] / 1e6:.1f} M parameters, batch {args.batch} x {args.seq} tokens, "
+          f"{fwd['device']}, {args.threads} threads, median of {args.steps} steps")
+    print(f"{'method':<10}{'s/step':>10}{'x forward':>11}{'peak MiB':>11}{'x forward':>11}")
+    for method, r in rows.items():
+        print(f"{method:<10}{r['seconds_per_step']:>10.4f}{r['seconds_per_step'] / fwd['seconds_per_step']:>11.2f}"
+              f"{r['peak_bytes'] / 2**20:>11.1f}{r['peak_bytes'] / fwd['peak_bytes']:>11.2f}")
+    zo = rows["dp-zo"]
+    mem_ok = zo["peak_bytes"] <= 1.2 * fwd["peak_bytes"]
+    time_ok = zo["seconds_per_step"] <= 2.5 * fwd["seconds_per_step"]
+    print(f"DP-ZO vs DP-SGD: {zo['seconds_per_step'] / rows['dp-sgd']['seconds_per_step']:.2f}x time, "
+          f"{zo['peak_bytes'] / rows['dp-sgd']['peak_bytes']:.2f}x memory")
+    print(f"targets: DP-ZO memory <= 1.2x forward: {'met' if mem_ok else 'MISSED'}; "
+          f"DP-ZO step <= 2.5x forward: {'met' if time_ok else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    main()

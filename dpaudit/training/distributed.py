@@ -1,0 +1,64 @@
+"""torch.distributed for the trainers (launched with torchrun): gloo on CPU, NCCL on GPU.
+
+Every rank draws the same Poisson batch and the same noise from the shared secret seed, evaluates its
+shard of the batch, and the ranks sum what is data-dependent: one float per DP-ZO step, the clipped
+gradient sum for DP-SGD (Opacus' DistributedDPOptimizer, noise added once, on rank 0). The released
+quantities, and hence the accounting, are exactly those of the single-process run.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+    device: str = "cpu"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, indices: np.ndarray) -> np.ndarray:
+        """This rank's share of a batch: every size-th example, starting at rank."""
+        return indices[self.rank::self.size]
+
+    def sum(self, value: float) -> float:
+        if self.size == 1:
+            return value
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return float(t.item())
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+
+def setup_world() -> World:
+    """Join the process group torchrun describes (WORLD_SIZE, RANK, LOCAL_RANK); one process otherwise."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = f"cuda:{local}" if cuda else "cpu"
+    if size == 1:
+        return World(0, 1, device)
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if cuda:
+            torch.cuda.set_device(local)
+        dist.init_process_group(backend="nccl" if cuda else "gloo")
+    return World(dist.get_rank(), dist.get_world_size(), device)

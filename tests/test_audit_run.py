@@ -1,0 +1,54 @@
+"""`dpaudit audit run` end to end on the embedded default: no DP leaks, DP at eps = 1 does not, and a
+trainer that claims eps = 1 with its noise switched off is caught."""
+
+import json
+
+import pytest
+
+from cli_helpers import assert_one_line_error, dpaudit
+
+
+def run(tmp_path, name, *args):
+    out = dpaudit("audit", "run", "--out", tmp_path / name, "--secret-seed", "1", "--json", *args, timeout=900)
+    assert out.returncode in (0, 1), out.stderr
+    return out.returncode, json.loads(out.stdout)
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    return tmp_path_factory.mktemp("audit_run")
+
+
+def test_non_private_dp_sgd_leaks(shared):
+    code, data = run(shared, "nodp", "--method", "dp-sgd", "--eps", "inf", "--steps", "100")
+    assert data["auc"] >= 0.9 and data["one_run"]["epsilon_lower_bound"] > 1
+    assert code == 0 and data["claimed_epsilon"] is None  # nothing claimed, nothing violated
+    assert (shared / "nodp" / "report" / "roc.png").is_file()
+
+
+def test_dp_sgd_at_eps_1_holds(shared):
+    code, data = run(shared, "eps1", "--method", "dp-sgd", "--eps", "1")
+    assert code == 0 and not data["violation"]
+    assert data["auc"] <= 0.6 and data["one_run"]["epsilon_lower_bound"] < data["claimed_epsilon"] <= 1
+    ledger = json.loads((shared / "eps1" / "run" / "privacy_ledger.json").read_text())
+    assert ledger["steps_done"] == 300 and ledger["epsilon_spent"] <= 1
+
+
+def test_noise_switched_off_is_caught(shared):
+    code, data = run(shared, "broken", "--method", "dp-sgd", "--eps", "1", "--steps", "100",
+                     "--unsafe-disable-noise")
+    assert code == 1 and data["violation"] and data["verdict"].startswith("VIOLATION")
+    assert data["context"]["noise"].startswith("DISABLED")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--method", "dp-sgd", "--mech", "laplace"], "laplace is for dp-zo"),
+    (["--method", "sgd"], "unknown method"),
+    (["--eps", "-1"], "must be > 0"),
+    (["--eps", "one"], "number or inf"),
+    (["--model", "/nonexistent/model"], "not found"),
+])
+def test_audit_run_bad_inputs(tmp_path, args, message):
+    out = dpaudit("audit", "run", "--out", tmp_path / "x", *args)
+    assert_one_line_error(out)
+    assert message in out.stderr
