@@ -17,7 +17,7 @@ from dpaudit.accounting.result import json_float
 from dpaudit.atomic import guard_new_file
 from dpaudit.errors import DPAuditError
 from dpaudit.cli.common import (
-    AccountantOpt, BatchOpt, DatasetOpt, DeltaOpt, EpochsOpt, ForceOpt, JsonOpt, McSamplesOpt, MechOpt,
+    AccountantOpt, BatchOpt, DatasetOpt, DeltaOpt, EpochsOpt, ForceOpt, JsonOpt, McBackendOpt, McSamplesOpt, McWorkersOpt, MechOpt,
     POpt, SeedOpt, StepsOpt, accountant_options, assumptions, console, emit_json, fmt, resolve_delta, schedule,
 )
 
@@ -68,13 +68,13 @@ def epsilon_cmd(
     sigma: SigmaOpt, mech: MechOpt = "gaussian", delta: DeltaOpt = None, p: POpt = None,
     batch_size: BatchOpt = None, dataset_size: DatasetOpt = None, steps: StepsOpt = None,
     epochs: EpochsOpt = None, accountant: AccountantOpt = None, mc_samples: McSamplesOpt = None,
-    seed: SeedOpt = 0, as_json: JsonOpt = False,
+    seed: SeedOpt = 0, mc_workers: McWorkersOpt = 1, mc_backend: McBackendOpt = "numpy", as_json: JsonOpt = False,
 ) -> None:
     """Epsilon (an upper bound) spent by a given noise level and schedule."""
     d = resolve_delta(mech, delta)
     m = schedule(mech, sigma, p, batch_size, dataset_size, steps, epochs)
     name = accountant or default_accountant(m, d)
-    res = epsilon(m, d, name, **accountant_options(name, mc_samples, seed, not as_json))
+    res = epsilon(m, d, name, **accountant_options(name, mc_samples, seed, not as_json, mc_workers, mc_backend))
     lines = assumptions(m, d, name, res.relation)
     if as_json:
         emit_json({"command": "epsilon", "sigma": sigma, "sampling_rate": m.sampling_rate, "steps": m.steps,

@@ -44,9 +44,15 @@ def resolve_delta(mech: str, delta: float | None) -> float:
     return 1e-5 if mech == "gaussian" else 0.0
 
 
-def accountant_options(accountant: str | None, mc_samples: int | None, seed: int, progress: bool) -> dict:
+McWorkersOpt = Annotated[int, typer.Option("--mc-workers", help="mc accountant: processes (0 = every core).")]
+McBackendOpt = Annotated[str, typer.Option("--mc-backend", help="mc accountant: numpy, or torch (uses a GPU if present).")]
+
+
+def accountant_options(accountant: str | None, mc_samples: int | None, seed: int, progress: bool,
+                       workers: int = 1, backend: str = "numpy") -> dict:
     if accountant == "mc":
-        return {"settings": MonteCarloSettings(samples=mc_samples, seed=seed, progress=progress)}
+        return {"settings": MonteCarloSettings(samples=mc_samples, seed=seed, progress=progress, workers=workers,
+                                               backend=backend)}
     return {}
 
 

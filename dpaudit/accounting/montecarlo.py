@@ -21,6 +21,8 @@ counted with one multinomial draw and only the steps inside (0, 1) are sampled o
 from __future__ import annotations
 
 import math
+import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,12 +46,18 @@ class MonteCarloSettings:
     grid_size: int = 400
     chunk_elements: int = 1 << 22
     progress: bool = False
+    workers: int = 1          # processes for the numpy sampler; 0 = every core
+    backend: str = "numpy"    # "torch": sample on a GPU when there is one (dpaudit.mc_torch)
 
     def __post_init__(self) -> None:
         if self.samples is not None and self.samples < 100:
             raise DPAuditError(f"the mc accountant needs at least 100 samples, got {self.samples}")
         if not 0 < self.beta < 1:
             raise DPAuditError(f"mc failure probability beta must be in (0, 1), got {self.beta}")
+        if self.backend not in ("numpy", "torch"):
+            raise DPAuditError(f"unknown mc backend {self.backend!r}; use numpy or torch")
+        if self.workers < 0:
+            raise DPAuditError(f"mc workers must be >= 0, got {self.workers}")
 
 
 def _log_mix(p: float, a: np.ndarray) -> np.ndarray:
@@ -127,6 +135,12 @@ class DeltaCurve:
     upper: dict[str, np.ndarray]
     samples: int
     beta: float
+    seconds: float = math.nan
+
+    @property
+    def samples_per_second(self) -> float:
+        """Composed samples (both directions) per second."""
+        return len(DIRECTIONS) * self.samples / self.seconds
 
     def max_over_directions(self, which: str) -> np.ndarray:
         table = self.estimate if which == "estimate" else self.upper
@@ -147,8 +161,14 @@ def delta_curve(mech: Mechanism, eps_grid: np.ndarray, settings: MonteCarloSetti
     chunks = [(start, min(rows_per_chunk, n - start)) for start in range(0, n, rows_per_chunk)]
     s1 = {d: np.zeros(eps_grid.size) for d in DIRECTIONS}
     s2 = {d: np.zeros(eps_grid.size) for d in DIRECTIONS}
-    with progress_bar(len(chunks) * len(DIRECTIONS), "Monte-Carlo accountant", settings.progress) as advance:
-        _accumulate(mech, chunks, eps_grid, settings, s1, s2, advance)
+    tasks = [(d, c, rows) for d in range(len(DIRECTIONS)) for c, (_, rows) in enumerate(chunks)]
+    began = time.perf_counter()
+    with progress_bar(len(tasks), "Monte-Carlo accountant", settings.progress) as advance:
+        for d_index, a, b in _run_tasks(mech, eps_grid, settings, tasks):
+            s1[DIRECTIONS[d_index]] += a
+            s2[DIRECTIONS[d_index]] += b
+            advance(1)
+    seconds = time.perf_counter() - began
     fail = settings.beta / (len(DIRECTIONS) * eps_grid.size)
     return DeltaCurve(
         eps_grid=eps_grid,
@@ -156,21 +176,47 @@ def delta_curve(mech: Mechanism, eps_grid: np.ndarray, settings: MonteCarloSetti
         upper={d: _bernstein_upper(s1[d], s2[d], n, fail) for d in DIRECTIONS},
         samples=n,
         beta=settings.beta,
+        seconds=seconds,
     )
 
 
-def _accumulate(mech, chunks, eps_grid, settings, s1, s2, advance) -> None:
-    for d_index, direction in enumerate(DIRECTIONS):
-        for c_index, (_, rows) in enumerate(chunks):
-            # Each chunk has its own stream, so results do not depend on how chunks are scheduled.
-            rng = np.random.default_rng(np.random.SeedSequence(settings.seed, spawn_key=(d_index, c_index)))
-            loss = composed_losses(mech, direction, rows, rng, settings.chunk_elements)
-            tail = loss[loss > eps_grid.min()]
-            if tail.size:
-                h = np.maximum(0.0, -np.expm1(eps_grid[None, :] - tail[:, None]))
-                s1[direction] += h.sum(axis=0)
-                s2[direction] += (h * h).sum(axis=0)
-            advance(1)
+def chunk_sums(mech: Mechanism, eps_grid: np.ndarray, settings: MonteCarloSettings, d_index: int, c_index: int,
+               rows: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """Sum of h and h^2 over one chunk. Each chunk has its own random stream (seed, direction, chunk),
+    so the result does not depend on which process or device ran it, or in which order."""
+    direction = DIRECTIONS[d_index]
+    if settings.backend == "torch":
+        from dpaudit.mc_torch import composed_losses_torch
+
+        loss = composed_losses_torch(mech, direction, rows, (settings.seed, d_index, c_index))
+    else:
+        rng = np.random.default_rng(np.random.SeedSequence(settings.seed, spawn_key=(d_index, c_index)))
+        loss = composed_losses(mech, direction, rows, rng, settings.chunk_elements)
+    tail = loss[loss > eps_grid.min()]
+    if not tail.size:
+        return d_index, np.zeros(eps_grid.size), np.zeros(eps_grid.size)
+    h = np.maximum(0.0, -np.expm1(eps_grid[None, :] - tail[:, None]))
+    return d_index, h.sum(axis=0), (h * h).sum(axis=0)
+
+
+def _chunk_group(mech, eps_grid, settings, group):
+    return [chunk_sums(mech, eps_grid, settings, *task) for task in group]
+
+
+def _run_tasks(mech, eps_grid, settings, tasks):
+    """Yield (direction index, sum h, sum h^2) per chunk: in this process, or over a process pool."""
+    workers = settings.workers or os.cpu_count() or 1
+    if workers == 1 or settings.backend == "torch" or len(tasks) == 1:
+        for task in tasks:
+            yield chunk_sums(mech, eps_grid, settings, *task)
+        return
+    from concurrent.futures import ProcessPoolExecutor
+
+    per = max(1, len(tasks) // (8 * workers))  # a few groups per worker: balance without chatter
+    groups = [tasks[i:i + per] for i in range(0, len(tasks), per)]
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        for results in pool.map(_chunk_group, *zip(*[(mech, eps_grid, settings, g) for g in groups])):
+            yield from results
 
 
 def _grid_top(mech: Mechanism, delta: float) -> float:
@@ -214,6 +260,7 @@ def epsilon(mech: Mechanism, delta: float, settings: MonteCarloSettings = MonteC
                    f"(Monte-Carlo, empirical Bernstein, {curve.samples} samples per direction)"),
         directions=per_dir,
         details={"samples": curve.samples, "beta": settings.beta, "seed": settings.seed,
+                 "samples_per_second": curve.samples_per_second,
                  "grid_step": float(grid[1] - grid[0]), "epsilon_estimate": eps_estimate},
     )
 
@@ -228,4 +275,6 @@ def delta_for_epsilon(mech: Mechanism, eps: float, settings: MonteCarloSettings 
                        for d in DIRECTIONS},
         "samples": curve.samples,
         "beta": settings.beta,
+        "seconds": curve.seconds,
+        "samples_per_second": curve.samples_per_second,
     }

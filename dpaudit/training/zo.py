@@ -58,12 +58,12 @@ def add_direction(params, seed: int, factor: float) -> None:
 
 @torch.no_grad()
 def perturbed_losses(model, params, batch, seed: int, phi: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-example l(theta + phi z) and l(theta - phi z); theta is restored (up to float rounding)."""
+    """Per-example l(theta + phi z) and l(theta - phi z). Leaves theta at theta - phi z: the caller's
+    update pass restores it (restore and update in one pass over the weights, three passes a step)."""
     add_direction(params, seed, phi * scale)
     plus = per_example_loss(model, batch)
     add_direction(params, seed, -2 * phi * scale)
     minus = per_example_loss(model, batch)
-    add_direction(params, seed, phi * scale)
     return plus, minus
 
 
@@ -103,10 +103,12 @@ def zo_step(model, params, batch, seed: int, settings: ZOSettings, denominator: 
     scale = direction_scale(params, seed, settings.direction)
     if batch["input_ids"].shape[0] == 0:
         plus = minus = torch.zeros(0)
+        restore = 0.0
     else:
         plus, minus = perturbed_losses(model, params, batch, seed, settings.phi, scale)
+        restore = settings.phi * scale
     s = privatize(all_sum(clipped_sum(plus - minus, settings.clip)), settings, denominator, rng)
-    apply_update(params, seed, s, settings.lr, scale)
+    add_direction(params, seed, restore - settings.lr * s * scale)
     return s, float((plus + minus).mean() / 2) if plus.numel() else float("nan")
 
 
