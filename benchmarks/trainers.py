@@ -2,7 +2,8 @@
 
 Each method runs in its own subprocess so that peak memory is its own. On CPU, peak memory is the
 high-water mark of the resident set minus the resident set before the model was built (so: weights,
-activations, gradients, optimizer state, allocator slack); on GPU, torch.cuda.max_memory_allocated. Prints step time and peak memory as ratios to one forward.
+activations, gradients, optimizer state, allocator slack); on GPU,
+torch.cuda.max_memory_allocated. Prints step time and peak memory as ratios to one forward.
 
     .venv/bin/python benchmarks/trainers.py [--hidden 512 --layers 4 --batch 64 --seq 64 --steps 5]
 Targets (issue 4): DP-ZO peak memory <= 1.2x a forward pass; DP-ZO step <= 2.5x one forward.

@@ -64,10 +64,14 @@ def read_texts(path: Path, fmt: str, field: str = "text") -> list[str]:
         return [str(r[field]) for r in _read_jsonl(text, field, path)]
     if fmt == "txt":
         return [line for line in text.splitlines() if line.strip()]
+    return [row[field] for row in _csv_reader(text, field, path)]
+
+
+def _csv_reader(text: str, field: str, path: Path) -> csv.DictReader:
     reader = csv.DictReader(io.StringIO(text))
     if field not in (reader.fieldnames or []):
         raise DPAuditError(f"{path}: no column {field!r} (columns: {reader.fieldnames}); choose it with --field")
-    return [row[field] for row in reader]
+    return reader
 
 
 def _read(path: Path) -> str:
@@ -107,9 +111,7 @@ def insert_canaries(manifest: Manifest, data: Path, output: Path, *, fmt: str | 
         n = len(rows)
         body = "\n".join(_shuffled(rows + canary_texts, rng)) + "\n"
     else:
-        reader = csv.DictReader(io.StringIO(text))
-        if field not in (reader.fieldnames or []):
-            raise DPAuditError(f"{data}: no column {field!r} (columns: {reader.fieldnames}); choose it with --field")
+        reader = _csv_reader(text, field, data)
         rows = list(reader)
         n = len(rows)
         new = [{field: t} for t in canary_texts]

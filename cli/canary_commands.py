@@ -7,13 +7,12 @@ from typing import Annotated, Optional
 
 import typer
 
-from dpaudit.atomic import guard_new_file
+from dpaudit.atomic import guard_new_file, guard_new_folder
 from dpaudit.canaries.generate import make_canaries
 from dpaudit.canaries.hf import check_base_tokenizer, extend_model, load_tokenizer
 from dpaudit.canaries.insert import insert_canaries
 from dpaudit.canaries.manifest import load_manifest
 from dpaudit.cli.common import ForceOpt, JsonOpt, console, emit_json
-from dpaudit.errors import DPAuditError
 
 app = typer.Typer(no_args_is_help=True, help="Make new-token canaries and put them into data and models.")
 ManifestOpt = Annotated[Path, typer.Option("--canaries", "-c", help="Canary manifest (JSON) from `canaries make`.")]
@@ -79,8 +78,7 @@ def extend(
     """Add the canary tokens to a model's tokenizer and embeddings (new output rows zero, ties kept)."""
     from dpaudit.models.loading import load_causal_lm
 
-    if output.exists() and any(output.iterdir()) and not force:
-        raise DPAuditError(f"{output} is not empty; pass --force to write into it")
+    guard_new_folder(output, force)
     manifest = load_manifest(canaries)
     lm, tok = load_causal_lm(model)
     check_base_tokenizer(tok, manifest, str(model))

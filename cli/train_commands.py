@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from dpaudit.atomic import guard_new_folder
 from dpaudit.cli.common import ForceOpt, JsonOpt, console, emit_json, fmt
 from dpaudit.errors import DPAuditError
 
@@ -137,8 +138,7 @@ def replay_cmd(
     from dpaudit.models.loading import load_causal_lm
     from dpaudit.training.replay import replay_run
 
-    if out.exists() and any(out.iterdir()) and not force:
-        raise DPAuditError(f"{out} is not empty; pass --force to write into it")
+    guard_new_folder(out, force)
     model, tok = replay_run(run, base)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)

@@ -17,6 +17,15 @@ def guard_new_file(path: Path, force: bool) -> None:
         raise DPAuditError(f"{path} exists; pass --force to replace it")
 
 
+def guard_new_folder(path: Path, force: bool) -> None:
+    """Refuse to write into a non-empty folder the user already has, unless told to."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise DPAuditError(f"{path} is a file, not a folder")
+    if path.exists() and any(path.iterdir()) and not force:
+        raise DPAuditError(f"{path} is not empty; pass --force to write into it")
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

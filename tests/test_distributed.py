@@ -30,8 +30,8 @@ def test_two_gloo_processes_match_one(tiny_model_dir, tmp_path, method):
     two, _ = load_causal_lm(tmp_path / "two" / "model")
     base, _ = load_causal_lm(tiny_model_dir)
     ref, start = dict(one.named_parameters()), dict(base.named_parameters())
-    moved = max(float((ref[n] - start[n]).abs().max()) for n in ref)
-    gap = max(float((p - ref[n]).abs().max()) for n, p in two.named_parameters())
+    moved = max(float((ref[n] - start[n]).detach().abs().max()) for n in ref)
+    gap = max(float((p - ref[n]).detach().abs().max()) for n, p in two.named_parameters())
     assert moved > 1e-4, "the run did not train"
     assert gap <= 1e-4 * max(1.0, moved) + 1e-6, (gap, moved)
     ledgers = [json.loads((tmp_path / d / "privacy_ledger.json").read_text()) for d in ("one", "two")]

@@ -112,8 +112,8 @@ def test_dp_zo_replay_reproduces_weights(zo_run, tiny_model_dir):
     trained, _ = load_causal_lm(zo_run.model_dir)
     base, _ = load_causal_lm(tiny_model_dir)
     ref, start = dict(trained.named_parameters()), dict(base.named_parameters())
-    moved = max(float((ref[n] - start[n]).abs().max()) for n in ref)
-    gap = max(float((p - ref[n]).abs().max()) for n, p in replayed.named_parameters())
+    moved = max(float((ref[n] - start[n]).detach().abs().max()) for n in ref)
+    gap = max(float((p - ref[n]).detach().abs().max()) for n, p in replayed.named_parameters())
     assert moved > 1e-4 and gap < 1e-3 * moved
     log = (zo_run.run_dir / "zo_steps.jsonl").read_text().splitlines()
     assert len(log) == 25 and set(json.loads(log[0])) == {"step", "seed", "scalar"}

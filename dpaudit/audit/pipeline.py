@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from dpaudit.atomic import atomic_write_json, atomic_write_text
 from dpaudit.audit.analysis import AuditResult, analyse
 from dpaudit.audit.report import prepare_folder, write_report
-from dpaudit.errors import DPAuditError
 from dpaudit.training.runner import TrainConfig, TrainResult, train
 
 
@@ -47,10 +47,7 @@ def run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model:
     from dpaudit.models.corpus import sentences
     from dpaudit.models.loading import load_causal_lm
 
-    out = prepare_folder(out, force)
-    for sub in ("run", "report", "extended_model"):
-        if (out / sub).exists() and not force:
-            raise DPAuditError(f"{out / sub} exists; pass --force or use a new folder")
+    out = prepare_folder(out, force)  # a non-empty folder only with --force: then our sub-folders are redone
     base = model if model is not None else embedded_default(out / "base_model", settings.seed)
     lm, tok = load_causal_lm(base)
     manifest = make_canaries(tok, settings.canaries, seed=settings.seed, prefix_length=settings.prefix_length,
@@ -69,8 +66,6 @@ def run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model:
     lm.save_pretrained(out / "extended_model", safe_serialization=True)
     tok.save_pretrained(out / "extended_model")
     del lm
-    import shutil
-
     shutil.rmtree(out / "run", ignore_errors=True)
     result = train(out / "extended_model", read_texts(train_file, fmt, field), out / "run", cfg,
                    show_progress=show_progress)

@@ -10,17 +10,13 @@ from pathlib import Path
 
 import numpy as np
 
-from dpaudit.atomic import atomic_write_json, atomic_write_text
+from dpaudit.atomic import atomic_write_json, atomic_write_text, guard_new_folder
 from dpaudit.audit.analysis import AuditResult
-from dpaudit.errors import DPAuditError
 
 
 def prepare_folder(folder: Path, force: bool) -> Path:
     folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        raise DPAuditError(f"report path {folder} is a file, not a folder")
-    if folder.exists() and any(folder.iterdir()) and not force:
-        raise DPAuditError(f"report folder {folder} is not empty; pass --force to write into it")
+    guard_new_folder(folder, force)
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 
