@@ -2,6 +2,8 @@
 DP-SGD and DP-ZO at eps in {1, 8, inf} (and optionally more), one folder per cell.
 
     .venv/bin/python benchmarks/audit_table.py [--eps 1 8 inf] [--methods dp-sgd dp-zo] [--out /tmp/audit-table]
+    # DP-ZO's small-data, long-run setting of docs/trainers.md:
+    .venv/bin/python benchmarks/audit_table.py --methods dp-zo --canaries 400 --examples 100 -B 16 --steps 40000
 Prints a Markdown table of AUC, TPR@1%FPR, the one-run eps lower bound, sigma and wall time, next to
 the DP-ZO paper's AUCs from ../shared/reference/auditing.md (OPT-13B; the shape, not the values, is
 what a tiny CPU model can be compared on).
@@ -22,6 +24,10 @@ def main() -> None:
     ap.add_argument("--eps", nargs="+", default=["1", "8", "inf"])
     ap.add_argument("--methods", nargs="+", default=["dp-sgd", "dp-zo"])
     ap.add_argument("--canaries", type=int, default=1000)
+    ap.add_argument("--examples", type=int, default=1000, help="synthetic public sentences")
+    ap.add_argument("--steps", type=int, default=None, help="default: per method (dp-sgd 300, dp-zo 3000)")
+    ap.add_argument("--batch-size", "-B", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--secret-seed", type=int, default=1)
     ap.add_argument("--out", type=Path, default=Path("/tmp/audit-table"))
     args = ap.parse_args()
@@ -29,10 +35,11 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for method in args.methods:
         for eps in args.eps:
-            cfg = TrainConfig(method=method, target_epsilon=float(eps), secret_seed=args.secret_seed)
+            cfg = TrainConfig(method=method, target_epsilon=float(eps), secret_seed=args.secret_seed,
+                              steps=args.steps, batch_size=args.batch_size, lr=args.lr)
             start = time.perf_counter()
             audit, result, _ = run_audit(args.out / f"{method}-eps{eps}", cfg,
-                                         AuditRunSettings(canaries=args.canaries), force=True, show_progress=False)
+                                         AuditRunSettings(canaries=args.canaries, examples=args.examples), force=True, show_progress=False)
             wall = time.perf_counter() - start
             claimed = f"{result.epsilon:.3f}" if math.isfinite(result.epsilon) else "inf"
             sigma = f"{result.sigma:.3f}" if result.sigma else "-"

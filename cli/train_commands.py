@@ -99,6 +99,7 @@ def audit_run(
     model: Annotated[Optional[Path], typer.Option("--model", help="Local causal LM (default: embedded).")] = None,
     data: Annotated[Optional[Path], typer.Option("--data", "-d", help="Training data (default: synthetic).")] = None,
     canaries: Annotated[int, typer.Option("--canaries", "-m", help="Number of canaries.")] = 1000,
+    examples: Annotated[int, typer.Option("--examples", help="Synthetic sentences when no --data.")] = 1000,
     repeat: Annotated[int, typer.Option("--repeat", "-r", help="Copies of each member canary.")] = 1,
     unsafe_disable_noise: Annotated[bool, typer.Option(
         "--unsafe-disable-noise", hidden=True, help="Testing only: claim eps but add no noise.")] = False,
@@ -116,8 +117,9 @@ def audit_run(
     if repeat > 1 and cfg.private:
         console.print(f"[yellow]note:[/yellow] {repeat} copies per canary: the claimed eps is per example, "
                       "a canary's group guarantee is weaker", highlight=False)
-    audit, result, summary = run_audit(out, cfg, AuditRunSettings(canaries=canaries, repeats=repeat, seed=seed),
-                                       model=model, data=data, force=force, show_progress=not as_json)
+    settings = AuditRunSettings(canaries=canaries, repeats=repeat, examples=examples, seed=seed)
+    audit, result, summary = run_audit(out, cfg, settings, model=model, data=data, force=force,
+                                       show_progress=not as_json)
     if not as_json:
         console.print(f"trained {result.steps} steps of {method} in {result.seconds:.1f} s "
                       f"({result.seconds_per_step * 1000:.0f} ms/step)", highlight=False)
