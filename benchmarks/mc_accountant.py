@@ -5,7 +5,8 @@ reached within a time budget, next to the PLD value.
 Mechanism (issue 5): Laplace, p = 0.016, sigma = 16.3, eps = 1, at T = 1000 and T = 75000.
 Throughput counts per-step privacy-loss samples (composed samples x T) per second, both directions.
 The sample count for the budget comes from a pilot run on another seed, so n does not depend on the
-samples it is used with (the empirical-Bernstein bound needs a fixed n).
+samples it is used with (the empirical-Bernstein bound needs a fixed n). Plain sampling and
+importance sampling by exponential tilting (``montecarlo_tilted``) each get the budget.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 
 from dpaudit.accounting.mechanism import Mechanism
 from dpaudit.accounting.montecarlo import MonteCarloSettings, delta_for_epsilon
+from dpaudit.accounting.montecarlo_tilted import delta_for_epsilon_tilted
 from dpaudit.accounting.pld import composed_pld
 
 P, SIGMA, EPS = 0.016, 16.3, 1.0
@@ -55,17 +57,27 @@ def main() -> None:
           f"(target >= 5x)")
 
     print(f"\ndelta(eps={EPS}) upper bound within {args.budget:.0f} s (probability >= 1 - 1e-3), vs PLD:")
-    print(f"{'T':>7} {'samples':>12} {'seconds':>8} {'MC estimate':>12} {'MC upper':>12} {'PLD':>12}")
+    print(f"{'T':>7} {'sampler':>8} {'samples':>12} {'seconds':>8} {'estimate':>12} {'upper':>12} {'PLD':>12}")
     for steps in (1000, 75000):
         m = mech.with_steps(steps)
-        pilot = delta_for_epsilon(m, EPS, MonteCarloSettings(samples=20_000, seed=99, workers=args.workers,
+        pilot = delta_for_epsilon(m, EPS, MonteCarloSettings(samples=max(20_000, int(2e8 // steps)), seed=99,
+                                                              workers=args.workers,
                                                               backend=args.backend))
         n = int(0.85 * args.budget * pilot["samples_per_second"] / 2)
         res = delta_for_epsilon(m, EPS, MonteCarloSettings(samples=n, seed=2, workers=args.workers,
                                                             backend=args.backend))
-        pld = composed_pld(m, grid=1e-4).get_delta_for_epsilon(EPS)
-        print(f"{steps:>7} {n:>12,} {res['seconds']:>8.1f} {res['estimate']:>12.3e} {res['upper']:>12.3e} "
-              f"{pld:>12.3e}")
+        pld = composed_pld(m, grid=1e-5).get_delta_for_epsilon(EPS)
+        print(f"{steps:>7} {'plain':>8} {n:>12,} {res['seconds']:>8.1f} {res['estimate']:>12.3e} "
+              f"{res['upper']:>12.3e} {pld:>12.3e}")
+        # Exponential tilting (importance sampling), single process: pilot for its own rate.
+        start = time.perf_counter()
+        delta_for_epsilon_tilted(m, EPS, 2_000, seed=98)
+        rate = 2_000 / (time.perf_counter() - start)
+        n_tilt = int(0.85 * args.budget * rate / 2)
+        start = time.perf_counter()
+        tilt = delta_for_epsilon_tilted(m, EPS, n_tilt, seed=3)
+        print(f"{steps:>7} {'tilted':>8} {n_tilt:>12,} {time.perf_counter() - start:>8.1f} "
+              f"{tilt['estimate']:>12.3e} {tilt['upper']:>12.3e} {pld:>12.3e}")
 
 
 if __name__ == "__main__":

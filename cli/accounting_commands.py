@@ -86,6 +86,49 @@ def epsilon_cmd(
     _print_assumptions(lines)
 
 
+def delta_cmd(
+    sigma: SigmaOpt, eps: EpsOpt, mech: MechOpt = "gaussian", p: POpt = None, batch_size: BatchOpt = None,
+    dataset_size: DatasetOpt = None, steps: StepsOpt = None, epochs: EpochsOpt = None,
+    accountant: Annotated[str, typer.Option("--accountant", "-a", help="pld, or mc (Monte-Carlo).")] = "pld",
+    mc_samples: McSamplesOpt = None, seed: SeedOpt = 0, mc_workers: McWorkersOpt = 1,
+    mc_backend: McBackendOpt = "numpy",
+    mc_tilt: Annotated[bool, typer.Option(
+        "--mc-tilt", help="mc, Laplace: importance sampling by exponential tilting (tight at small delta).")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """delta(eps) for a noise level and schedule: an upper bound (pld; mc with probability >= 1 - beta)."""
+    from dpaudit.accounting import montecarlo
+    from dpaudit.accounting.pld import composed_pld
+
+    check_epsilon(eps)
+    m = schedule(mech, sigma, p, batch_size, dataset_size, steps, epochs)
+    if accountant == "pld":
+        value = float(composed_pld(m, grid=min(1e-3, 1e-4 * max(eps, 0.1))).get_delta_for_epsilon(eps))
+        out = {"upper": value, "guarantee": "upper bound (pessimistic PLD, max of add and remove)"}
+    elif accountant == "mc":
+        settings = montecarlo.MonteCarloSettings(samples=mc_samples, seed=seed, progress=not as_json,
+                                                 workers=mc_workers, backend=mc_backend)
+        if mc_tilt:
+            from dpaudit.accounting.montecarlo_tilted import delta_for_epsilon_tilted
+
+            out = delta_for_epsilon_tilted(m, eps, montecarlo.sample_count(m, settings), seed, settings.beta)
+        else:
+            out = montecarlo.delta_for_epsilon(m, eps, settings)
+        out["guarantee"] = (f"upper bound with probability >= 1 - {settings.beta:g} (Monte-Carlo"
+                            f"{', exponential tilting' if mc_tilt else ''}); 'estimate' is an estimate")
+    else:
+        raise DPAuditError(f"delta is answered by pld or mc, not {accountant!r}")
+    lines = assumptions(m, 0.0, accountant, "add/remove (max of the add and the remove direction)")[:2]
+    if as_json:
+        emit_json({"command": "delta", "sigma": sigma, "epsilon": eps, "sampling_rate": m.sampling_rate,
+                   "steps": m.steps, "accountant": accountant, "result": out, "assumptions": lines})
+        return
+    console.print(f"[bold]delta <= {out['upper']:.4g}[/bold] at eps = {eps:g}  ({out['guarantee']})")
+    if "estimate" in out:
+        console.print(f"  estimate: {out['estimate']:.4g}")
+    _print_assumptions(lines)
+
+
 def max_steps_cmd(
     sigma: SigmaOpt, eps: EpsOpt, mech: MechOpt = "gaussian", delta: DeltaOpt = None, p: POpt = None,
     batch_size: BatchOpt = None, dataset_size: DatasetOpt = None, accountant: AccountantOpt = None,

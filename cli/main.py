@@ -16,6 +16,7 @@ app = typer.Typer(
 )
 app.command("calibrate")(accounting_commands.calibrate)
 app.command("epsilon")(accounting_commands.epsilon_cmd)
+app.command("delta")(accounting_commands.delta_cmd)
 app.command("max-steps")(accounting_commands.max_steps_cmd)
 app.command("compare")(accounting_commands.compare)
 app.command("plot")(accounting_commands.plot)
