@@ -72,3 +72,42 @@ def test_plot_writes_png_and_does_not_overwrite(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     again = dpaudit("plot", "--vs", "sigma", "--p", "0.01", "-T", "1000", "-o", str(png), "--points", "5")
     assert again.returncode == 2 and "exists" in again.stderr
+
+
+def test_delta_command_pld_and_tilted_mc_agree():
+    args = ["delta", "--mech", "laplace", "--sigma", "16.3", "--p", "0.016", "-T", "3000", "--eps", "0.2", "--json"]
+    pld = dpaudit(*args)
+    assert pld.returncode == 0, pld.stderr
+    mc = dpaudit(*args, "-a", "mc", "--mc-tilt", "--mc-samples", "20000")
+    assert mc.returncode == 0, mc.stderr
+    p, m = json.loads(pld.stdout)["result"], json.loads(mc.stdout)["result"]
+    assert m["estimate"] == pytest.approx(p["upper"], rel=0.05)
+    assert m["upper"] >= m["estimate"]
+
+
+def test_canaries_cli_make_and_insert(tiny_model_dir, tmp_path):
+    manifest = tmp_path / "c.json"
+    made = dpaudit("canaries", "make", "-t", tiny_model_dir, "-o", manifest, "-m", "20", "--json")
+    assert made.returncode == 0, made.stderr
+    assert json.loads(made.stdout)["m"] == 20
+    again = dpaudit("canaries", "make", "-t", tiny_model_dir, "-o", manifest, "-m", "20")
+    assert again.returncode == 2 and "exists" in again.stderr  # never overwritten silently
+    data = tmp_path / "d.txt"
+    data.write_text("one example\nanother example\n")
+    out = dpaudit("canaries", "insert", "-c", manifest, "-d", data, "-o", tmp_path / "o.txt", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["original_examples"] == 2
+    assert data.read_text() == "one example\nanother example\n"
+
+
+@pytest.mark.parametrize("content,message", [
+    ("score,member\n0.1,1\n", "no non-member"),
+    ("score,member\nabc,1\n0.2,0\n", "number score"),
+    ("s,m\n0.1,1\n", "score,member"),
+])
+def test_audit_scores_bad_files(tmp_path, content, message):
+    f = tmp_path / "s.csv"
+    f.write_text(content)
+    out = dpaudit("audit", "scores", f, "--claimed-eps", "1")
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
