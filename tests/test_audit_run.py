@@ -31,7 +31,7 @@ def test_dp_sgd_at_eps_1_holds(shared):
     assert code == 0 and not data["violation"]
     assert data["auc"] <= 0.6 and data["one_run"]["epsilon_lower_bound"] < data["claimed_epsilon"] <= 1
     ledger = json.loads((shared / "eps1" / "run" / "privacy_ledger.json").read_text())
-    assert ledger["steps_done"] == 300 and ledger["epsilon_spent"] <= 1
+    assert ledger["steps_executed"] == 300 and ledger["epsilon_spent"] <= 1
 
 
 def test_noise_switched_off_is_caught(shared):

@@ -121,7 +121,7 @@ def test_dp_zo_replay_reproduces_weights(zo_run, tiny_model_dir):
 
 def test_ledger_records_spend_and_claim(zo_run):
     ledger = json.loads((zo_run.run_dir / "privacy_ledger.json").read_text())
-    assert ledger["steps_done"] == 25 and ledger["epsilon_spent"] <= 2.0
+    assert ledger["steps_executed"] == ledger["steps_in_model"] == 25 and ledger["epsilon_spent"] <= 2.0
     assert ledger["relation"].startswith("add/remove") and ledger["sigma"] == pytest.approx(zo_run.sigma)
     assert "secret_seed" not in json.dumps(json.loads((zo_run.run_dir / "run_config.json").read_text()))
 
@@ -143,7 +143,7 @@ def test_killed_run_keeps_ledger_and_resumes(tiny_model_dir, tmp_path, monkeypat
     with pytest.raises(KeyboardInterrupt):
         train(tiny_model_dir, TEXTS, run, cfg, show_progress=False)
     ledger = json.loads((run / "privacy_ledger.json").read_text())
-    assert ledger["steps_done"] == 7 and 0 < ledger["epsilon_spent"] <= ledger["epsilon_planned"] <= 2.0
+    assert ledger["steps_executed"] == 7 and 0 < ledger["epsilon_spent"] <= ledger["epsilon_planned"] <= 2.0
     assert json.loads((run / "checkpoint" / "trainer_state.json").read_text())["step"] == 5
     monkeypatch.setattr(zo, "zo_step", real)
     from dpaudit.errors import DPAuditError
@@ -152,7 +152,11 @@ def test_killed_run_keeps_ledger_and_resumes(tiny_model_dir, tmp_path, monkeypat
     result = train(tiny_model_dir, TEXTS, run, cfg, resume=True, show_progress=False)
     assert result.steps == 12
     assert [json.loads(x)["step"] for x in (run / "zo_steps.jsonl").read_text().splitlines()] == list(range(12))
-    assert json.loads((run / "privacy_ledger.json").read_text())["steps_done"] == 12
+    # Steps 6 and 7 ran twice (killed after the step-5 checkpoint): 14 steps are spent, not 12.
+    after = json.loads((run / "privacy_ledger.json").read_text())
+    assert after["steps_in_model"] == 12 and after["steps_executed"] == 14
+    assert after["steps_discarded_by_resume"] == 2
+    assert after["epsilon_spent"] == after["epsilon_planned"] == result.epsilon > ledger["epsilon_planned"]
 
 
 @pytest.mark.parametrize("subset", ["lora", "bias"])

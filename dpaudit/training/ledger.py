@@ -1,6 +1,7 @@
 """The privacy ledger of a run: what it claims, which accountant and relation, and the eps spent so far.
 
-Rewritten atomically after every step, so a killed run still tells what it spent. eps is computed
+Rewritten atomically after every step, so a killed run still tells what it spent; a resumed run
+keeps counting the steps a kill made it redo. eps is computed
 ahead of time at a grid of step counts; after t steps the ledger reports eps at the first grid point
 >= t, an upper bound because eps grows with the number of steps.
 """
@@ -46,9 +47,9 @@ class PrivacyLedger:
             return 0.0
         return self.eps[min(bisect.bisect_left(self.grid, steps_done), len(self.grid) - 1)]
 
-    def record(self, steps_done: int, **extra) -> None:
+    def record(self, steps_executed: int, **extra) -> None:
         atomic_write_json(self.path, {
             **self.header, "accountant": self.accountant, "relation": self.relation,
-            "steps_done": steps_done, "epsilon_spent": json_float(self.spent(steps_done)),
+            "steps_executed": steps_executed, "epsilon_spent": json_float(self.spent(steps_executed)),
             "epsilon_planned": json_float(self.planned_epsilon), **extra,
         })

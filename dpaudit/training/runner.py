@@ -147,15 +147,18 @@ def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *,
     world = setup_world()
     run_dir = Path(run_dir)
     checkpoint = run_dir / "checkpoint"
-    start = 0
-    if resume and (checkpoint / "trainer_state.json").is_file():
+    start, executed_before = 0, 0
+    if resume:
         if cfg.trainable == "lora":
             raise DPAuditError("resuming a LoRA run is not supported; start it again")
-        state = json.loads((checkpoint / "trainer_state.json").read_text())
-        if state["config"] != _config_for_state(cfg):
-            raise DPAuditError(f"{run_dir} holds a run with another configuration; use a new folder")
-        start = int(state["step"])
-        model_dir = checkpoint
+        if (run_dir / "run_config.json").is_file():
+            if json.loads((run_dir / "run_config.json").read_text())["config"] != _config_for_state(cfg):
+                raise DPAuditError(f"{run_dir} holds a run with another configuration; use a new folder")
+        if (run_dir / "privacy_ledger.json").is_file():
+            executed_before = int(json.loads((run_dir / "privacy_ledger.json").read_text())["steps_executed"])
+        if (checkpoint / "trainer_state.json").is_file():
+            start = int(json.loads((checkpoint / "trainer_state.json").read_text())["step"])
+            model_dir = checkpoint
     elif run_dir.exists() and any(run_dir.iterdir()):
         raise DPAuditError(f"run folder {run_dir} is not empty; pass --resume to continue it or use a new folder")
     world.barrier()  # every rank has checked the folder before rank 0 writes to it
@@ -179,8 +182,12 @@ def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *,
               "delta": cfg.delta, "target_epsilon": cfg.target_epsilon if math.isfinite(cfg.target_epsilon)
               else "inf", "examples": n, "noise_disabled_unsafely": cfg.unsafe_disable_noise}
     header["world_size"] = world.size
+    # Steps run after the last checkpoint of a killed run are redone with fresh noise, but their
+    # outputs (the DP-ZO log, the ledger) may have been seen: they are spent, and stay counted.
+    discarded = max(0, executed_before - start)
+    header["steps_discarded_by_resume"] = discarded
     ledger = PrivacyLedger(run_dir / "privacy_ledger.json", header,
-                           Mechanism(cfg.mechanism, sigma, rate, cfg.steps) if cfg.private else None,
+                           Mechanism(cfg.mechanism, sigma, rate, cfg.steps + discarded) if cfg.private else None,
                            cfg.delta, cfg.accountant)
     main = world.is_main  # only rank 0 writes: ledger, log, checkpoints, model
     if main:
@@ -230,7 +237,7 @@ def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *,
                 else:
                     last_loss = trainer.step(batch, len(idx))
                 if main:
-                    ledger.record(step + 1)
+                    ledger.record(step + 1 + discarded, steps_in_model=step + 1)
                 advance(1)
                 if main and cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
                     _checkpoint(run_dir, model, tokenizer, cfg, step + 1,
