@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from dpaudit.atomic import guard_new_folder
-from dpaudit.cli.common import ForceOpt, JsonOpt, console, emit_json, fmt
+from dpaudit.cli.common import ForceOpt, JsonOpt, console, emit_json, err_console, fmt
 from dpaudit.errors import DPAuditError
 
 MethodOpt = Annotated[str, typer.Option("--method", help="dp-zo or dp-sgd.")]
@@ -31,6 +31,9 @@ TrainSeedOpt = Annotated[int, typer.Option("--seed", help="Public seed (directio
 SecretSeedOpt = Annotated[Optional[int], typer.Option(
     "--secret-seed", help="Seed for batches and noise (default: fresh OS entropy; set only for tests).")]
 AccountantTrainOpt = Annotated[Optional[str], typer.Option("--accountant", "-a", help="Accountant for sigma.")]
+FormatOpt = Annotated[Optional[str], typer.Option("--format", help="Data format: jsonl, txt or csv (default: from the name).")]
+FieldOpt = Annotated[str, typer.Option("--field", help="JSONL field or CSV column with the text.")]
+
 
 def parse_eps(eps: str | None, sigma: float | None) -> float:
     if eps is None:
@@ -66,8 +69,7 @@ def train_cmd(
     steps: TrainStepsOpt = None, batch_size: TrainBatchOpt = 64, phi: PhiOpt = 1e-3,
     direction: DirectionOpt = "gaussian", trainable: TrainableOpt = "full", bf16: Bf16Opt = False,
     seed: TrainSeedOpt = 0, secret_seed: SecretSeedOpt = None, accountant: AccountantTrainOpt = None,
-    data_format: Annotated[Optional[str], typer.Option("--format", help="jsonl, txt or csv.")] = None,
-    field: Annotated[str, typer.Option("--field", help="JSONL field or CSV column.")] = "text",
+    data_format: FormatOpt = None, field: FieldOpt = "text",
     save_every: Annotated[int, typer.Option("--save-every", help="Checkpoint every k steps (0: at the end).")] = 0,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its checkpoint.")] = False,
     as_json: JsonOpt = False,
@@ -98,6 +100,7 @@ def audit_run(
     seed: TrainSeedOpt = 0, secret_seed: SecretSeedOpt = None, accountant: AccountantTrainOpt = None,
     model: Annotated[Optional[Path], typer.Option("--model", help="Local causal LM (default: embedded).")] = None,
     data: Annotated[Optional[Path], typer.Option("--data", "-d", help="Training data (default: synthetic).")] = None,
+    data_format: FormatOpt = None, field: FieldOpt = "text",
     canaries: Annotated[int, typer.Option("--canaries", "-m", help="Number of canaries.")] = 1000,
     examples: Annotated[int, typer.Option("--examples", help="Synthetic sentences when no --data.")] = 1000,
     repeat: Annotated[int, typer.Option("--repeat", "-r", help="Copies of each member canary.")] = 1,
@@ -115,11 +118,11 @@ def audit_run(
     cfg = make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction,
                       trainable, bf16, seed, secret_seed, accountant, unsafe_disable_noise=unsafe_disable_noise)
     if repeat > 1 and cfg.private:
-        console.print(f"[yellow]note:[/yellow] {repeat} copies per canary: the claimed eps is per example, "
+        err_console.print(f"[yellow]note:[/yellow] {repeat} copies per canary: the claimed eps is per example, "
                       "a canary's group guarantee is weaker", highlight=False)
     settings = AuditRunSettings(canaries=canaries, repeats=repeat, examples=examples, seed=seed)
-    audit, result, summary = run_audit(out, cfg, settings, model=model, data=data, force=force,
-                                       show_progress=not as_json)
+    audit, result, summary = run_audit(out, cfg, settings, model=model, data=data, data_format=data_format,
+                                       field=field, force=force, show_progress=not as_json)
     if not as_json:
         console.print(f"trained {result.steps} steps of {method} in {result.seconds:.1f} s "
                       f"({result.seconds_per_step * 1000:.0f} ms/step)", highlight=False)
@@ -135,8 +138,6 @@ def replay_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Rebuild a DP-ZO model from the base weights and the (seed, scalar) log, and compare it with the run's."""
-    import torch
-
     from dpaudit.models.loading import load_causal_lm
     from dpaudit.training.replay import replay_run
 

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from dpaudit.models.loading import load_causal_lm
 

@@ -87,14 +87,20 @@ def _gaussian_composed(mech: Mechanism, direction: str, rows: int, rng: np.rando
     return total
 
 
+def laplace_regions(mech: Mechanism, direction: str) -> tuple[float, float, float]:
+    """P(x <= 0), P(0 < x < 1), P(x >= 1) for one step's draw x in ``direction``: a Laplace step's loss
+    is constant outside (0, 1)."""
+    b, p = mech.sigma, mech.sampling_rate
+    q = math.exp(-1 / b)
+    if direction == "remove":  # x ~ (1-p) Lap(0,b) + p Lap(1,b)
+        return (1 - p) / 2 + p * q / 2, (1 - q) / 2, (1 - p) * q / 2 + p / 2
+    return 0.5, (1 - q) / 2, q / 2  # add: x ~ Lap(0,b)
+
+
 def _laplace_composed(mech: Mechanism, direction: str, rows: int, rng: np.random.Generator) -> np.ndarray:
     b, p, steps = mech.sigma, mech.sampling_rate, mech.steps
     q = math.exp(-1 / b)
-    mid = (1 - q) / 2
-    if direction == "remove":  # x ~ (1-p) Lap(0,b) + p Lap(1,b)
-        low, high = (1 - p) / 2 + p * q / 2, (1 - p) * q / 2 + p / 2
-    else:  # x ~ Lap(0,b)
-        low, high = 0.5, q / 2
+    low, mid, _ = laplace_regions(mech, direction)
     counts = rng.multinomial(steps, [low, mid, max(0.0, 1 - low - mid)], size=rows)
     n_mid = counts[:, 1]
     # Inside (0, 1) a Lap(0,b) draw has density prop. to e^{-x/b}; a Lap(1,b) draw is its mirror.

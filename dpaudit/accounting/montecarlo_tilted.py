@@ -23,7 +23,7 @@ import numpy as np
 from scipy import integrate, optimize
 
 from dpaudit.accounting.mechanism import Mechanism
-from dpaudit.accounting.montecarlo import DIRECTIONS, _bernstein_upper, _log_mix
+from dpaudit.accounting.montecarlo import DIRECTIONS, _bernstein_upper, _log_mix, laplace_regions
 from dpaudit.errors import DPAuditError
 
 MIN_ACCEPTANCE = 1e-3
@@ -37,12 +37,8 @@ class _StepLaw:
             raise DPAuditError("importance sampling is implemented for the Laplace mechanism only")
         b, p = mech.sigma, mech.sampling_rate
         self.b, self.p, self.direction = b, p, direction
-        q = math.exp(-1 / b)
-        self.q = q
-        if direction == "remove":
-            self.low, self.high = (1 - p) / 2 + p * q / 2, (1 - p) * q / 2 + p / 2
-        else:
-            self.low, self.high = 0.5, q / 2
+        self.q = math.exp(-1 / b)
+        self.low, _, self.high = laplace_regions(mech, direction)
         self.sign = 1.0 if direction == "remove" else -1.0
         ends = _log_mix(p, np.array([-1 / b, 1 / b]))
         self.g_low, self.g_high = self.sign * ends[0], self.sign * ends[1]

@@ -5,8 +5,6 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
-
 from dpaudit.audit import clopper_pearson, one_run
 from dpaudit.audit.guesses import check_scores, default_guess_counts, make_guesses, ranking
 from dpaudit.audit.roc import RocSummary, summarise
