@@ -157,6 +157,9 @@ def test_killed_run_keeps_ledger_and_resumes(tiny_model_dir, tmp_path, monkeypat
     assert after["steps_in_model"] == 12 and after["steps_executed"] == 14
     assert after["steps_discarded_by_resume"] == 2
     assert after["epsilon_spent"] == after["epsilon_planned"] == result.epsilon > ledger["epsilon_planned"]
+    assert (run / "model").is_dir() and not (run / "checkpoint").exists()  # one copy of the weights
+    with pytest.raises(DPAuditError, match="complete"):
+        train(tiny_model_dir, TEXTS, run, cfg, resume=True, show_progress=False)
 
 
 @pytest.mark.parametrize("subset", ["lora", "bias"])

@@ -156,6 +156,8 @@ def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *,
                 raise DPAuditError(f"{run_dir} holds a run with another configuration; use a new folder")
         if (run_dir / "privacy_ledger.json").is_file():
             executed_before = int(json.loads((run_dir / "privacy_ledger.json").read_text())["steps_executed"])
+        if (run_dir / "model").is_dir():
+            raise DPAuditError(f"the run in {run_dir} is complete; there is nothing to resume")
         if (checkpoint / "trainer_state.json").is_file():
             start = int(json.loads((checkpoint / "trainer_state.json").read_text())["step"])
             model_dir = checkpoint
@@ -247,10 +249,9 @@ def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *,
             log.close()
     seconds = time.perf_counter() - began
     final = run_dir / "model"
-    if main:
-        _checkpoint(run_dir, model, tokenizer, cfg, cfg.steps,
-                    trainer.state_dict() if cfg.method == "dp-sgd" else None)
+    if main:  # the finished model replaces the resume checkpoint (no second copy of the weights)
         final = _export(run_dir, model, tokenizer)
+        shutil.rmtree(checkpoint, ignore_errors=True)
     world.barrier()
     return TrainResult(run_dir=run_dir, model_dir=final, private=cfg.private, sigma=sigma,
                        epsilon=ledger.planned_epsilon, delta=cfg.delta, sampling_rate=rate, steps=cfg.steps,
