@@ -10,6 +10,7 @@ import numpy as np
 
 from dpaudit.canaries.hf import tokenizer_identity
 from dpaudit.canaries.manifest import Canary, Manifest
+from dpaudit.errors import DPAuditError
 
 SECRET_ALPHABET = np.array(list("abcdefghijklmnopqrstuvwxyz0123456789"))
 SECRET_LENGTH = 12
@@ -32,7 +33,7 @@ def _prefix_pool(tokenizer) -> np.ndarray:
     special = set(tokenizer.all_special_ids)
     pool = [i for i in range(tokenizer.vocab_size) if i not in special and _clean(tokenizer.decode([i]))]
     if not pool:
-        raise ValueError("the tokenizer has no ordinary tokens to draw prefixes from")
+        raise DPAuditError("the tokenizer has no ordinary tokens to draw prefixes from")
     return np.array(pool)
 
 
@@ -43,9 +44,9 @@ def _clean(text: str) -> bool:
 def make_canaries(tokenizer, m: int, seed: int = 0, prefix_length: int = 8, template: str | None = None,
                   name_or_path: str | None = None) -> Manifest:
     if m < 2:
-        raise ValueError(f"need at least 2 canaries, got m={m}")
+        raise DPAuditError(f"need at least 2 canaries, got m={m}")
     if template is None and prefix_length < 1:
-        raise ValueError(f"prefix length must be >= 1, got {prefix_length}")
+        raise DPAuditError(f"prefix length must be >= 1, got {prefix_length}")
     secret_rng, prefix_rng, member_rng = (np.random.default_rng([seed, stream]) for stream in range(3))
     secrets = _secrets(m, secret_rng, tokenizer.get_vocab())
     if template is None:

@@ -12,7 +12,7 @@ from dpaudit.canaries.generate import make_canaries
 from dpaudit.canaries.hf import check_base_tokenizer, extend_model, load_tokenizer
 from dpaudit.canaries.insert import insert_canaries
 from dpaudit.canaries.manifest import load_manifest
-from dpaudit.cli.common import ForceOpt, JsonOpt, console, emit_json
+from dpaudit.cli.common import ForceOpt, JsonOpt, emit
 
 app = typer.Typer(no_args_is_help=True, help="Make new-token canaries and put them into data and models.")
 ManifestOpt = Annotated[Path, typer.Option("--canaries", "-c", help="Canary manifest (JSON) from `canaries make`.")]
@@ -36,11 +36,8 @@ def make(
     manifest.save(output)
     summary = {"command": "canaries make", "manifest": str(output), "m": m, "members": len(manifest.members),
                "seed": seed, "tokenizer": manifest.tokenizer.name_or_path, "example": manifest.canaries[0].text}
-    if as_json:
-        emit_json(summary)
-    else:
-        console.print(f"wrote {m} canaries ({len(manifest.members)} members) to {output}; "
-                      f"e.g. {manifest.canaries[0].text!r}", highlight=False)
+    emit(summary, as_json, f"wrote {m} canaries ({len(manifest.members)} members) to {output}; "
+                           f"e.g. {manifest.canaries[0].text!r}")
 
 
 @app.command("insert")
@@ -60,11 +57,8 @@ def insert(
                         force=force)
     summary = {"command": "canaries insert", "output": str(s.output), "original_examples": s.original_examples,
                "inserted": s.inserted, "repeats": s.repeats}
-    if as_json:
-        emit_json(summary)
-    else:
-        console.print(f"wrote {s.output}: {s.original_examples} examples + {s.inserted} canary copies "
-                      f"({s.repeats} per member)", highlight=False)
+    emit(summary, as_json, f"wrote {s.output}: {s.original_examples} examples + {s.inserted} canary copies "
+                           f"({s.repeats} per member)")
 
 
 @app.command("extend")
@@ -87,7 +81,4 @@ def extend(
     tok.save_pretrained(output)
     summary = {"command": "canaries extend", "output": str(output), "added_tokens": len(ids),
                "vocab_size": len(tok)}
-    if as_json:
-        emit_json(summary)
-    else:
-        console.print(f"wrote {output}: {len(ids)} canary tokens added, vocabulary {len(tok)}", highlight=False)
+    emit(summary, as_json, f"wrote {output}: {len(ids)} canary tokens added, vocabulary {len(tok)}")

@@ -73,5 +73,13 @@ def emit_json(data: dict) -> None:
     sys.stdout.write(json.dumps(data, indent=2) + "\n")
 
 
+def emit(summary: dict, as_json: bool, text: str) -> None:
+    """A command's result: the summary as JSON for machines, or one line of text for people."""
+    if as_json:
+        emit_json(summary)
+    else:
+        console.print(text, highlight=False)
+
+
 def fmt(x: float, digits: int = 6) -> str:
     return f"{x:.{digits}g}" if x == x and abs(x) != float("inf") else str(x)

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from dpaudit.atomic import guard_new_folder
-from dpaudit.cli.common import ForceOpt, JsonOpt, console, emit_json, err_console, fmt
+from dpaudit.cli.common import ForceOpt, JsonOpt, console, emit, err_console, fmt
 from dpaudit.errors import DPAuditError
 
 MethodOpt = Annotated[str, typer.Option("--method", help="dp-zo or dp-sgd.")]
@@ -82,13 +82,10 @@ def train_cmd(
                       trainable, bf16, seed, secret_seed, accountant, save_every=save_every)
     texts = read_texts(data, detect_format(data, data_format), field)
     result = train(model, texts, out, cfg, resume=resume, show_progress=not as_json)
-    if as_json:
-        emit_json({"command": "train", **result.to_dict()})
-    else:
-        privacy = (f"eps <= {fmt(result.epsilon)} at delta = {result.delta:g} (sigma {fmt(result.sigma)}, "
-                   f"{result.accountant}, {result.relation})" if result.private else "non-private (eps = inf)")
-        console.print(f"trained {result.steps} steps of {method} in {result.seconds:.1f} s; {privacy}; "
-                      f"model: {result.model_dir}", highlight=False)
+    privacy = (f"eps <= {fmt(result.epsilon)} at delta = {result.delta:g} (sigma {fmt(result.sigma)}, "
+               f"{result.accountant}, {result.relation})" if result.private else "non-private (eps = inf)")
+    emit({"command": "train", **result.to_dict()}, as_json,
+         f"trained {result.steps} steps of {method} in {result.seconds:.1f} s; {privacy}; model: {result.model_dir}")
 
 
 def audit_run(
@@ -151,8 +148,5 @@ def replay_cmd(
         ref = dict(trained.named_parameters())
         diff = max(float((p.float() - ref[n].float()).abs().max()) for n, p in model.named_parameters())
     summary = {"command": "replay", "output": str(out), "max_abs_difference_to_run_model": diff}
-    if as_json:
-        emit_json(summary)
-    else:
-        console.print(f"replayed into {out}" + (f"; max |difference| to the run's model: {diff:.3g}"
-                                                  if diff is not None else ""), highlight=False)
+    emit(summary, as_json, f"replayed into {out}" + (f"; max |difference| to the run's model: {diff:.3g}"
+                                                       if diff is not None else ""))

@@ -44,6 +44,7 @@ def test_noise_switched_off_is_caught(shared):
 @pytest.mark.parametrize("args,message", [
     (["--method", "dp-sgd", "--mech", "laplace"], "laplace is for dp-zo"),
     (["--method", "sgd"], "unknown method"),
+    (["--method", "dp-zo", "--direction", "foo"], "unknown direction"),
     (["--eps", "-1"], "must be > 0"),
     (["--eps", "one"], "number or inf"),
     (["--model", "/nonexistent/model"], "not found"),

@@ -6,6 +6,7 @@ import numpy as np
 
 from dpaudit.canaries.hf import check_tokenizer_matches
 from dpaudit.canaries.manifest import Manifest
+from dpaudit.errors import DPAuditError
 from dpaudit.progress import progress_bar
 
 
@@ -20,7 +21,7 @@ def secret_losses(model, tokenizer, manifest: Manifest, batch_size: int = 32, sh
     for c, ids, sid in zip(manifest.canaries, encoded, secret_ids):
         where = [i for i, t in enumerate(ids) if t == sid]
         if not where or where[-1] == 0:
-            raise ValueError(f"canary {c.index}: its secret is not a separate token after a prefix")
+            raise DPAuditError(f"canary {c.index}: its secret is not a separate token after a prefix")
         positions.append(where[-1])
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

@@ -56,6 +56,10 @@ class TrainConfig:
             raise DPAuditError(f"unknown method {self.method!r}; use dp-zo or dp-sgd")
         if self.mechanism not in ("gaussian", "laplace"):
             raise DPAuditError(f"unknown mechanism {self.mechanism!r}; use gaussian or laplace")
+        from dpaudit.training.zo import DIRECTIONS
+
+        if self.direction not in DIRECTIONS:
+            raise DPAuditError(f"unknown direction {self.direction!r}; use {' or '.join(DIRECTIONS)}")
         if self.mechanism == "laplace" and self.method == "dp-sgd":
             raise DPAuditError("DP-SGD clips an L2 norm and adds Gaussian noise; --mech laplace is for dp-zo")
         if not (self.target_epsilon > 0):
