@@ -2,6 +2,7 @@
 for DP-ZO and DP-SGD: data parallelism changes neither the released quantities nor the accounting."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ def launch(model, run, method, procs):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}",
            str(WORKER), str(model), str(run), method]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                         env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})  # gloo, on CPU
     assert out.returncode == 0, out.stderr[-3000:]
 
 
@@ -41,3 +42,17 @@ def test_two_gloo_processes_match_one(tiny_model_dir, tmp_path, method):
                 for d in ("one", "two")]
         assert [r["seed"] for r in logs[0]] == [r["seed"] for r in logs[1]]
         assert [r["scalar"] for r in logs[0]] == pytest.approx([r["scalar"] for r in logs[1]], rel=1e-5, abs=1e-7)
+
+
+def test_a_rank_without_its_own_gpu_is_refused(monkeypatch):
+    import torch
+
+    from dpaudit.errors import DPAuditError
+    from dpaudit.training.distributed import setup_world
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(DPAuditError, match="no GPU of its own"):
+        setup_world()

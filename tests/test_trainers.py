@@ -119,6 +119,23 @@ def test_dp_zo_replay_reproduces_weights(zo_run, tiny_model_dir):
     assert len(log) == 25 and set(json.loads(log[0])) == {"step", "seed", "scalar"}
 
 
+
+def test_replay_draws_directions_on_the_runs_device_kind(zo_run, tmp_path, monkeypatch):
+    """CPU and CUDA generators give different z for one seed: a GPU run must be replayed on a GPU."""
+    import shutil
+
+    from dpaudit.errors import DPAuditError
+    from dpaudit.training.replay import replay_run
+
+    meta = json.loads((zo_run.run_dir / "run_config.json").read_text())
+    assert meta["direction_device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    gpu_run = tmp_path / "gpu_run"
+    shutil.copytree(zo_run.run_dir, gpu_run)
+    (gpu_run / "run_config.json").write_text(json.dumps({**meta, "direction_device": "cuda"}))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DPAuditError, match="GPU"):
+        replay_run(gpu_run)
+
 def test_ledger_records_spend_and_claim(zo_run):
     ledger = json.loads((zo_run.run_dir / "privacy_ledger.json").read_text())
     assert ledger["steps_executed"] == ledger["steps_in_model"] == 25 and ledger["epsilon_spent"] <= 2.0

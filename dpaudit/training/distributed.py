@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dpaudit.errors import DPAuditError
+
 
 @dataclass(frozen=True)
 class World:
@@ -52,6 +54,9 @@ def setup_world() -> World:
     cuda = torch.cuda.is_available()
     size = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda and local >= torch.cuda.device_count():
+        raise DPAuditError(f"process with LOCAL_RANK {local} has no GPU of its own ({torch.cuda.device_count()} visible): "
+                           "start at most one process per GPU, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run on CPU")
     device = f"cuda:{local}" if cuda else "cpu"
     if size == 1:
         return World(0, 1, device)

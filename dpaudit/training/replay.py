@@ -30,7 +30,11 @@ def replay_run(run_dir: Path, base_model: Path | None = None):
     model, tokenizer = load_causal_lm(base, dtype=torch.bfloat16 if cfg["bf16"] else None)
     torch.manual_seed(cfg["seed"])
     model = select_trainable(model, cfg["trainable"], cfg["lora_rank"])
+    device = meta.get("direction_device", "cpu")  # the generator type that drew the directions
+    if device == "cuda" and not torch.cuda.is_available():
+        raise DPAuditError("this run drew its DP-ZO directions on a GPU (CUDA generator); replay it on a machine with one")
+    model.to(device)
     replay(trainable_parameters(model), steps, cfg["lr"], cfg["direction"])
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
-    return model, tokenizer
+    return model.to("cpu"), tokenizer

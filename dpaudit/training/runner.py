@@ -197,8 +197,11 @@ def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *,
                            cfg.delta, cfg.accountant)
     main = world.is_main  # only rank 0 writes: ledger, log, checkpoints, model
     if main:
+        # DP-ZO directions come from the generator of the device the weights live on (CPU and CUDA
+        # streams differ), so a replay must draw them on the same kind of device.
         atomic_write_json(run_dir / "run_config.json", {"config": _config_for_state(cfg), "base_model": str(model_dir),
-                                                        "sigma": sigma, "sampling_rate": rate, "examples": n})
+                                                        "sigma": sigma, "sampling_rate": rate, "examples": n,
+                                                        "direction_device": params[0].device.type})
     secret = cfg.secret_seed if cfg.secret_seed is not None else _shared_entropy(world)
     rng = np.random.default_rng([int(secret), start])
     batches = None if cfg.private else shuffled_batches(n, cfg.batch_size, rng)
