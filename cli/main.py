@@ -30,10 +30,32 @@ app.command("replay")(train_commands.replay_cmd)
 USAGE_ERROR = 2
 
 
+def _usage_errors() -> tuple[type, ...]:
+    """UsageError of the click that typer runs on: newer typer vendors it as typer._click."""
+    found = []
+    for module in ("typer._click.exceptions", "click.exceptions"):
+        try:
+            found.append(__import__(module, fromlist=["UsageError"]).UsageError)
+        except ImportError:
+            pass
+    return tuple(found)
+
+
 def run(argv: list[str] | None = None) -> None:
     """Console-script entry: user errors and library refusals print one line and exit 2."""
     try:
-        app(args=argv, standalone_mode=True)
+        code = app(args=argv, standalone_mode=False)  # click then raises usage errors to us, returns exit codes
+    except _usage_errors() as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":  # bare `dpaudit` / `dpaudit audit`: help, not an error
+            if exc.format_message().strip():  # rich help is printed when the error is built; plain help is not
+                print(exc.format_message())
+            sys.exit(0)
+        where = exc.ctx.command_path if exc.ctx is not None else "dpaudit"
+        err_console.print(f"[bold red]error:[/bold red] {exc.format_message()} (see '{where} --help')", highlight=False)
+        sys.exit(USAGE_ERROR)
+    except typer.Abort:
+        err_console.print("[bold red]error:[/bold red] aborted", highlight=False)
+        sys.exit(1)
     except DPAuditError as exc:
         err_console.print(f"[bold red]error:[/bold red] {exc}", highlight=False)
         sys.exit(USAGE_ERROR)
@@ -41,6 +63,7 @@ def run(argv: list[str] | None = None) -> None:
         err_console.print(f"[bold red]error:[/bold red] cannot answer this query: {type(exc).__name__}: {exc}",
                           highlight=False)
         sys.exit(USAGE_ERROR)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":
