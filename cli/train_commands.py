@@ -136,7 +136,7 @@ def replay_cmd(
 ) -> None:
     """Rebuild a DP-ZO model from the base weights and the (seed, scalar) log, and compare it with the run's."""
     from dpaudit.models.loading import load_causal_lm
-    from dpaudit.training.replay import replay_run
+    from dpaudit.training.replay import max_weight_difference, replay_run
 
     guard_new_folder(out, force)
     model, tok = replay_run(run, base)
@@ -144,9 +144,7 @@ def replay_cmd(
     tok.save_pretrained(out)
     diff = None
     if (run / "model").is_dir():
-        trained, _ = load_causal_lm(run / "model")
-        ref = dict(trained.named_parameters())
-        diff = max(float((p.float() - ref[n].float()).abs().max()) for n, p in model.named_parameters())
+        diff = max_weight_difference(model, load_causal_lm(run / "model")[0])
     summary = {"command": "replay", "output": str(out), "max_abs_difference_to_run_model": diff}
     emit(summary, as_json, f"replayed into {out}" + (f"; max |difference| to the run's model: {diff:.3g}"
                                                        if diff is not None else ""))

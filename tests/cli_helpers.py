@@ -13,4 +13,4 @@ def assert_one_line_error(out):
     assert out.returncode == 2, (out.stdout, out.stderr)
     assert "Traceback" not in out.stderr
     lines = [line for line in out.stderr.strip().splitlines() if line.strip()]
-    assert lines and lines[0].startswith("error:"), out.stderr
+    assert len(lines) == 1 and lines[0].startswith("error:"), out.stderr

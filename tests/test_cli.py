@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_helpers import dpaudit
+from cli_helpers import assert_one_line_error, dpaudit
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "examples"
 
@@ -45,10 +45,7 @@ def test_check_passing_and_failing_examples():
     ["no-such-command"],
 ])
 def test_bad_input_is_one_line_and_exit_2(args):
-    out = dpaudit(*args, timeout=120)
-    assert out.returncode == 2, (out.stdout, out.stderr)
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:"), out.stderr
+    assert_one_line_error(dpaudit(*args, timeout=120))
 
 
 def test_unusable_config(tmp_path):

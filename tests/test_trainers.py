@@ -12,6 +12,7 @@ from scipy import stats
 from dpaudit.models.loading import load_causal_lm
 from dpaudit.training import zo
 from dpaudit.training.data import tokenize
+from dpaudit.training.replay import max_weight_difference
 from dpaudit.training.runner import TrainConfig, train
 from dpaudit.training.sampling import poisson_batch
 from dpaudit.training.sgd import FirstOrderTrainer
@@ -111,13 +112,24 @@ def test_dp_zo_replay_reproduces_weights(zo_run, tiny_model_dir):
     replayed, _ = replay_run(zo_run.run_dir)
     trained, _ = load_causal_lm(zo_run.model_dir)
     base, _ = load_causal_lm(tiny_model_dir)
-    ref, start = dict(trained.named_parameters()), dict(base.named_parameters())
-    moved = max(float((ref[n] - start[n]).detach().abs().max()) for n in ref)
-    gap = max(float((p - ref[n]).detach().abs().max()) for n, p in replayed.named_parameters())
+    moved = max_weight_difference(trained, base)
+    gap = max_weight_difference(replayed, trained)
     assert moved > 1e-4 and gap < 1e-3 * moved
     log = (zo_run.run_dir / "zo_steps.jsonl").read_text().splitlines()
     assert len(log) == 25 and set(json.loads(log[0])) == {"step", "seed", "scalar"}
 
+
+
+
+def test_replay_command_rebuilds_the_run_model(zo_run, tiny_model_dir, tmp_path):
+    from cli_helpers import dpaudit
+
+    out = dpaudit("replay", "--run", zo_run.run_dir, "-o", tmp_path / "replayed", "--json")
+    assert out.returncode == 0, out.stderr
+    moved = max_weight_difference(load_causal_lm(zo_run.model_dir)[0], load_causal_lm(tiny_model_dir)[0])
+    assert json.loads(out.stdout)["max_abs_difference_to_run_model"] < 1e-3 * moved
+    again = dpaudit("replay", "--run", zo_run.run_dir, "-o", tmp_path / "replayed")
+    assert again.returncode == 2 and "not empty" in again.stderr  # never overwritten silently
 
 
 def test_replay_draws_directions_on_the_runs_device_kind(zo_run, tmp_path, monkeypatch):

@@ -38,3 +38,10 @@ def replay_run(run_dir: Path, base_model: Path | None = None):
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
     return model.to("cpu"), tokenizer
+
+
+def max_weight_difference(model, reference) -> float:
+    """Largest |difference| between same-named parameters of two models (float32, on CPU)."""
+    ref = dict(reference.named_parameters())
+    return max(float((p.detach().float().cpu() - ref[n].detach().float().cpu()).abs().max())
+               for n, p in model.named_parameters())
