@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 
 import numpy as np
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from dpaudit.audit.analysis import AuditResult, analyse
@@ -18,13 +19,34 @@ from dpaudit.errors import DPAuditError
 
 app = typer.Typer(no_args_is_help=True, help="Membership-inference audits against a claimed eps.")
 
-ClaimedOpt = Annotated[Optional[float], typer.Option("--claimed-eps", help="The eps the training claims.")]
-AuditDeltaOpt = Annotated[float, typer.Option("--delta", help="The delta the training claims.")]
-AlphaOpt = Annotated[float, typer.Option("--alpha", help="1 - confidence of the eps lower bounds.")]
+ClaimedOpt = Annotated[Optional[float], typer.Option(
+    "--claimed-eps", help="The eps the training claims (default: the run's, when the file sits in a run folder).")]
+AuditDeltaOpt = Annotated[Optional[float], typer.Option(
+    "--delta", help="The delta the training claims. Default: the run's; required when no run folder says it.")]
+AlphaOpt = Annotated[float, typer.Option("--alpha", help="1 - confidence of every eps lower bound.")]
 GuessesOpt = Annotated[Optional[list[int]], typer.Option(
-    "--guesses", "-k", help="Guess counts r to try (repeatable), fixed in advance; alpha is split over them. "
-                            "Default: 2%, 5%, 10%, 20%, 50%, 100% of m.")]
+    "--guesses", "-k", help="Two-sided guess counts r to try (repeatable), fixed in advance; alpha is split over "
+                            "them. Default: 2%, 5%, 10%, 20%, 50%, 100% of m.")]
 ReportOpt = Annotated[Optional[Path], typer.Option("--report", help="Write report.json/.md, roc.png, scores.csv here.")]
+HeadlineOpt = Annotated[str, typer.Option(
+    "--headline", help="The bound that decides the verdict, fixed in advance: auto (gaussian for white-box sums, "
+                       "fdp-gdp otherwise, fdp at delta = 0), gaussian, fdp-gdp, fdp, steinke, steinke-two-sided.")]
+
+
+def resolve_claims(where: Path, claimed_eps: float | None, delta: float | None) -> tuple[float | None, float, dict]:
+    """The audit's claimed eps and delta: given, or the run's; a missing delta is an error, never 0."""
+    from dpaudit.audit.claims import run_claims
+
+    claims = run_claims(where) or {}
+    if delta is None:
+        delta = claims.get("delta")
+        if delta is None:
+            raise DPAuditError(f"give --delta: nothing next to {where} says which delta the run claimed "
+                               "(the bound depends on it; 0 would inflate it)")
+    if claimed_eps is None:
+        claimed_eps = claims.get("epsilon")
+    context = {k: v for k, v in claims.items() if v is not None and k not in ("white_box",)}
+    return claimed_eps, delta, context
 
 
 def present(result: AuditResult, context: dict, as_json: bool, *, report: Path | None = None, force: bool = False,
@@ -42,19 +64,24 @@ def present(result: AuditResult, context: dict, as_json: bool, *, report: Path |
         d = result.to_dict()
         table = Table(title="membership-inference audit", show_header=False)
         for k, v in context.items():
-            table.add_row(k, str(v))
+            table.add_row(k, escape(str(v)))
         table.add_row("canaries", f"m = {result.m} ({result.members} members)")
+        table.add_row("score", escape(result.score.name))
         table.add_row("AUC", f"{result.roc.auc:.4f}")
         for k, v in d["tpr_at_fpr"].items():
-            table.add_row(f"TPR at FPR {float(k):.1%}", f"{v:.4f}")
-        o = d["one_run"]
-        table.add_row("eps lower bound (one run)",
-                      f"{o['epsilon_lower_bound']:.4f}  [m={o['m']}, r={o['r']}, delta={o['delta']:g}, "
-                      f"alpha={o['alpha']:g}, ceiling {o['ceiling_at_r']:.3f}]")
-        table.add_row("eps lower bound (Clopper-Pearson)", f"{result.clopper_pearson_epsilon:.4f}")
+            if float(k) * result.nonmembers >= 1:  # fewer non-members cannot resolve this FPR
+                table.add_row(f"TPR at FPR {float(k):.1%}", f"{v:.4f}")
+        for name, b in result.bounds.items():
+            mu = f", mu >= {b.mu:.3f}" if b.mu is not None else ""
+            where = f", {b.tests} tests" if b.tests > 1 else ""
+            mark = " (headline)" if name == result.headline else ""
+            table.add_row(f"eps lower bound: {name}{mark}", escape(f"{b.epsilon:.4f}  [delta={b.delta:g}, "
+                                                                   f"alpha={b.alpha:g}{where}{mu}]"))
         console.print(table)
         style = "bold red" if result.violation else "bold green"
-        console.print(f"[{style}]{result.verdict}[/{style}]", highlight=False)
+        console.print(f"[{style}]{escape(result.verdict)}[/{style}]", highlight=False)
+        console.print(f"headline: {result.headline}; valid for {escape(result.headline_bound.valid_for)}",
+                      highlight=False)
         if files:
             console.print(f"report: {Path(files['markdown']).parent}", highlight=False)
     if result.violation:
@@ -83,26 +110,42 @@ def read_scores(path: Path) -> tuple[np.ndarray, np.ndarray]:
 def audit_scores(
     scores_file: Annotated[Path, typer.Argument(help="CSV with columns score,member (higher score = member).")],
     claimed_eps: ClaimedOpt = None,
-    delta: AuditDeltaOpt = 0.0,
+    delta: AuditDeltaOpt = None,
     alpha: AlphaOpt = 0.05,
     guesses: GuessesOpt = None,
+    score: Annotated[Optional[str], typer.Option(
+        "--score", help="What the score is: neg-loss, loss-vs-base, white-box-dp-sgd, white-box-dp-zo or unnamed "
+                        "(default: the report's, else unnamed).")] = None,
+    headline: HeadlineOpt = "auto",
     report: ReportOpt = None,
     force: ForceOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Audit precomputed canary scores; exit 1 if the empirical eps exceeds the claimed eps."""
+    from dpaudit.audit.claims import run_claims
+
+    claimed_eps, delta, context = resolve_claims(scores_file, claimed_eps, delta)
+    score = score or (run_claims(scores_file) or {}).get("score") or "unnamed"
     scores, members = read_scores(scores_file)
-    result = analyse(scores, members, claimed_epsilon=claimed_eps, delta=delta, alpha=alpha, guess_counts=guesses)
-    present(result, {"scores": str(scores_file)}, as_json, report=report, force=force, scores=scores, members=members)
+    result = analyse(scores, members, claimed_epsilon=claimed_eps, delta=delta, alpha=alpha, guess_counts=guesses,
+                     score=score, headline=headline)
+    present(result, {"scores": str(scores_file), **context}, as_json, report=report, force=force, scores=scores,
+            members=members)
 
 
 def audit_checkpoint(
     model: Annotated[Path, typer.Option("--model", help="Local Hugging Face causal-LM directory (or a .gguf file).")],
     canaries: Annotated[Path, typer.Option("--canaries", "-c", help="Canary manifest (JSON).")],
     claimed_eps: ClaimedOpt = None,
-    delta: AuditDeltaOpt = 0.0,
+    delta: AuditDeltaOpt = None,
     alpha: AlphaOpt = 0.05,
     guesses: GuessesOpt = None,
+    score: Annotated[str, typer.Option(
+        "--score", help="neg-loss (-loss of the secret), or loss-vs-base (needs --base: the loss drop from the "
+                        "base model).")] = "neg-loss",
+    base: Annotated[Optional[Path], typer.Option(
+        "--base", help="The model before training (the extended model), for --score loss-vs-base.")] = None,
+    headline: HeadlineOpt = "auto",
     batch_size: Annotated[int, typer.Option("--batch-size", help="Canaries per forward pass.")] = 32,
     report: ReportOpt = None,
     force: ForceOpt = False,
@@ -110,18 +153,44 @@ def audit_checkpoint(
 ) -> None:
     """Score each canary's secret token on a checkpoint, then audit; exit 1 on a violation."""
     from dpaudit.audit.scoring import score_checkpoint
-    from dpaudit.models.loading import load_causal_lm
 
     manifest = load_manifest(canaries)
+    claimed_eps, delta, context = resolve_claims(model, claimed_eps, delta)
+    if score not in ("neg-loss", "loss-vs-base"):
+        raise DPAuditError(f"a checkpoint is scored with neg-loss or loss-vs-base, not {score!r}")
+    if (score == "loss-vs-base") != (base is not None):
+        raise DPAuditError("--score loss-vs-base needs --base (and --base is only for loss-vs-base)")
     if report is not None:
         prepare_folder(report, force)  # fail before the slow part
-    lm, tok = load_causal_lm(model)
-    scores, members = score_checkpoint(lm, tok, manifest, str(model), batch_size=batch_size,
+    scores, members = score_checkpoint(model, manifest, score=score, base=base, batch_size=batch_size,
                                        show_progress=not as_json)
-    result = analyse(scores, members, claimed_epsilon=claimed_eps, delta=delta, alpha=alpha, guess_counts=guesses)
-    present(result, {"model": str(model), "canaries": str(canaries)}, as_json, report=report, force=True,
-            scores=scores, members=members)
+    result = analyse(scores, members, claimed_epsilon=claimed_eps, delta=delta, alpha=alpha, guess_counts=guesses,
+                     score=score, headline=headline)
+    present(result, {"model": str(model), "canaries": str(canaries), **context}, as_json, report=report,
+            force=True, scores=scores, members=members)
+
+
+def audit_transcript(
+    run: Annotated[Path, typer.Option("--run", help="A run folder trained with --white-box M.")],
+    claimed_eps: ClaimedOpt = None,
+    delta: AuditDeltaOpt = None,
+    alpha: AlphaOpt = 0.05,
+    headline: HeadlineOpt = "auto",
+    report: ReportOpt = None,
+    force: ForceOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """White-box audit of a run's transcript (DP-SGD canary-aligned releases, DP-ZO (seed, scalar) log)."""
+    from dpaudit.audit.whitebox import audit_run_folder
+
+    claimed_eps, delta, context = resolve_claims(run, claimed_eps, delta)
+    result, scores, members, facts = audit_run_folder(run, claimed_epsilon=claimed_eps, delta=delta, alpha=alpha,
+                                                      headline=headline)
+    context.update({k: v for k, v in facts.items() if not isinstance(v, dict)})
+    present(result, {"run": str(run), **context}, as_json, report=report, force=force, scores=scores,
+            members=members)
 
 
 app.command("scores")(audit_scores)
+app.command("transcript")(audit_transcript)
 app.command("checkpoint")(audit_checkpoint)

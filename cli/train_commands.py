@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Annotated, Optional
@@ -49,6 +50,10 @@ def parse_eps(eps: str | None, sigma: float | None) -> float:
     return value
 
 
+PlantBugOpt = Annotated[Optional[str], typer.Option(
+    "--plant-bug", hidden=True, help="Testing the audit only (needs DPAUDIT_ALLOW_BUGS=1): plant a privacy bug.")]
+
+
 def make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction, trainable,
                 bf16, seed, secret_seed, accountant, **extra):
     from dpaudit.training.runner import TrainConfig
@@ -72,6 +77,10 @@ def train_cmd(
     data_format: FormatOpt = None, field: FieldOpt = "text",
     save_every: Annotated[int, typer.Option("--save-every", help="Checkpoint every k steps (0: at the end).")] = 0,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its checkpoint.")] = False,
+    white_box: Annotated[int, typer.Option(
+        "--white-box", help="Plant M white-box canaries and record the canary-aligned transcript "
+                            "(audit it with 'dpaudit audit transcript').")] = 0,
+    plant_bug: PlantBugOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Fine-tune a local causal LM with DP-ZO or DP-SGD (sigma calibrated to --eps) or a non-private baseline."""
@@ -79,7 +88,8 @@ def train_cmd(
     from dpaudit.training.runner import train
 
     cfg = make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction,
-                      trainable, bf16, seed, secret_seed, accountant, save_every=save_every)
+                      trainable, bf16, seed, secret_seed, accountant, save_every=save_every, white_box=white_box,
+                      plant_bug=plant_bug)
     texts = read_texts(data, detect_format(data, data_format), field)
     result = train(model, texts, out, cfg, resume=resume, show_progress=not as_json)
     privacy = (f"eps <= {fmt(result.epsilon)} at delta = {result.delta:g} (sigma {fmt(result.sigma)}, "
@@ -92,14 +102,25 @@ def audit_run(
     out: Annotated[Path, typer.Option("--out", "-o", help="Output folder.")] = Path("dpaudit-run"),
     method: MethodOpt = "dp-sgd", eps: EpsOpt = "1", sigma: SigmaOpt = None, delta: TrainDeltaOpt = 1e-5,
     mech: TrainMechOpt = "gaussian", clip: ClipOpt = None, lr: LrOpt = None, optimizer: OptimizerOpt = "adamw",
-    steps: TrainStepsOpt = None, batch_size: TrainBatchOpt = 64, phi: PhiOpt = 1e-3,
+    steps: TrainStepsOpt = None,
+    batch_size: Annotated[Optional[int], typer.Option(
+        "--batch-size", "-B", help="Expected batch size (p = B/N; 0 = every example every step). Default: 64; "
+                                   "white box: 0, full batches.")] = None,
+    phi: PhiOpt = 1e-3,
     direction: DirectionOpt = "gaussian", trainable: TrainableOpt = "full", bf16: Bf16Opt = False,
     seed: TrainSeedOpt = 0, secret_seed: SecretSeedOpt = None, accountant: AccountantTrainOpt = None,
     model: Annotated[Optional[Path], typer.Option("--model", help="Local causal LM (default: embedded).")] = None,
     data: Annotated[Optional[Path], typer.Option("--data", "-d", help="Training data (default: synthetic).")] = None,
     data_format: FormatOpt = None, field: FieldOpt = "text",
-    canaries: Annotated[int, typer.Option("--canaries", "-m", help="Number of canaries.")] = 1000,
-    examples: Annotated[int, typer.Option("--examples", help="Synthetic sentences when no --data.")] = 1000,
+    canaries: Annotated[Optional[int], typer.Option(
+        "--canaries", "-m", help="Number of canaries (default 1000; white-box DP-ZO: chosen to maximise the "
+                                 "expected bound).")] = None,
+    examples: Annotated[Optional[int], typer.Option(
+        "--examples", help="Synthetic sentences when no --data (default 1000; white box 64).")] = None,
+    white_box: Annotated[bool, typer.Option(
+        "--white-box", help="Audit what DP protects: canaries planted in every privatised release "
+                            "(DP-SGD gradients, DP-ZO scalars), scored from the run's transcript.")] = False,
+    plant_bug: PlantBugOpt = None,
     repeat: Annotated[int, typer.Option("--repeat", "-r", help="Copies of each member canary.")] = 1,
     unsafe_disable_noise: Annotated[bool, typer.Option(
         "--unsafe-disable-noise", hidden=True, help="Testing only: claim eps but add no noise.")] = False,
@@ -110,14 +131,23 @@ def audit_run(
     from dpaudit.audit.pipeline import AuditRunSettings, run_audit
     from dpaudit.cli.audit_commands import present
 
+    from dpaudit.audit.pipeline import white_box_canaries
+
     if sigma is not None and eps == "1":
         eps = None  # --sigma replaces the default target
+    if batch_size is None:
+        batch_size = 0 if white_box else 64
+    if examples is None:
+        examples = 64 if white_box else 1000
     cfg = make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction,
-                      trainable, bf16, seed, secret_seed, accountant, unsafe_disable_noise=unsafe_disable_noise)
+                      trainable, bf16, seed, secret_seed, accountant, unsafe_disable_noise=unsafe_disable_noise,
+                      plant_bug=plant_bug)
+    if white_box:
+        cfg = dataclasses.replace(cfg, white_box=canaries or white_box_canaries(cfg))
     if repeat > 1 and cfg.private:
         err_console.print(f"[yellow]note:[/yellow] {repeat} copies per canary: the claimed eps is per example, "
                       "a canary's group guarantee is weaker", highlight=False)
-    settings = AuditRunSettings(canaries=canaries, repeats=repeat, examples=examples, seed=seed)
+    settings = AuditRunSettings(canaries=canaries or 1000, repeats=repeat, examples=examples, seed=seed)
     audit, result, summary = run_audit(out, cfg, settings, model=model, data=data, data_format=data_format,
                                        field=field, force=force, show_progress=not as_json)
     if not as_json:

@@ -40,7 +40,7 @@ def epsilon_curve(xs: Sequence[float], eps: Sequence[float], *, x_label: str, ti
     return save_figure(fig, path)
 
 
-def roc_plot(fpr, tpr, auc: float, path: Path) -> Path:
+def roc_plot(fpr, tpr, auc: float, path: Path, score: str = "-loss of the secret") -> Path:
     """ROC on linear axes and with a log-scale FPR (where low-FPR leakage shows)."""
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
     for ax, log in zip(axes, (False, True)):
@@ -56,5 +56,5 @@ def roc_plot(fpr, tpr, auc: float, path: Path) -> Path:
         ax.set_ylabel("true positive rate" + (" (log)" if log else ""))
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(loc="lower right")
-    fig.suptitle("Membership inference on canaries (score = -loss of the secret)", fontsize=10)
+    fig.suptitle(f"Membership inference on canaries (score: {score})", fontsize=10)
     return save_figure(fig, path)

@@ -46,18 +46,33 @@ def test_trained_members_are_separated_and_flagged(audit_setup):
     data = json.loads(out.stdout)
     assert data["auc"] > 0.95
     assert data["violation"] and data["verdict"].startswith("VIOLATION")
-    assert data["one_run"]["epsilon_lower_bound"] > 0.5 and data["one_run"]["m"] == M
+    assert data["epsilon_lower_bound"] > 0.5 and data["canaries"]["m"] == M
+    assert data["score"]["name"] == "neg-loss" and data["headline"]["bound"] == "fdp-gdp"
     for name in ("report.json", "report.md", "roc.png", "scores.csv"):
         assert (root / "report" / name).stat().st_size > 0
-    again = dpaudit("audit", "scores", root / "report" / "scores.csv", "--claimed-eps", "0.5", "--delta", "1e-5",
-                    "--json")
-    assert again.returncode == 1 and json.loads(again.stdout)["auc"] == data["auc"]
+    # The report folder says which delta, claimed eps and score: nothing needs repeating.
+    again = dpaudit("audit", "scores", root / "report" / "scores.csv", "--json")
+    redone = json.loads(again.stdout)
+    assert again.returncode == 1 and redone["auc"] == data["auc"] and redone["delta"] == 1e-5
+    assert redone["epsilon_lower_bound"] == data["epsilon_lower_bound"] and redone["score"]["name"] == "neg-loss"
+    calibrated = dpaudit("audit", "checkpoint", "--model", root / "trained", "--canaries", root / "canaries.json",
+                         "--delta", "1e-5", "--score", "loss-vs-base", "--base", root / "untrained", "--json")
+    assert json.loads(calibrated.stdout)["score"]["name"] == "loss-vs-base"
+    assert json.loads(calibrated.stdout)["auc"] > 0.95
+
+
+def test_delta_is_required_when_nothing_says_it(audit_setup):
+    root = audit_setup
+    out = dpaudit("audit", "checkpoint", "--model", root / "untrained", "--canaries", root / "canaries.json",
+                  "--claimed-eps", "1")
+    assert_one_line_error(out)
+    assert "give --delta" in out.stderr
 
 
 def test_untrained_model_is_at_chance(audit_setup):
     root = audit_setup
     out = dpaudit("audit", "checkpoint", "--model", root / "untrained", "--canaries", root / "canaries.json",
-                  "--claimed-eps", "1", "--json")
+                  "--claimed-eps", "1", "--delta", "1e-5", "--json")
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert abs(data["auc"] - 0.5) < 0.12
@@ -87,6 +102,7 @@ def test_bad_inputs_exit_2_with_one_line(audit_setup, tiny_model_dir, tmp_path):
         (tmp_path / "nowhere", root / "canaries.json", "not found"),
     ]
     for model, canaries, message in cases:
-        out = dpaudit("audit", "checkpoint", "--model", model, "--canaries", canaries, "--claimed-eps", "1")
+        out = dpaudit("audit", "checkpoint", "--model", model, "--canaries", canaries, "--claimed-eps", "1",
+                      "--delta", "1e-5")
         assert_one_line_error(out)
         assert message in out.stderr, (model, canaries, out.stderr)

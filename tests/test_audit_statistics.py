@@ -12,6 +12,8 @@ from dpaudit.audit import clopper_pearson, one_run
 from dpaudit.audit.analysis import analyse
 from dpaudit.audit.guesses import default_guess_counts
 
+TWO = "steinke-two-sided"  # today's bound: two-sided guesses at counts fixed in advance
+
 
 def reference_rows(reference_dir):
     text = (reference_dir / "auditing.md").read_text()
@@ -53,8 +55,8 @@ def test_null_scores_give_chance_auc_and_zero_bound_in_95_percent():
     trials, zero, aucs = 200, 0, []
     for _ in range(trials):
         members = rng.random(1000) < 0.5
-        result = analyse(rng.normal(size=1000), members, alpha=0.05)
-        zero += result.one_run_epsilon == 0
+        result = analyse(rng.normal(size=1000), members, alpha=0.05, delta=1e-5)
+        zero += result.epsilon_lower_bound == 0
         aucs.append(result.roc.auc)
     assert zero / trials >= 0.95
     assert abs(np.mean(aucs) - 0.5) < 0.01
@@ -65,12 +67,12 @@ def test_perfect_separation_reaches_the_ceiling_for_m_and_k():
     members = rng.random(1000) < 0.5
     scores = members + rng.normal(scale=0.01, size=1000)
     fixed = analyse(scores, members, guess_counts=[100], delta=0.0)
-    assert fixed.one_run_epsilon == pytest.approx(one_run.ceiling(1000, 100, 0.0, 0.05))
-    assert fixed.one_run_epsilon == pytest.approx(3.49, abs=0.006)  # the reference row m=1000, r=v=100
+    assert fixed.bounds[TWO].epsilon == pytest.approx(one_run.ceiling(1000, 100, 0.0, 0.05))
+    assert fixed.bounds[TWO].epsilon == pytest.approx(3.49, abs=0.006)  # the reference row m=1000, r=v=100
     # The default grid pays for its 6 guess counts with alpha / 6.
     grid = analyse(scores, members, delta=1e-5)
     counts = default_guess_counts(1000)
-    assert grid.one_run_epsilon == pytest.approx(max(
+    assert grid.bounds[TWO].epsilon == pytest.approx(max(
         one_run.ceiling(1000, r, 1e-5, 0.05 / len(counts)) for r in counts
         if r // 2 <= min(members.sum(), (~members).sum())), rel=1e-9)
     assert grid.roc.auc == 1.0 and grid.violation is False
@@ -79,9 +81,10 @@ def test_perfect_separation_reaches_the_ceiling_for_m_and_k():
 def test_auc_is_not_inflated_for_reversed_scores():
     rng = np.random.default_rng(1)
     members = rng.random(500) < 0.5
-    result = analyse(-members.astype(float) + rng.normal(scale=0.1, size=500), members, claimed_epsilon=1.0)
+    result = analyse(-members.astype(float) + rng.normal(scale=0.1, size=500), members, claimed_epsilon=1.0,
+                     delta=1e-5)
     assert result.roc.auc < 0.05            # reported as measured, never max(AUC, 1 - AUC)
-    assert result.one_run_epsilon == 0.0    # the direction was fixed in advance
+    assert all(b.epsilon == 0.0 for b in result.bounds.values())  # the direction was fixed in advance
     assert not result.violation and result.verdict == "consistent with eps = 1"
 
 
@@ -90,7 +93,7 @@ def test_violation_verdict():
     members = rng.random(1000) < 0.5
     result = analyse(members * 3.0 + rng.normal(size=1000), members, claimed_epsilon=0.5, delta=1e-5)
     assert result.violation and result.verdict.startswith("VIOLATION: empirical eps >= ")
-    assert result.one_run_epsilon > 0.5
+    assert result.epsilon_lower_bound > 0.5
 
 
 def test_clopper_pearson_bound():

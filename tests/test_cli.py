@@ -105,10 +105,12 @@ def test_canaries_cli_make_and_insert(tiny_model_dir, tmp_path):
     ("score,member\n0.1,1\n", "no non-member"),
     ("score,member\nabc,1\n0.2,0\n", "number score"),
     ("s,m\n0.1,1\n", "score,member"),
+    ("score,member\nnan,1\n0.2,0\n", "NaN"),
+    ("score,member\n0.1,1\n0.2,0\n0.3,1\n", "vacuous"),  # delta 0.4 >= 1/m
 ])
 def test_audit_scores_bad_files(tmp_path, content, message):
     f = tmp_path / "s.csv"
     f.write_text(content)
-    out = dpaudit("audit", "scores", f, "--claimed-eps", "1")
+    out = dpaudit("audit", "scores", f, "--claimed-eps", "1", "--delta", "0.4")
     assert out.returncode == 2 and message in out.stderr, out.stderr
     assert "Traceback" not in out.stderr

@@ -1,22 +1,45 @@
-"""From canary scores to an audit: ROC, eps lower bounds, and the verdict against the claimed eps."""
+"""From canary scores to an audit: ROC, every eps lower bound, the headline, and the verdict.
+
+The headline is one rule, fixed before the scores are seen (so it needs no further correction):
+- white-box scores that sum canary-aligned signals (delta > 0): the continuous Gaussian audit;
+- other scores, delta > 0: the f-DP one-run test of the Gaussian family, one-sided top-k guesses for 12
+  counts fixed in advance (label-free, so Bonferroni over them is exact; jax_privacy's ROC-hull rule
+  picks its thresholds with the labels and is reported beside it);
+- delta = 0 (pure eps claims): Steinke et al.'s bound with the same guesses, valid for any mechanism (for
+  pure eps it matches the f-DP test of the eps trade-off curve, and is a hair stronger in our checks).
+Every other bound is reported beside it, each valid on its own at level alpha, none used for the verdict.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
-from dpaudit.audit import clopper_pearson, one_run
-from dpaudit.audit.guesses import check_scores, default_guess_counts, make_guesses, ranking
+import numpy as np
+
+from dpaudit.audit.auditor import Bound, CanaryScoreAuditor, GuessCounts, HullThresholds, TopGuesses
+from dpaudit.audit.guesses import check_scores
 from dpaudit.audit.roc import RocSummary, summarise
+from dpaudit.audit.scores import Score, get_score
 from dpaudit.errors import DPAuditError
 
+HEADLINES = ("auto", "gaussian", "fdp-gdp", "fdp", "steinke", "steinke-two-sided", "fdp-gdp-hull", "steinke-hull")
+TOP_K = "one-sided top-k guesses for 12 counts k fixed in advance (label-free), alpha split over them"
+HULL = ("one-sided guesses at ROC-hull thresholds, alpha split over the hull's vertices (jax_privacy's rule; the "
+        "hull is chosen with the labels, so this is slightly optimistic at the null)")
 
-@dataclass(frozen=True)
-class BoundAtGuesses:
-    r: int
-    correct: int
-    one_run_epsilon: float
-    clopper_pearson_epsilon: float
+WHY = {
+    "gaussian": "white-box scores are sums over many released updates, hence Gaussian: the mean shift of all m "
+                "scores estimates mu (noncentral-t lower limit), converted to eps at delta through G_mu",
+    "fdp-gdp": "f-DP one-run test (Mahloujifar et al. 2025) of the Gaussian trade-off family, the shape DP-SGD "
+               "and DP-ZO take over many steps; " + TOP_K,
+    "fdp": "f-DP one-run test of the (eps, delta) trade-off curve: valid for any (eps, delta)-DP mechanism; " + TOP_K,
+    "steinke": "Steinke et al. 2023 one-run bound, valid for any (eps, delta)-DP mechanism; " + TOP_K,
+    "fdp-gdp-hull": "f-DP one-run test of the Gaussian family; " + HULL,
+    "steinke-hull": "Steinke et al. 2023 one-run bound; " + HULL,
+    "steinke-two-sided": "Steinke et al. 2023 one-run bound with two-sided guesses at counts fixed in advance, "
+                         "alpha split over them",
+}
 
 
 @dataclass
@@ -27,51 +50,47 @@ class AuditResult:
     alpha: float
     delta: float
     claimed_epsilon: float | None
-    guess_counts: list[int]
-    per_guess: list[BoundAtGuesses]
-    one_run_epsilon: float          # best over guess_counts, Bonferroni-corrected
-    one_run_r: int
-    one_run_ceiling: float          # what all-correct guesses at that r would give
-    clopper_pearson_epsilon: float
+    score: Score
+    bounds: dict[str, Bound]
+    headline: str
     roc: RocSummary = field(repr=False)
 
     @property
+    def epsilon_lower_bound(self) -> float:
+        return self.bounds[self.headline].epsilon
+
+    @property
+    def headline_bound(self) -> Bound:
+        return self.bounds[self.headline]
+
+    @property
     def violation(self) -> bool:
-        return self.claimed_epsilon is not None and self.one_run_epsilon > self.claimed_epsilon
+        return self.claimed_epsilon is not None and self.epsilon_lower_bound > self.claimed_epsilon
 
     @property
     def verdict(self) -> str:
         if self.claimed_epsilon is None:
-            return f"empirical eps >= {self.one_run_epsilon:.3f} (no claimed eps given)"
+            return f"empirical eps >= {self.epsilon_lower_bound:.3f} (no claimed eps given)"
         if self.violation:
-            return (f"VIOLATION: empirical eps >= {self.one_run_epsilon:.3f} > claimed "
+            return (f"VIOLATION: empirical eps >= {self.epsilon_lower_bound:.3f} > claimed "
                     f"{self.claimed_epsilon:g}")
         return f"consistent with eps = {self.claimed_epsilon:g}"
 
     def to_dict(self) -> dict:
-        corrected = self.alpha / len(self.guess_counts)
+        eps = self.epsilon_lower_bound
         return {
             "verdict": self.verdict,
             "violation": self.violation,
             "claimed_epsilon": self.claimed_epsilon,
+            "epsilon_lower_bound": eps if math.isfinite(eps) else "inf",
+            "headline": {"bound": self.headline, "why_valid": WHY[self.headline],
+                         "valid_for": self.headline_bound.valid_for},
+            "delta": self.delta, "alpha": self.alpha,
             "canaries": {"m": self.m, "members": self.members, "nonmembers": self.nonmembers},
-            "score": "-loss on the secret token (higher = member), fixed in advance",
+            "score": {"name": self.score.name, "description": self.score.description},
             "auc": self.roc.auc,
             "tpr_at_fpr": {f"{k:g}": v for k, v in self.roc.tpr_at_fpr.items()},
-            "one_run": {
-                "epsilon_lower_bound": self.one_run_epsilon,
-                "method": "Steinke, Nasr & Jagielski 2023 (one training run)",
-                "m": self.m, "r": self.one_run_r, "delta": self.delta, "alpha": self.alpha,
-                "guess_counts_tried": self.guess_counts,
-                "alpha_per_guess_count": corrected,
-                "ceiling_at_r": self.one_run_ceiling,
-            },
-            "clopper_pearson": {
-                "epsilon_lower_bound": self.clopper_pearson_epsilon,
-                "delta": self.delta, "alpha": self.alpha, "thresholds_tried": len(self.guess_counts),
-                "note": "treats canaries as independent trials; indicative in a one-run audit",
-            },
-            "per_guess_count": [asdict(b) for b in self.per_guess],
+            "bounds": {k: b.to_dict() for k, b in self.bounds.items()},
         }
 
 
@@ -84,32 +103,51 @@ def check_audit_parameters(alpha: float, delta: float, claimed_epsilon: float | 
         raise DPAuditError(f"claimed eps must be a finite number >= 0, got {claimed_epsilon}")
 
 
+def choose_headline(score: Score, delta: float, headline: str = "auto") -> str:
+    if headline not in HEADLINES:
+        raise DPAuditError(f"unknown headline bound {headline!r}; use {', '.join(HEADLINES)}")
+    if headline == "auto":
+        if delta == 0:
+            return "steinke"
+        return "gaussian" if score.gaussian_sum else "fdp-gdp"
+    if headline in ("gaussian", "fdp-gdp", "fdp-gdp-hull") and delta == 0:
+        raise DPAuditError(f"the {headline} bound needs delta > 0 (a Gaussian curve has no finite pure eps)")
+    return headline
+
+
 def analyse(scores, members, *, claimed_epsilon: float | None = None, delta: float = 0.0,
-            alpha: float = 0.05, guess_counts: list[int] | None = None, seed: int = 0) -> AuditResult:
-    """Audit canary scores. ``guess_counts`` (r values) must be fixed before looking at the scores;
-    the default grid is, and alpha is split evenly over however many are tried (Bonferroni)."""
+            alpha: float = 0.05, guess_counts: list[int] | None = None, seed: int = 0,
+            score: str = "unnamed", headline: str = "auto") -> AuditResult:
+    """Audit canary scores (higher = member). Guess counts and the headline rule are fixed before looking
+    at the scores; each bound pays for the guess sets it tries (Bonferroni)."""
     check_audit_parameters(alpha, delta, claimed_epsilon)
     scores, members = check_scores(scores, members)
     m = len(scores)
-    counts = sorted(set(guess_counts)) if guess_counts else default_guess_counts(m)
-    if counts[0] < 1 or counts[-1] > m:
-        raise DPAuditError(f"guess counts must lie in [1, m={m}], got {counts}")
-    a = alpha / len(counts)
-    order = ranking(scores, seed)
-    n_mem, n_non = int(members.sum()), int((~members).sum())
-    per_guess = []
-    for r in counts:
-        g = make_guesses(order, members, r)
-        top = order[:r]  # Clopper-Pearson threshold: the r highest scores are called "member"
-        tp = int(members[top].sum())
-        per_guess.append(BoundAtGuesses(
-            r=r, correct=g.correct,
-            one_run_epsilon=one_run.epsilon_lower_bound(m, r, g.correct, delta, a),
-            clopper_pearson_epsilon=clopper_pearson.epsilon_lower_bound(tp, n_mem, r - tp, n_non, delta, a)))
-    best = max(per_guess, key=lambda b: b.one_run_epsilon)
-    return AuditResult(
-        m=m, members=n_mem, nonmembers=n_non, alpha=alpha, delta=delta, claimed_epsilon=claimed_epsilon,
-        guess_counts=counts, per_guess=per_guess, one_run_epsilon=best.one_run_epsilon, one_run_r=best.r,
-        one_run_ceiling=one_run.ceiling(m, best.r, delta, a),
-        clopper_pearson_epsilon=max(b.clopper_pearson_epsilon for b in per_guess),
-        roc=summarise(scores, members))
+    if delta * m >= 1:
+        raise DPAuditError(f"delta = {delta:g} >= 1/m = {1 / m:.3g}: a claim with delta this large allows "
+                           "leaking a canary outright, so no audit of m canaries can bound eps (vacuous)")
+    kind = get_score(score)
+    head = choose_headline(kind, delta, headline)
+    counts = GuessCounts(tuple(guess_counts) if guess_counts else None)
+    resolved = counts.resolve(m)
+    if resolved[0] < 1 or resolved[-1] > m:
+        raise DPAuditError(f"guess counts must lie in [1, m={m}], got {resolved}")
+    auditor = CanaryScoreAuditor.from_labels(scores, members, seed)
+    top, hull = TopGuesses(), HullThresholds()
+    bounds = {}
+    if delta > 0:
+        bounds["fdp-gdp"] = auditor.epsilon_one_run_fdp(alpha, delta, "gdp", top)
+        bounds["fdp-gdp-hull"] = auditor.epsilon_one_run_fdp(alpha, delta, "gdp", hull)
+    bounds["fdp"] = auditor.epsilon_one_run_fdp(alpha, delta, "approx", top)
+    bounds["steinke"] = auditor.epsilon_one_run(alpha, delta, top)
+    bounds["steinke-hull"] = auditor.epsilon_one_run(alpha, delta, hull)
+    bounds["steinke-two-sided"] = auditor.epsilon_one_run(alpha, delta, counts)
+    n_in, n_out = int(members.sum()), int((~members).sum())
+    if delta > 0 and (kind.gaussian_sum or head == "gaussian") and min(n_in, n_out) >= 2:
+        bounds["gaussian"] = auditor.epsilon_gaussian(alpha, delta)
+    if head not in bounds:
+        raise DPAuditError("the gaussian bound needs at least 2 members and 2 non-members")
+    bounds["clopper-pearson"] = auditor.epsilon_clopper_pearson(alpha, delta, top)
+    return AuditResult(m=m, members=n_in, nonmembers=n_out, alpha=alpha, delta=delta,
+                       claimed_epsilon=claimed_epsilon, score=kind, bounds=bounds, headline=head,
+                       roc=summarise(scores, members))

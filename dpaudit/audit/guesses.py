@@ -62,3 +62,30 @@ def make_guesses(order: np.ndarray, members: np.ndarray, r: int) -> Guesses:
     bottom = order[m - k_nonmember:] if k_nonmember else order[:0]
     correct = int(members[top].sum() + (~members[bottom]).sum())
     return Guesses(r=r, correct=correct, k_member=k_member, k_nonmember=k_nonmember)
+
+
+def roc_hull(scores: np.ndarray, members: np.ndarray) -> list[tuple[int, int, float]]:
+    """One-sided guesses at the ROC convex-hull thresholds: (k guessed member, v of them right, threshold).
+
+    A threshold t guesses "member" for every score >= t. Only the vertices of the ROC's upper convex
+    hull are kept (a point on or under a chord is never the best test), from (0, 0) to (all, all), so
+    the Bonferroni correction pays for exactly these.
+    """
+    order = np.argsort(-scores, kind="stable")
+    s, mem = scores[order], members[order]
+    last = np.flatnonzero(np.r_[s[1:] != s[:-1], True])  # last index of each distinct score
+    k = np.r_[0, last + 1]
+    v = np.r_[0, np.cumsum(mem)[last]]
+    thresholds = np.r_[np.inf, s[last]]
+    fp, tp = k - v, v
+    hull: list[int] = []
+    for i in range(len(k)):
+        while len(hull) >= 2:
+            a, b = hull[-2], hull[-1]
+            cross = (fp[b] - fp[a]) * (tp[i] - tp[a]) - (tp[b] - tp[a]) * (fp[i] - fp[a])
+            if cross >= 0:  # b is on or under the chord a-i
+                hull.pop()
+            else:
+                break
+        hull.append(i)
+    return [(int(k[i]), int(v[i]), float(thresholds[i])) for i in hull]

@@ -35,10 +35,12 @@ def p_value(eps: float, m: int, r: int, v: int, delta: float) -> float:
     return min(1.0, f_v + 2.0 * m * delta * slack)
 
 
-def epsilon_lower_bound(m: int, r: int, v: int, delta: float = 0.0, alpha: float = 0.05) -> float:
+def epsilon_lower_bound(m: int, r: int, v: int, delta: float = 0.0, alpha: float = 0.05,
+                        floor: float = 0.0) -> float:
     """Largest eps rejected at level alpha: with probability >= 1 - alpha the true eps is at least this.
 
-    Returns 0 when even eps = 0 is not rejected (v is no better than coin flips).
+    Returns ``floor`` (default 0) when no eps above it is rejected (at 0: v is no better than coin
+    flips); a search over many guess sets passes the best bound so far and skips the rest cheaply.
     """
     if not (0 <= v <= r <= m):
         raise ValueError(f"need 0 <= v <= r <= m, got m={m}, r={r}, v={v}")
@@ -46,12 +48,12 @@ def epsilon_lower_bound(m: int, r: int, v: int, delta: float = 0.0, alpha: float
         raise ValueError(f"alpha must be in (0, 1), got {alpha}")
     if not 0 <= delta < 1:
         raise ValueError(f"delta must be in [0, 1), got {delta}")
-    if r == 0 or p_value(0.0, m, r, v, delta) > alpha:
-        return 0.0
+    if r == 0 or p_value(floor, m, r, v, delta) > alpha:
+        return floor
     if p_value(EPS_CEILING, m, r, v, delta) <= alpha:
         return EPS_CEILING
     # p_value is increasing in eps (q grows, and so does every binomial tail); bisect the crossing.
-    return float(optimize.brentq(lambda e: p_value(e, m, r, v, delta) - alpha, 0.0, EPS_CEILING,
+    return float(optimize.brentq(lambda e: p_value(e, m, r, v, delta) - alpha, floor, EPS_CEILING,
                                  xtol=1e-10, rtol=1e-12))
 
 

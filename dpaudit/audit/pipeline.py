@@ -28,6 +28,33 @@ class AuditRunSettings:
     alpha: float = 0.05
 
 
+def white_box_canaries(cfg: TrainConfig, alpha: float = 0.05) -> int:
+    """How many white-box canaries to plant.
+
+    DP-SGD: 1000 (each on its own coordinate, so canaries never interfere; more only sharpens the bound).
+    DP-ZO: all canaries share one released scalar a step. With full batches (p = 1, the white-box
+    default) the mechanism is mu-GDP with mu = sqrt(T) / sigma, so the noise adds T / mu^2 C^2 of variance
+    over T steps and the other m/2 member canaries m T / 2 C^2 more: a member's score separates by
+    mu / sqrt(1 + m mu^2 / (2 T)), estimated from m scores with standard error about 2 / sqrt(m). We take
+    the m on a grid that maximises mu / sqrt(1 + m mu^2 / (2 T)) - 2 z_alpha / sqrt(m), with mu the claim's.
+    """
+    if cfg.method == "dp-sgd":
+        return 1000
+    from scipy.stats import norm
+
+    from dpaudit.audit.gdp import mu_from_epsilon
+
+    if cfg.sigma is not None:
+        mu = math.sqrt(cfg.steps) / cfg.sigma
+    elif math.isfinite(cfg.target_epsilon) and cfg.delta > 0:
+        mu = mu_from_epsilon(cfg.target_epsilon, cfg.delta)
+    else:
+        return 500
+    z = float(norm.isf(alpha))
+    grid = [50, 100, 200, 300, 400, 500, 700, 1000, 1500, 2000, 3000, 5000]
+    return max(grid, key=lambda m: mu / math.sqrt(1 + m * mu * mu / (2 * cfg.steps)) - 2 * z / math.sqrt(m))
+
+
 def embedded_default(folder: Path, seed: int = 0) -> Path:
     """Build the embedded default model once into ``folder`` (reused when already there)."""
     from dpaudit.models.embedded import build_embedded_default
@@ -49,6 +76,8 @@ def run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model:
 
     out = prepare_folder(out, force)  # a non-empty folder only with --force: then our sub-folders are redone
     base = model if model is not None else embedded_default(out / "base_model", settings.seed)
+    if cfg.white_box:
+        return _white_box(out, cfg, settings, base, data, data_format, field, show_progress)
     lm, tok = load_causal_lm(base)
     manifest = make_canaries(tok, settings.canaries, seed=settings.seed, prefix_length=settings.prefix_length,
                              name_or_path=str(base))
@@ -69,11 +98,34 @@ def run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model:
     shutil.rmtree(out / "run", ignore_errors=True)
     result = train(out / "extended_model", read_texts(train_file, fmt, field), out / "run", cfg,
                    show_progress=show_progress)
-    trained, trained_tok = load_causal_lm(result.model_dir)
-    scores, members = score_checkpoint(trained, trained_tok, manifest, str(result.model_dir),
-                                       show_progress=show_progress)
+    scores, members = score_checkpoint(result.model_dir, manifest, show_progress=show_progress)
     claimed = result.epsilon if math.isfinite(result.epsilon) else None
-    audit = analyse(scores, members, claimed_epsilon=claimed, delta=cfg.delta, alpha=settings.alpha)
+    audit = analyse(scores, members, claimed_epsilon=claimed, delta=cfg.delta, alpha=settings.alpha, score="neg-loss")
+    return _finish(out, cfg, base, audit, result, scores, members, {})
+
+
+def _white_box(out: Path, cfg: TrainConfig, settings: AuditRunSettings, base: Path, data, data_format, field,
+               show_progress: bool):
+    """Train with white-box canaries planted, then audit the transcript (no model scoring needed)."""
+    from dpaudit.audit.whitebox import audit_run_folder
+    from dpaudit.canaries.insert import detect_format, read_texts
+    from dpaudit.models.corpus import sentences
+
+    if data is None:
+        texts = sentences(settings.examples, seed=settings.seed + 1)
+    else:
+        fmt = detect_format(Path(data), data_format)
+        texts = read_texts(Path(data), fmt, field)
+    shutil.rmtree(out / "run", ignore_errors=True)
+    result = train(base, texts, out / "run", cfg, show_progress=show_progress)
+    audit, scores, members, facts = audit_run_folder(out / "run", claimed_epsilon=result.epsilon,
+                                                     delta=cfg.delta, alpha=settings.alpha)
+    return _finish(out, cfg, base, audit, result, scores, members, facts)
+
+
+def _finish(out: Path, cfg: TrainConfig, base: Path, audit: AuditResult, result: TrainResult, scores, members,
+            extra: dict):
+    claimed = result.epsilon if math.isfinite(result.epsilon) else None
     context = {
         "method": cfg.method + ("" if result.private else " (non-private baseline)"),
         "claimed eps": f"{result.epsilon:.4g}" if claimed is not None else "inf (no DP)",
@@ -82,6 +134,9 @@ def run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model:
         "sampling rate p": round(result.sampling_rate, 6), "steps": result.steps, "examples": result.examples,
         "trainable": cfg.trainable, "model": str(base),
         "noise": "DISABLED (unsafe test setting)" if cfg.unsafe_disable_noise else "on" if result.private else "off",
+        "audit": f"white box, {cfg.white_box} canaries" if cfg.white_box else "black box (new-token canaries)",
+        **({"PLANTED BUG": cfg.plant_bug} if cfg.plant_bug else {}),
+        **{k: v for k, v in extra.items() if not isinstance(v, dict)},
     }
     shutil.rmtree(out / "report", ignore_errors=True)
     files = write_report(out / "report", audit, scores, members, context)

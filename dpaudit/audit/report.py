@@ -21,27 +21,37 @@ def prepare_folder(folder: Path, force: bool) -> Path:
     return folder
 
 
+def _num(x) -> str:
+    return x if isinstance(x, str) else "-" if x is None else f"{x:.4f}"
+
+
+def _kv(bound: dict) -> str:
+    return "-" if bound["k"] is None else f"{bound['k']}, {bound['v']}"
+
+
 def markdown(result: AuditResult, context: dict) -> str:
     d = result.to_dict()
-    o, cp = d["one_run"], d["clopper_pearson"]
+    head = d["headline"]
     lines = [
         "# dpaudit membership-inference audit", "",
         f"**Verdict:** {d['verdict']}", "",
+        f"**Headline eps lower bound:** {_num(d['epsilon_lower_bound'])} ({head['bound']}, delta = {result.delta:g}, "
+        f"alpha = {result.alpha:g}). Why it is valid: {head['why_valid']}. Valid for: {head['valid_for']}.", "",
         *(f"- {k}: {v}" for k, v in context.items()),
         f"- canaries: m = {result.m} ({result.members} members, {result.nonmembers} non-members)",
-        f"- score: {d['score']}", "",
+        f"- score: {result.score.name}: {result.score.description}", "",
         "| metric | value |", "|---|---|",
         f"| AUC | {result.roc.auc:.4f} |",
-        *(f"| TPR at FPR {float(k):.1%} | {v:.4f} |" for k, v in d["tpr_at_fpr"].items()),
-        f"| one-run eps lower bound | {o['epsilon_lower_bound']:.4f} (m={o['m']}, r={o['r']}, "
-        f"delta={o['delta']:g}, alpha={o['alpha']:g}; ceiling at this r: {o['ceiling_at_r']:.3f}) |",
-        f"| Clopper-Pearson eps lower bound | {cp['epsilon_lower_bound']:.4f} (delta={cp['delta']:g}, "
-        f"alpha={cp['alpha']:g}; {cp['note']}) |", "",
-        f"Guess counts r tried (fixed in advance): {o['guess_counts_tried']}; alpha split by Bonferroni "
-        f"({o['alpha_per_guess_count']:.3g} each).", "",
-        "| r | correct | one-run eps | Clopper-Pearson eps |", "|---|---|---|---|",
-        *(f"| {b['r']} | {b['correct']} | {b['one_run_epsilon']:.4f} | {b['clopper_pearson_epsilon']:.4f} |"
-          for b in d["per_guess_count"]),
+        *(f"| TPR at FPR {float(k):.1%} | {v:.4f} |" for k, v in d["tpr_at_fpr"].items()
+          if float(k) * result.nonmembers >= 1),
+        "",
+        "Every bound below holds on its own with probability >= 1 - alpha; only the headline decides the verdict.",
+        "", "| bound | eps | mu | guesses (tests paid for) | at | k guesses, v right | ceiling | valid for |",
+        "|---|---|---|---|---|---|---|---|",
+        *(f"| {name}{' (headline)' if name == head['bound'] else ''} | {_num(b['epsilon'])} | {_num(b['mu'])} | "
+          f"{b['guesses']} ({b['tests']}) | {b['at'] or '-'} | "
+          f"{_kv(b)} | {_num(b['ceiling'])} | {b['valid_for']} |"
+          for name, b in d["bounds"].items()),
         "", "![ROC](roc.png)", "",
     ]
     return "\n".join(lines)
@@ -63,6 +73,6 @@ def write_report(folder: Path, result: AuditResult, scores, members, context: di
     return {
         "json": atomic_write_json(folder / "report.json", payload),
         "markdown": atomic_write_text(folder / "report.md", markdown(result, context)),
-        "roc": roc_plot(result.roc.fpr, result.roc.tpr, result.roc.auc, folder / "roc.png"),
+        "roc": roc_plot(result.roc.fpr, result.roc.tpr, result.roc.auc, folder / "roc.png", score=result.score.name),
         "scores": atomic_write_text(folder / "scores.csv", scores_csv(np.asarray(scores), np.asarray(members))),
     }

@@ -47,8 +47,21 @@ def secret_losses(model, tokenizer, manifest: Manifest, batch_size: int = 32, sh
     return losses
 
 
-def score_checkpoint(model, tokenizer, manifest: Manifest, where: str, **kwargs) -> tuple[np.ndarray, np.ndarray]:
-    """(scores, members) with score = -loss, after checking the tokenizer is the manifest's."""
-    check_tokenizer_matches(tokenizer, manifest, where)
-    losses = secret_losses(model, tokenizer, manifest, **kwargs)
-    return -losses, np.array([c.member for c in manifest.canaries])
+def score_checkpoint(model_dir, manifest: Manifest, *, score: str = "neg-loss", base=None,
+                     **kwargs) -> tuple[np.ndarray, np.ndarray]:
+    """(scores, members), higher = member: score "neg-loss" is -loss of the secret on the model; "loss-vs-base"
+    is its loss on ``base`` (the model before training) minus on the model, which removes how hard each
+    canary's prefix makes its secret to begin with. Each tokenizer is checked against the manifest."""
+    from dpaudit.models.loading import load_causal_lm
+
+    def losses(where) -> np.ndarray:
+        lm, tok = load_causal_lm(where)
+        check_tokenizer_matches(tok, manifest, str(where))
+        return secret_losses(lm, tok, manifest, **kwargs)
+
+    members = np.array([c.member for c in manifest.canaries])
+    if score == "neg-loss":
+        return -losses(model_dir), members
+    if score == "loss-vs-base":
+        return losses(base) - losses(model_dir), members
+    raise DPAuditError(f"unknown checkpoint score {score!r}; use neg-loss or loss-vs-base")

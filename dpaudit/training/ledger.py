@@ -12,7 +12,6 @@ import bisect
 import math
 from pathlib import Path
 
-from dpaudit.accounting import Mechanism, epsilon
 from dpaudit.accounting.result import json_float
 from dpaudit.atomic import atomic_write_json
 
@@ -20,16 +19,18 @@ GRID_POINTS = 25
 
 
 class PrivacyLedger:
-    def __init__(self, path: Path, header: dict, mech: Mechanism | None, delta: float, accountant: str | None):
+    def __init__(self, path: Path, header: dict, plan, total_steps: int):
+        """``plan``: the run's PrivacyPlan (the same one the noise was taken from); ``total_steps`` counts
+        the steps a resume redid."""
         self.path = Path(path)
         self.header = header
         self.grid: list[int] = []
         self.eps: list[float] = []
         self.relation = "none: non-private run (eps = infinity)"
-        if mech is not None:
-            total = mech.steps
+        if plan.private:
+            total = total_steps
             self.grid = sorted({max(1, math.ceil(total * k / GRID_POINTS)) for k in range(1, GRID_POINTS + 1)})
-            results = [epsilon(mech.with_steps(t), delta, accountant) for t in self.grid]
+            results = [plan.epsilon_at(t) for t in self.grid]
             self.eps = [r.epsilon for r in results]
             self.relation = results[-1].relation
             self.accountant = results[-1].accountant

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from dpaudit.accounting import Mechanism, calibrate_sigma
 from dpaudit.atomic import atomic_write_json
 from dpaudit.errors import DPAuditError
 from dpaudit.progress import progress_bar
+from dpaudit.training.plan import PrivacyPlan
 
 METHODS = ("dp-zo", "dp-sgd")
 # Defaults tuned on the embedded default (see docs/trainers.md); every one can be overridden.
@@ -50,6 +50,8 @@ class TrainConfig:
     accountant: str | None = None
     save_every: int = 0
     unsafe_disable_noise: bool = False   # for audit tests only: claims eps but adds no noise
+    white_box: int = 0                   # m white-box canaries planted in the run (0: none)
+    plant_bug: str | None = None         # a planted privacy bug (testing the audit; see training/bugs.py)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -67,13 +69,20 @@ class TrainConfig:
         for k, v in METHOD_DEFAULTS[self.method].items():
             if getattr(self, k) is None:
                 setattr(self, k, v)
-        for name in ("steps", "batch_size", "max_length"):
+        if self.batch_size < 0:
+            raise DPAuditError(f"batch size must be >= 1 (or 0: every example every step), got {self.batch_size}")
+        for name in ("steps", "max_length"):
             if getattr(self, name) < 1:
                 raise DPAuditError(f"{name.replace('_', ' ')} must be >= 1, got {getattr(self, name)}")
         if self.optimizer not in ("adamw", "sgd"):
             raise DPAuditError(f"unknown optimizer {self.optimizer!r}; use adamw or sgd")
         if self.lr <= 0 or self.clip <= 0 or self.phi <= 0:
             raise DPAuditError("lr, clip and phi must be > 0")
+        from dpaudit.training.bugs import planted_bug
+
+        self.bug = planted_bug(self.plant_bug, self.method)
+        if self.white_box and not self.private:
+            raise DPAuditError("a white-box audit needs a private run (give --eps or --sigma)")
 
     @property
     def private(self) -> bool:
@@ -111,15 +120,6 @@ def public_seed(seed: int, step: int) -> int:
     return int(np.random.SeedSequence([seed, step]).generate_state(1)[0])
 
 
-def resolve_sigma(cfg: TrainConfig, rate: float) -> float | None:
-    if not cfg.private:
-        return None
-    if cfg.sigma is not None:
-        return cfg.sigma
-    template = Mechanism(cfg.mechanism, 1.0, rate, cfg.steps)
-    return calibrate_sigma(template, cfg.target_epsilon, cfg.delta, cfg.accountant).sigma
-
-
 def _save_checkpoint(run_dir: Path, model, tokenizer, state: dict, trainer_state=None) -> None:
     """Write the checkpoint beside the old one, then swap, so a crash leaves one intact copy."""
     import torch
@@ -147,6 +147,7 @@ def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *,
     from dpaudit.training.ledger import PrivacyLedger
     from dpaudit.training.sampling import poisson_batch, shuffled_batches
     from dpaudit.training.trainable import select_trainable, trainable_parameters
+    from dpaudit.training.whitebox import TRANSCRIPT, GradientCanaryHook, TranscriptWriter, WhiteBoxCanaries
 
     world = setup_world()
     run_dir = Path(run_dir)
@@ -178,40 +179,57 @@ def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *,
     model = select_trainable(model, cfg.trainable, cfg.lora_rank).to(world.device)
     params = trainable_parameters(model)
     data = tokenize(tokenizer, texts, cfg.max_length)
-    n = len(data)
-    if cfg.batch_size > n:
-        raise DPAuditError(f"batch size {cfg.batch_size} exceeds the {n} training examples")
-    rate = cfg.batch_size / n
-    sigma = resolve_sigma(cfg, rate)
-    header = {"method": cfg.method, "private": cfg.private, "mechanism": cfg.mechanism if cfg.private else None,
+    n_real = len(data)
+    secret = cfg.secret_seed if cfg.secret_seed is not None else _shared_entropy(world)
+    canaries = None
+    if cfg.white_box:
+        if world.size > 1:
+            raise DPAuditError("white-box canaries are planted in one process; run without torchrun")
+        canaries = (WhiteBoxCanaries.load(run_dir) if start else
+                    WhiteBoxCanaries.make(cfg.white_box, seed=cfg.seed, membership_seed=int(secret)))
+        if cfg.method == "dp-sgd" and not canaries.coordinates:
+            canaries.place(sum(p.numel() for p in params))
+    n = n_real + (len(canaries.member_ids) if canaries else 0)  # member canaries are examples too
+    batch_size = cfg.batch_size or n  # 0: every example every step (p = 1)
+    if batch_size > n:
+        raise DPAuditError(f"batch size {batch_size} exceeds the {n} training examples")
+    rate = batch_size / n
+    plan = PrivacyPlan.build(kind=cfg.mechanism, rate=rate, steps=cfg.steps, delta=cfg.delta,
+                             target_epsilon=cfg.target_epsilon, sigma=cfg.sigma, accountant=cfg.accountant,
+                             bug=cfg.bug)
+    sigma = plan.sigma
+    header = {"method": cfg.method, "private": plan.private, "mechanism": cfg.mechanism if plan.private else None,
               "sigma": sigma, "clip": cfg.clip, "sampling_rate": rate, "steps_planned": cfg.steps,
               "delta": cfg.delta, "target_epsilon": cfg.target_epsilon if math.isfinite(cfg.target_epsilon)
-              else "inf", "examples": n, "noise_disabled_unsafely": cfg.unsafe_disable_noise}
+              else "inf", "examples": n, "noise_disabled_unsafely": cfg.unsafe_disable_noise,
+              "white_box_canaries": cfg.white_box, "planted_bug": cfg.plant_bug}
     header["world_size"] = world.size
     # Steps run after the last checkpoint of a killed run are redone with fresh noise, but their
     # outputs (the DP-ZO log, the ledger) may have been seen: they are spent, and stay counted.
     discarded = max(0, executed_before - start)
     header["steps_discarded_by_resume"] = discarded
-    ledger = PrivacyLedger(run_dir / "privacy_ledger.json", header,
-                           Mechanism(cfg.mechanism, sigma, rate, cfg.steps + discarded) if cfg.private else None,
-                           cfg.delta, cfg.accountant)
+    ledger = PrivacyLedger(run_dir / "privacy_ledger.json", header, plan, cfg.steps + discarded)
     main = world.is_main  # only rank 0 writes: ledger, log, checkpoints, model
     if main:
         # DP-ZO directions come from the generator of the device the weights live on (CPU and CUDA
         # streams differ), so a replay must draw them on the same kind of device.
         atomic_write_json(run_dir / "run_config.json", {"config": _config_for_state(cfg), "base_model": str(model_dir),
                                                         "sigma": sigma, "sampling_rate": rate, "examples": n,
+                                                        "expected_batch_size": batch_size,
                                                         "direction_device": params[0].device.type})
-    secret = cfg.secret_seed if cfg.secret_seed is not None else _shared_entropy(world)
+        if canaries is not None:
+            canaries.save(run_dir)
     rng = np.random.default_rng([int(secret), start])
-    batches = None if cfg.private else shuffled_batches(n, cfg.batch_size, rng)
-    noise_sigma = 0.0 if cfg.unsafe_disable_noise else (sigma or 0.0)
-    log = None
+    batches = None if cfg.private else shuffled_batches(n, batch_size, rng)
+    noise_sigma = 0.0 if cfg.unsafe_disable_noise else plan.noise_sigma(cfg.bug)
+    log = transcript = hook = None
+    if cfg.method == "dp-sgd" and canaries is not None and main:
+        transcript = TranscriptWriter(run_dir / TRANSCRIPT, start, canaries.m)
 
     if cfg.method == "dp-zo":
         from dpaudit.training.zo import ZOSettings, zo_step
 
-        zo = ZOSettings(lr=cfg.lr, phi=cfg.phi, clip=cfg.clip if cfg.private else None,
+        zo = ZOSettings(lr=cfg.lr, phi=cfg.phi, clip=cfg.clip if cfg.private and not cfg.bug.skip_clipping else None,
                         noise=cfg.mechanism if cfg.private and noise_sigma > 0 else None, sigma=noise_sigma,
                         direction=cfg.direction)
         log_path = run_dir / "zo_steps.jsonl"
@@ -221,10 +239,12 @@ def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *,
     else:
         from dpaudit.training.sgd import FirstOrderTrainer
 
+        if canaries is not None:
+            hook = GradientCanaryHook(canaries, params, cfg.clip)
         trainer = FirstOrderTrainer(model, params, lr=cfg.lr, private=cfg.private, clip=cfg.clip,
-                                    sigma=noise_sigma, expected_batch_size=cfg.batch_size,
+                                    sigma=noise_sigma, expected_batch_size=batch_size,
                                     noise_generator=torch.Generator(world.device).manual_seed(int(secret) + start),
-                                    optimizer=cfg.optimizer, world_size=world.size)
+                                    optimizer=cfg.optimizer, world_size=world.size, hook=hook, bug=cfg.bug)
         if start and (checkpoint / "optimizer.pt").is_file():
             trainer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=True))
 
@@ -235,16 +255,28 @@ def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *,
         with progress_bar(cfg.steps - start, label, show_progress and world.is_main) as advance:
             for step in range(start, cfg.steps):
                 idx = poisson_batch(n, rate, rng) if cfg.private else next(batches)
-                batch = {k: v.to(world.device) for k, v in data.batch(world.shard(idx)).items()}
+                real = idx[idx < n_real]
+                sampled = canaries.member_ids[idx[idx >= n_real] - n_real] if canaries else idx[:0]
+                batch = {k: v.to(world.device) for k, v in data.batch(world.shard(real)).items()}
                 if cfg.method == "dp-zo":
                     seed = public_seed(cfg.seed, step)
-                    denom = cfg.batch_size if cfg.private else max(1, len(idx))
-                    scalar, last_loss = zo_step(model, params, batch, seed, zo, denom, rng, world.sum)
+                    denom = (max(1, len(idx)) if cfg.bug.actual_batch else batch_size) if cfg.private \
+                        else max(1, len(idx))
+                    diffs = None
+                    if len(sampled):
+                        diffs = torch.as_tensor(canaries.gain * cfg.clip * canaries.signs(step)[sampled])
+                    noise_rng = np.random.default_rng(seed) if cfg.bug.public_noise else rng
+                    scalar, last_loss = zo_step(model, params, batch, seed, zo, denom, noise_rng, world.sum,
+                                                canary_diffs=diffs)
                     if main:
                         log.write(json.dumps({"step": step, "seed": seed, "scalar": scalar}) + "\n")
                         log.flush()
                 else:
+                    if hook is not None:
+                        hook.begin_step(step, sampled)
                     last_loss = trainer.step(batch, len(idx))
+                    if transcript is not None:
+                        transcript.write(hook.released)
                 if main:
                     ledger.record(step + 1 + discarded, steps_in_model=step + 1)
                 advance(1)
@@ -252,15 +284,16 @@ def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *,
                     _checkpoint(run_dir, model, tokenizer, cfg, step + 1,
                                 trainer.state_dict() if cfg.method == "dp-sgd" else None)
     finally:
-        if log is not None:
-            log.close()
+        for fh in (log, transcript):
+            if fh is not None:
+                fh.close()
     seconds = time.perf_counter() - began
     final = run_dir / "model"
     if main:  # the finished model replaces the resume checkpoint (no second copy of the weights)
         final = _export(run_dir, model, tokenizer)
         shutil.rmtree(checkpoint, ignore_errors=True)
     world.barrier()
-    return TrainResult(run_dir=run_dir, model_dir=final, private=cfg.private, sigma=sigma,
+    return TrainResult(run_dir=run_dir, model_dir=final, private=plan.private, sigma=sigma,
                        epsilon=ledger.planned_epsilon, delta=cfg.delta, sampling_rate=rate, steps=cfg.steps,
                        examples=n, seconds=seconds, seconds_per_step=seconds / max(1, cfg.steps - start),
                        last_loss=last_loss, accountant=ledger.accountant, relation=ledger.relation)

@@ -9,12 +9,50 @@ import torch
 from dpaudit.training.data import per_example_loss
 
 
+def _audited(cls):
+    """The Opacus optimizer with the two places an audit and a planted bug need: the clipped sum before
+    noise (white-box canaries join it; "no-clip" skips clipping) and the release (read by the auditor;
+    "actual-batch" divides by the realised batch size). With neither set it is Opacus, unchanged."""
+
+    class Audited(cls):
+        hook = None                 # GradientCanaryHook or None
+        skip_clipping = False
+        realised_batch: int | None = None   # set per step when the "actual-batch" bug is planted
+
+        def clip_and_accumulate(self):
+            if not self.skip_clipping:
+                return super().clip_and_accumulate()
+            kept, self.max_grad_norm = self.max_grad_norm, float("inf")  # clip factor 1: no clipping
+            try:
+                super().clip_and_accumulate()
+            finally:
+                self.max_grad_norm = kept
+
+        def add_noise(self):
+            if self.hook is not None:
+                self.hook.add_to_sum(self.params, float("inf") if self.skip_clipping else self.max_grad_norm)
+            super().add_noise()
+
+        def scale_grad(self):
+            if self.realised_batch is None:
+                super().scale_grad()
+            else:
+                for p in self.params:
+                    p.grad /= max(1, self.realised_batch)
+            if self.hook is not None:  # what the auditor sees, in units of the expected batch's sum
+                self.hook.read_release(self.params, self.expected_batch_size * self.accumulated_iterations)
+
+    Audited.__name__ = f"Audited{cls.__name__}"
+    return Audited
+
+
 class FirstOrderTrainer:
     def __init__(self, model, params, *, lr: float, private: bool, clip: float = 1.0, sigma: float = 0.0,
                  expected_batch_size: int = 1, noise_generator: torch.Generator | None = None,
-                 optimizer: str = "adamw", world_size: int = 1) -> None:
+                 optimizer: str = "adamw", world_size: int = 1, hook=None, bug=None) -> None:
         self.private = private
         self.world_size = world_size
+        self.bug = bug
         base = (torch.optim.AdamW(params, lr=lr, weight_decay=0.0) if optimizer == "adamw"
                 else torch.optim.SGD(params, lr=lr))
         if private:
@@ -30,17 +68,22 @@ class FirstOrderTrainer:
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             # Distributed: each rank scales by B / world and the ranks average, so the update is
             # (sum of clipped gradients + one noise draw, on rank 0) / B, as in one process.
-            cls = DistributedDPOptimizer if world_size > 1 else DPOptimizer
+            cls = _audited(DistributedDPOptimizer if world_size > 1 else DPOptimizer)
             self.optimizer = cls(base, noise_multiplier=sigma, max_grad_norm=clip,
                                  expected_batch_size=expected_batch_size / world_size, generator=noise_generator)
+            self.optimizer.hook = hook
+            self.optimizer.skip_clipping = bool(bug and bug.skip_clipping)
         else:
             self.model, self.optimizer = model, base
         self.params = params
 
     def step(self, batch, global_batch_size: int | None = None) -> float:
-        """One update on ``batch`` (this rank's share; may be empty under Poisson sampling); returns its mean loss."""
+        """One update on ``batch`` (this rank's share; may be empty under Poisson sampling); returns its mean loss.
+        ``global_batch_size`` counts every sampled example (white-box canaries included)."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.private and self.bug is not None and self.bug.actual_batch:
+            self.optimizer.realised_batch = global_batch_size
         if batch["input_ids"].shape[0] == 0:
             for p in self.params:  # no example: the step is noise only
                 p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)

@@ -94,11 +94,13 @@ def apply_update(params, seed: int, scalar: float, lr: float, scale: float) -> N
 
 
 def zo_step(model, params, batch, seed: int, settings: ZOSettings, denominator: float,
-            rng: np.random.Generator, all_sum=lambda x: x) -> tuple[float, float]:
+            rng: np.random.Generator, all_sum=lambda x: x, canary_diffs: torch.Tensor | None = None) -> tuple[float, float]:
     """One step; returns (s, mean loss around theta on this process's examples: NaN if it had none).
 
     ``all_sum`` adds the clipped sums of all data-parallel ranks (a few bytes); every rank draws the
-    same noise from the same generator, so every rank applies the same update.
+    same noise from the same generator, so every rank applies the same update. ``canary_diffs`` are
+    the loss differences of the sampled white-box canaries (the same on every rank, so added once),
+    clipped like every example's.
     """
     scale = direction_scale(params, seed, settings.direction)
     if batch["input_ids"].shape[0] == 0:
@@ -107,7 +109,10 @@ def zo_step(model, params, batch, seed: int, settings: ZOSettings, denominator: 
     else:
         plus, minus = perturbed_losses(model, params, batch, seed, settings.phi, scale)
         restore = settings.phi * scale
-    s = privatize(all_sum(clipped_sum(plus - minus, settings.clip)), settings, denominator, rng)
+    total = all_sum(clipped_sum(plus - minus, settings.clip))
+    if canary_diffs is not None:
+        total += clipped_sum(canary_diffs, settings.clip)
+    s = privatize(total, settings, denominator, rng)
     add_direction(params, seed, restore - settings.lr * s * scale)
     return s, float((plus + minus).mean() / 2) if plus.numel() else float("nan")
 

@@ -1,0 +1,103 @@
+"""White-box audit table of docs/auditing.md: `audit run --white-box` on the embedded default for DP-SGD and
+DP-ZO at claimed eps in {1, 2, 4, 8}, the headline bound and seconds per cell, next to the idealised limit
+(the same audit on scores simulated from the exact mechanism at the same m, T, sigma and p).
+With --seeds K it instead repeats each cell with K secret seeds and counts violations (validity).
+
+    .venv/bin/python benchmarks/whitebox_table.py [--eps 1 2 4 8] [--methods dp-sgd dp-zo] [--zo-steps 3000]
+    .venv/bin/python benchmarks/whitebox_table.py --eps 4 --seeds 20 --workers 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+
+def simulated_scores(method: str, m: int, steps: int, sigma: float, rate: float, members: np.ndarray, seed: int,
+                     mech: str = "gaussian") -> np.ndarray:
+    """Scores of the exact mechanism (no model, no data): clipped canaries at +-C plus the noise."""
+    rng = np.random.default_rng(seed)
+    noise = (lambda size: rng.normal(0, sigma, size)) if mech == "gaussian" else (lambda size: rng.laplace(0, sigma, size))
+    if method == "dp-sgd":  # one coordinate a canary: a member adds +1 (in units of C) each step it is sampled
+        return rng.binomial(steps, rate, size=m) * members + noise((steps, m)).sum(0)
+    signs = rng.choice([-1.0, 1.0], size=(steps, m))
+    inc = (rng.random((steps, m)) < rate) & members
+    return signs.T @ ((signs * inc).sum(1) + noise(steps))
+
+
+def cell(args: tuple) -> dict:
+    method, eps, steps, seed, out, bug = args
+    import torch
+
+    torch.set_num_threads(1)
+    from dpaudit.audit.analysis import analyse
+    from dpaudit.audit.pipeline import AuditRunSettings, run_audit, white_box_canaries
+    from dpaudit.training.runner import TrainConfig
+
+    cfg = TrainConfig(method=method, target_epsilon=eps, secret_seed=seed, steps=steps, batch_size=0,
+                      plant_bug=bug, white_box=1)
+    cfg.white_box = white_box_canaries(cfg)
+    start = time.perf_counter()
+    audit, result, summary = run_audit(Path(out), cfg, AuditRunSettings(examples=64), force=True, show_progress=False)
+    wall = time.perf_counter() - start
+    members = np.array([c for c in audit_members(Path(out) / "run")])
+    ideal = analyse(simulated_scores(method, cfg.white_box, result.steps, result.sigma, result.sampling_rate, members,
+                                     seed + 10_000), members, delta=cfg.delta, score=f"white-box-{method}")
+    return {"method": method, "eps": eps, "claimed": result.epsilon, "sigma": result.sigma, "m": cfg.white_box,
+            "steps": result.steps, "bound": audit.epsilon_lower_bound, "mu": audit.headline_bound.mu,
+            "violation": audit.violation, "ideal": ideal.epsilon_lower_bound, "seconds": wall, "seed": seed,
+            "bug": bug or "none", "statistic": summary["context"].get("statistic"),
+            "all": {k: b.epsilon for k, b in audit.bounds.items()}}
+
+
+def audit_members(run_dir: Path):
+    from dpaudit.training.whitebox import WhiteBoxCanaries
+
+    return WhiteBoxCanaries.load(run_dir).members
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--eps", nargs="+", type=float, default=[1, 2, 4, 8])
+    ap.add_argument("--methods", nargs="+", default=["dp-sgd", "dp-zo"])
+    ap.add_argument("--sgd-steps", type=int, default=300)
+    ap.add_argument("--zo-steps", type=int, default=3000)
+    ap.add_argument("--seeds", type=int, default=0, help="repeat each cell with this many secret seeds")
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=Path("/tmp/whitebox-table"))
+    args = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    jobs = []
+    for method in args.methods:
+        steps = args.sgd_steps if method == "dp-sgd" else args.zo_steps
+        for eps in args.eps:
+            for seed in (range(1, args.seeds + 1) if args.seeds else [1]):
+                jobs.append((method, eps, steps, seed, str(args.out / f"{method}-eps{eps:g}-s{seed}"), None))
+    with ProcessPoolExecutor(args.workers) as pool:
+        rows = list(pool.map(cell, jobs))
+    if args.seeds:
+        print("| method | claimed eps | seeds | violations | mean bound | max bound | mean s |")
+        print("|---|---|---|---|---|---|---|")
+        for method in args.methods:
+            for eps in args.eps:
+                rs = [r for r in rows if r["method"] == method and r["eps"] == eps]
+                print(f"| {method} | {eps:g} | {len(rs)} | {sum(r['violation'] for r in rs)} | "
+                      f"{np.mean([r['bound'] for r in rs]):.3f} | {max(r['bound'] for r in rs):.3f} | "
+                      f"{np.mean([r['seconds'] for r in rs]):.0f} |", flush=True)
+        return
+    print("| method | claimed eps | sigma | m | T | headline bound (mu) | idealised limit | verdict | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['method']} | {r['claimed']:.3f} | {r['sigma']:.3f} | {r['m']} | {r['steps']} | "
+              f"{r['bound']:.3f} ({r['mu']:.3f}) | {r['ideal']:.3f} | "
+              f"{'VIOLATION' if r['violation'] else 'consistent'} | {r['seconds']:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""What a run claimed (eps, delta, sigma, p, T, method), read from the folder an audited file sits in.
+
+An audit's delta must be the run's: a smaller one inflates the bound. A model in <run>/model has the
+run's run_config.json and privacy_ledger.json beside it; a scores.csv in a report folder has report.json.
+Files are small JSON written by dpaudit; anything unreadable counts as "no claim here".
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+MAX_BYTES = 1 << 20
+
+
+def _json(path: Path) -> dict | None:
+    try:
+        if not path.is_file() or path.stat().st_size > MAX_BYTES:
+            return None
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _number(x):
+    return x if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def run_claims(path: Path) -> dict | None:
+    """The claims of the run that produced ``path`` (a model folder or a scores file), or None."""
+    path = Path(path)
+    for folder in (path.parent, path, path.parent.parent):
+        config = _json(folder / "run_config.json")
+        if config and isinstance(config.get("config"), dict):
+            cfg, ledger = config["config"], _json(folder / "privacy_ledger.json") or {}
+            return {"source": str(folder), "method": cfg.get("method"), "delta": _number(cfg.get("delta")),
+                    "epsilon": _number(ledger.get("epsilon_planned")), "sigma": _number(config.get("sigma")),
+                    "sampling rate p": _number(config.get("sampling_rate")), "steps": _number(cfg.get("steps")),
+                    "mechanism": cfg.get("mechanism"), "white_box": bool(cfg.get("white_box"))}
+        report = _json(folder / "report.json")
+        if report and "delta" in report:
+            return {"source": str(folder), "delta": _number(report.get("delta")),
+                    "epsilon": _number(report.get("claimed_epsilon")),
+                    "score": (report.get("score") or {}).get("name")}
+    return None

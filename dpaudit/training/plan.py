@@ -1,0 +1,62 @@
+"""The privacy plan of a run, built once: mechanism (noise kind, sigma, p, T), delta, accountant and the
+calibration that chose sigma. The trainer's noise and the ledger both take it from here, so what is
+claimed and what is added cannot drift apart (a planted bug changes the noise, never the claim).
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from dpaudit.accounting import Mechanism, calibrate_sigma, epsilon
+from dpaudit.training.bugs import NO_BUG, Bug
+
+
+@dataclass(frozen=True)
+class PrivacyPlan:
+    mechanism: Mechanism | None      # None: a non-private run
+    delta: float
+    accountant: str | None
+    target_epsilon: float            # inf for non-private
+    calibrated: bool                 # sigma chosen by calibration (else given)
+
+    @property
+    def private(self) -> bool:
+        return self.mechanism is not None
+
+    @property
+    def sigma(self) -> float | None:
+        return self.mechanism.sigma if self.mechanism else None
+
+    @classmethod
+    def build(cls, *, kind: str, rate: float, steps: int, delta: float, target_epsilon: float,
+              sigma: float | None, accountant: str | None, bug: Bug = NO_BUG) -> "PrivacyPlan":
+        if sigma is None and not math.isfinite(target_epsilon):
+            return cls(None, delta, None, math.inf, False)
+        calibrated = sigma is None
+        if calibrated:
+            template = Mechanism(kind, 1.0, rate, steps)
+            sigma = (_remove_only_sigma(template, target_epsilon, delta) if bug.remove_only
+                     else calibrate_sigma(template, target_epsilon, delta, accountant).sigma)
+        return cls(Mechanism(kind, sigma, rate, steps), delta, accountant, target_epsilon, calibrated)
+
+    def noise_sigma(self, bug: Bug = NO_BUG) -> float:
+        """The noise multiplier the trainer adds: the plan's, unless a planted bug scales it."""
+        return 0.0 if self.mechanism is None else self.mechanism.sigma * bug.noise_scale
+
+    def epsilon_at(self, steps: int):
+        return epsilon(self.mechanism.with_steps(steps), self.delta, self.accountant)
+
+
+def _remove_only_sigma(template: Mechanism, target: float, delta: float) -> float:
+    """The planted bug "remove-only": the smallest sigma whose *remove* direction alone meets the target."""
+    from scipy import optimize
+
+    from dpaudit.accounting import pld
+
+    def gap(log_sigma: float) -> float:
+        res = pld.epsilon(template.with_sigma(math.exp(log_sigma)), delta)
+        return res.directions["remove"] - target
+
+    return math.exp(optimize.brentq(gap, math.log(1e-2), math.log(1e3), xtol=1e-4))

@@ -1,0 +1,131 @@
+"""White-box canaries: the auditor sees every privatised release, so canaries are planted where DP acts.
+
+Each of m canaries is a member with probability 1/2 and, as a member, joins the dataset and is Poisson
+sampled like any example. Its per-example contribution has a sign s[i, t] = +-1 that changes every
+step (public, from the canary seed), so the data's steady drift cancels out of the score:
+- DP-SGD: a gradient canary, ``gain`` x C times s[i, t] on one coordinate j_i of the trainable parameters
+  (distinct coordinates: canaries do not interfere); the trainer's clipping brings it to norm C.
+- DP-ZO: a scalar canary, whose loss difference is ``gain`` x C times s[i, t], clipped to +-C by the
+  trainer. All canaries share the step's one released scalar.
+The transcript holds only canary-aligned numbers: for DP-SGD each step's released noisy sum at the m
+coordinates (m floats a step, whitebox_transcript.f32), for DP-ZO the (seed, scalar) log itself. The
+secret seed is never written. Scores are computed from the transcript by ``dpaudit.audit.whitebox``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from dpaudit.atomic import atomic_write_json
+from dpaudit.errors import DPAuditError
+
+GAIN = 10.0  # a canary's pre-clipping size in units of C: clipping must act, or "no-clip" shows
+MANIFEST = "whitebox_canaries.json"
+TRANSCRIPT = "whitebox_transcript.f32"
+
+
+def step_signs(seed: int, step: int, m: int) -> np.ndarray:
+    """The public sign pattern of step ``step``: one +-1 per canary."""
+    return np.random.default_rng([seed, 1, step]).integers(0, 2, m) * 2.0 - 1.0
+
+
+@dataclass
+class WhiteBoxCanaries:
+    m: int
+    seed: int                       # public: signs and coordinates; membership is stored, not derived
+    members: np.ndarray             # bool, (m,)
+    gain: float = GAIN
+    coordinates: list[int] = field(default_factory=list)  # DP-SGD: flat indices into the trainable parameters
+
+    @classmethod
+    def make(cls, m: int, seed: int, membership_seed: int) -> "WhiteBoxCanaries":
+        if m < 4:
+            raise DPAuditError(f"a white-box audit needs at least 4 canaries, got {m}")
+        members = np.random.default_rng([membership_seed, 7]).random(m) < 0.5
+        return cls(m=m, seed=seed, members=members)
+
+    @property
+    def member_ids(self) -> np.ndarray:
+        return np.flatnonzero(self.members)
+
+    def signs(self, step: int) -> np.ndarray:
+        return step_signs(self.seed, step, self.m)
+
+    def place(self, n_params: int) -> None:
+        """Choose m distinct coordinates (public, from the seed) for gradient canaries."""
+        if self.m > n_params:
+            raise DPAuditError(f"{self.m} gradient canaries need as many trainable parameters; the model has {n_params}")
+        self.coordinates = sorted(int(j) for j in np.random.default_rng([self.seed, 2]).choice(
+            n_params, self.m, replace=False))
+
+    def save(self, folder: Path) -> Path:
+        return atomic_write_json(Path(folder) / MANIFEST, {
+            "m": self.m, "seed": self.seed, "gain": self.gain, "members": [int(x) for x in self.members],
+            "coordinates": self.coordinates})
+
+    @classmethod
+    def load(cls, folder: Path) -> "WhiteBoxCanaries":
+        try:
+            d = json.loads((Path(folder) / MANIFEST).read_text())
+            return cls(m=int(d["m"]), seed=int(d["seed"]), members=np.array(d["members"], bool),
+                       gain=float(d["gain"]), coordinates=[int(j) for j in d["coordinates"]])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise DPAuditError(f"{folder} has no readable white-box canary manifest: {exc}") from None
+
+
+class TranscriptWriter:
+    """Appends each step's m canary-aligned floats (float32) to the run folder; flushed every step."""
+
+    def __init__(self, path: Path, start_step: int, m: int):
+        self.path = Path(path)
+        keep = start_step * m * 4
+        if self.path.exists() and self.path.stat().st_size > keep:
+            with open(self.path, "r+b") as fh:
+                fh.truncate(keep)  # a resumed run rewrites the steps after its checkpoint
+        self.fh = open(self.path, "ab")
+
+    def write(self, row: np.ndarray) -> None:
+        self.fh.write(np.asarray(row, dtype="<f4").tobytes())
+        self.fh.flush()
+
+    def close(self) -> None:
+        self.fh.close()
+
+
+class GradientCanaryHook:
+    """DP-SGD: puts the sampled canaries' clipped gradients into the clipped sum, and reads the release."""
+
+    def __init__(self, canaries: WhiteBoxCanaries, params, clip: float):
+        import torch
+
+        self.canaries, self.clip = canaries, clip
+        sizes = np.cumsum([0] + [p.numel() for p in params])
+        self.where = []  # (parameter index, flat offset) of every canary coordinate
+        for j in canaries.coordinates:
+            k = int(np.searchsorted(sizes, j, side="right") - 1)
+            self.where.append((k, j - int(sizes[k])))
+        self.torch = torch
+        self.sampled: np.ndarray = np.zeros(0, int)
+        self.signs = np.zeros(canaries.m)
+        self.released = np.zeros(canaries.m)
+
+    def begin_step(self, step: int, sampled_canaries: np.ndarray) -> None:
+        self.sampled, self.signs = sampled_canaries, self.canaries.signs(step)
+
+    def add_to_sum(self, params, max_grad_norm: float) -> None:
+        """Each sampled canary's gradient is gain*C*s on its coordinate; the optimizer's clip norm applies."""
+        size = self.canaries.gain * self.clip
+        value = size * min(1.0, max_grad_norm / size)
+        for i in self.sampled:
+            k, off = self.where[i]
+            params[k].summed_grad.view(-1)[off] += value * self.signs[i]
+
+    def read_release(self, params, scale: float) -> np.ndarray:
+        """The released noisy gradient at the canary coordinates, times ``scale`` (back to a noisy sum)."""
+        flat = [p.grad.detach().reshape(-1) for p in params]
+        self.released = np.array([float(flat[k][off]) * scale for k, off in self.where])
+        return self.released
