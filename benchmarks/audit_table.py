@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--secret-seed", type=int, default=1)
     ap.add_argument("--out", type=Path, default=Path("/tmp/audit-table"))
     args = ap.parse_args()
-    print("| method | eps (claimed) | sigma | AUC | TPR@1%FPR | one-run eps LB | verdict | steps | wall s |")
+    print("| method | eps (claimed) | sigma | AUC | TPR@1%FPR | headline eps LB | verdict | steps | wall s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for method in args.methods:
         for eps in args.eps:
@@ -44,7 +44,7 @@ def main() -> None:
             claimed = f"{result.epsilon:.3f}" if math.isfinite(result.epsilon) else "inf"
             sigma = f"{result.sigma:.3f}" if result.sigma else "-"
             print(f"| {method} | {claimed} | {sigma} | {audit.roc.auc:.3f} | {audit.roc.tpr_at_fpr[0.01]:.3f} | "
-                  f"{audit.one_run_epsilon:.3f} (r={audit.one_run_r}) | "
+                  f"{audit.epsilon_lower_bound:.3f} ({audit.headline}) | "
                   f"{'VIOLATION' if audit.violation else 'consistent'} | {result.steps} | {wall:.0f} |", flush=True)
 
 

@@ -25,21 +25,23 @@ def main() -> None:
     ap.add_argument("--sgd-steps", type=int, default=300)
     ap.add_argument("--zo-steps", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--batch-size", "-B", type=int, default=0, help="0: full batches (p = 1), the white-box default")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--out", type=Path, default=Path("/tmp/bug-zoo"))
     args = ap.parse_args()
     os.environ["DPAUDIT_ALLOW_BUGS"] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     jobs = [(method, eps, args.sgd_steps if method == "dp-sgd" else args.zo_steps, args.seed,
-             str(args.out / f"{method}-{bug}-eps{eps:g}"), None if bug == "none" else bug)
+             str(args.out / f"{method}-{bug}-eps{eps:g}-B{args.batch_size}"), None if bug == "none" else bug,
+             args.batch_size)
             for method in args.methods for bug in args.bugs for eps in args.eps
             if bug == "none" or method in BUGS[bug].methods]
     with ProcessPoolExecutor(args.workers) as pool:
         rows = list(pool.map(cell, jobs))
-    print("| method | bug | claimed eps | sigma | headline bound (mu) | statistic | verdict | wall s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| method | bug | claimed eps | p | sigma | headline bound (mu) | statistic | verdict | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['method']} | {r['bug']} | {r['claimed']:.3f} | {r['sigma']:.3f} | {r['bound']:.3f} "
+        print(f"| {r['method']} | {r['bug']} | {r['claimed']:.3f} | {r['p']:.3f} | {r['sigma']:.3f} | {r['bound']:.3f} "
               f"({r['mu']:.3f}) | {r['statistic']} | {'VIOLATION' if r['violation'] else 'consistent'} | "
               f"{r['seconds']:.0f} |", flush=True)
 

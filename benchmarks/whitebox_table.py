@@ -10,7 +10,6 @@ With --seeds K it instead repeats each cell with K secret seeds and counts viola
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -32,7 +31,7 @@ def simulated_scores(method: str, m: int, steps: int, sigma: float, rate: float,
 
 
 def cell(args: tuple) -> dict:
-    method, eps, steps, seed, out, bug = args
+    method, eps, steps, seed, out, bug, batch = args
     import torch
 
     torch.set_num_threads(1)
@@ -40,7 +39,7 @@ def cell(args: tuple) -> dict:
     from dpaudit.audit.pipeline import AuditRunSettings, run_audit, white_box_canaries
     from dpaudit.training.runner import TrainConfig
 
-    cfg = TrainConfig(method=method, target_epsilon=eps, secret_seed=seed, steps=steps, batch_size=0,
+    cfg = TrainConfig(method=method, target_epsilon=eps, secret_seed=seed, steps=steps, batch_size=batch,
                       plant_bug=bug, white_box=1)
     cfg.white_box = white_box_canaries(cfg)
     start = time.perf_counter()
@@ -52,7 +51,7 @@ def cell(args: tuple) -> dict:
     return {"method": method, "eps": eps, "claimed": result.epsilon, "sigma": result.sigma, "m": cfg.white_box,
             "steps": result.steps, "bound": audit.epsilon_lower_bound, "mu": audit.headline_bound.mu,
             "violation": audit.violation, "ideal": ideal.epsilon_lower_bound, "seconds": wall, "seed": seed,
-            "bug": bug or "none", "statistic": summary["context"].get("statistic"),
+            "bug": bug or "none", "statistic": summary["context"].get("statistic"), "p": result.sampling_rate,
             "all": {k: b.epsilon for k, b in audit.bounds.items()}}
 
 
@@ -78,7 +77,7 @@ def main() -> None:
         steps = args.sgd_steps if method == "dp-sgd" else args.zo_steps
         for eps in args.eps:
             for seed in (range(1, args.seeds + 1) if args.seeds else [1]):
-                jobs.append((method, eps, steps, seed, str(args.out / f"{method}-eps{eps:g}-s{seed}"), None))
+                jobs.append((method, eps, steps, seed, str(args.out / f"{method}-eps{eps:g}-s{seed}"), None, 0))
     with ProcessPoolExecutor(args.workers) as pool:
         rows = list(pool.map(cell, jobs))
     if args.seeds:

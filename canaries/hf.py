@@ -19,13 +19,35 @@ def require_transformers():
     return transformers
 
 
+REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json", "processor_config.json")
+
+
+def refuse_remote_code(folder: Path) -> None:
+    """A checkpoint that names its own code (``auto_map``) is refused before transformers reads it: loading
+    it would mean running files that came with the checkpoint. (Loads also pass trust_remote_code=False.)"""
+    import json
+
+    for name in REMOTE_CODE_FILES:
+        f = Path(folder) / name
+        try:
+            if not f.is_file() or f.stat().st_size > 16 << 20:
+                continue
+            data = json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and "auto_map" in data:
+            raise DPAuditError(f"{f} asks to run code shipped with the checkpoint (auto_map); dpaudit never runs "
+                               "checkpoint code")
+
+
 def load_tokenizer(path: str | Path):
     transformers = require_transformers()
     path = Path(path)
     if not path.exists():
         raise DPAuditError(f"tokenizer/model directory not found: {path}")
+    refuse_remote_code(path if path.is_dir() else path.parent)
     try:
-        return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise DPAuditError(f"cannot load a tokenizer from {path}: {str(exc).splitlines()[0]}") from None
 

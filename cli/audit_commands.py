@@ -166,7 +166,7 @@ def audit_checkpoint(
                                        show_progress=not as_json)
     result = analyse(scores, members, claimed_epsilon=claimed_eps, delta=delta, alpha=alpha, guess_counts=guesses,
                      score=score, headline=headline)
-    present(result, {"model": str(model), "canaries": str(canaries), **context}, as_json, report=report,
+    present(result, {"model": str(model), "canary manifest": str(canaries), **context}, as_json, report=report,
             force=True, scores=scores, members=members)
 
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
+import signal
 import sys
+from contextlib import contextmanager
 from typing import Annotated, Optional
 
 import typer
@@ -11,6 +14,7 @@ from rich.console import Console
 
 from dpaudit.accounting.mechanism import Mechanism, sampling_rate_from, steps_from
 from dpaudit.accounting.montecarlo import MonteCarloSettings
+from dpaudit.errors import DPAuditError
 
 console = Console()
 err_console = Console(stderr=True, soft_wrap=True)  # an error stays one line, however long
@@ -79,6 +83,24 @@ def emit(summary: dict, as_json: bool, text: str) -> None:
         emit_json(summary)
     else:
         console.print(text, highlight=False)
+
+
+@contextmanager
+def time_budget(seconds: float, what: str):
+    """Refuse (exit 2, one line) instead of hanging: SIGALRM interrupts the work after ``seconds``."""
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise DPAuditError(f"--timeout must be a positive number of seconds, got {seconds}")
+
+    def expired(signum, frame):
+        raise DPAuditError(f"{what} ran past its time budget of {seconds:g} s (--timeout); nothing was decided")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def fmt(x: float, digits: int = 6) -> str:

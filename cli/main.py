@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 import typer
+from rich.markup import escape
 
 from dpaudit.errors import DPAuditError
 from dpaudit.cli import accounting_commands, audit_commands, canary_commands, check_command, train_commands
@@ -57,7 +58,12 @@ def run(argv: list[str] | None = None) -> None:
         err_console.print("[bold red]error:[/bold red] aborted", highlight=False)
         sys.exit(1)
     except DPAuditError as exc:
-        err_console.print(f"[bold red]error:[/bold red] {exc}", highlight=False)
+        err_console.print(f"[bold red]error:[/bold red] {escape(str(exc))}", highlight=False)
+        sys.exit(USAGE_ERROR)
+    except OSError as exc:  # unwritable folder, disk full, output is a folder...: unusable input, never "violation"
+        where = f": {exc.filename}" if exc.filename else ""
+        err_console.print(f"[bold red]error:[/bold red] {escape((exc.strerror or type(exc).__name__) + where)}",
+                          highlight=False)
         sys.exit(USAGE_ERROR)
     except (ValueError, OverflowError, ZeroDivisionError, FloatingPointError, MemoryError) as exc:
         err_console.print(f"[bold red]error:[/bold red] cannot answer this query: {type(exc).__name__}: {exc}",

@@ -11,8 +11,20 @@ from typing import Callable
 from dpaudit.errors import DPAuditError
 
 
+def check_replaceable(path: Path) -> None:
+    """Only a regular file is ever replaced: never a device, FIFO, socket, folder or symbolic link."""
+    path = Path(path)
+    if path.is_symlink():
+        raise DPAuditError(f"{path} is a symbolic link; refusing to replace it (write to a plain path)")
+    if path.exists() and not path.is_file():
+        kind = "a folder" if path.is_dir() else "not a regular file (a device, FIFO or socket)"
+        raise DPAuditError(f"{path} is {kind}; refusing to replace it")
+
+
 def guard_new_file(path: Path, force: bool) -> None:
-    """Refuse to replace a file the user already has, unless told to."""
+    """Refuse to replace a file the user already has, unless told to; never replace anything but a file."""
+    path = Path(path)
+    check_replaceable(path)
     if path.exists() and not force:
         raise DPAuditError(f"{path} exists; pass --force to replace it")
 
@@ -35,6 +47,7 @@ def _umask() -> int:
 def atomic_write(path: Path, write: Callable[[Path], None]) -> Path:
     """Call ``write(tmp)`` on a temporary file beside ``path``, fsync it, then rename it over ``path``."""
     path = Path(path)
+    check_replaceable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)

@@ -14,8 +14,13 @@ from dpaudit.errors import DPAuditError
 
 KNOWN_KEYS = {
     "mechanism", "sigma", "noise_multiplier", "sampling_rate", "batch_size", "dataset_size",
-    "steps", "epochs", "delta", "target_epsilon", "accountant",
+    "steps", "epochs", "delta", "target_epsilon", "accountant", "calibrate",
 }
+SECTIONS = ("dpaudit", "privacy")
+MAX_BYTES = 1 << 20     # a privacy config is a few hundred bytes; refuse anything over 1 MiB unread
+MAX_DEPTH = 32          # nesting a config never needs; deeper input is refused before it can recurse
+MAX_STEPS = 10**9
+MAX_INTEGER = 10**12
 
 
 @dataclass(frozen=True)
@@ -32,22 +37,72 @@ class PrivacyConfig:
         return Mechanism(self.mechanism, sigma, self.sampling_rate, self.steps)
 
 
+class _NoAliasLoader(yaml.SafeLoader):
+    """YAML without anchors/aliases: a config never needs them, and they make billion-laughs bombs."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            raise DPAuditError("YAML aliases (*name) are not allowed in a privacy config")
+        return super().compose_node(parent, index)
+
+
+def _nesting(text: str) -> int:
+    """An upper bound on bracket/indent nesting, checked before any parser can recurse on it."""
+    depth = deepest = 0
+    for ch in text:
+        if ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth = max(0, depth - 1)
+    indent = max((len(line) - len(line.lstrip(" ")) for line in text.splitlines() if line.strip()), default=0)
+    return max(deepest, indent // 2)
+
+
 def _read(path: Path) -> dict:
+    """The privacy mapping of a config, or DPAuditError. Never echoes what the file says."""
     if not path.is_file():
-        raise DPAuditError(f"config {path} not found")
-    text = path.read_text(encoding="utf-8")
+        raise DPAuditError(f"config {path} not found (or not a regular file)")
+    if path.stat().st_size > MAX_BYTES:
+        raise DPAuditError(f"config {path} is larger than {MAX_BYTES // 1024} KiB; a privacy config is a few lines")
     try:
-        data = tomllib.loads(text) if path.suffix.lower() == ".toml" else yaml.safe_load(text)
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise DPAuditError(f"config {path} is not UTF-8 text") from None
+    if _nesting(text) > MAX_DEPTH:
+        raise DPAuditError(f"config {path} is nested deeper than {MAX_DEPTH} levels")
+    kind = "TOML" if path.suffix.lower() == ".toml" else "YAML"
+    try:
+        data = tomllib.loads(text) if kind == "TOML" else yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise DPAuditError(f"config {path} is not valid {path.suffix.lstrip('.') or 'YAML'}: {first}") from None
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise DPAuditError(f"config {path} is not valid {kind}{where}") from None
+    except RecursionError:
+        raise DPAuditError(f"config {path} is nested too deeply") from None
     if not isinstance(data, dict):
         raise DPAuditError(f"config {path} must be a mapping of keys to values")
-    # A full training config may keep the privacy keys in a `privacy` (or `dpaudit`) section.
-    for section in ("dpaudit", "privacy"):
-        if isinstance(data.get(section), dict):
-            return data[section]
+    if any(not isinstance(k, str) for k in data):
+        raise DPAuditError(f"config {path}: every key must be a name (text)")
+    # A full training config may keep the privacy keys in one `privacy` or `dpaudit` section.
+    present = [name for name in SECTIONS if name in data]
+    if len(present) > 1:
+        raise DPAuditError(f"config {path} has both a {present[0]!r} and a {present[1]!r} section; keep one")
+    if present:
+        section = data[present[0]]
+        if not isinstance(section, dict) or any(not isinstance(k, str) for k in section):
+            raise DPAuditError(f"config {path}: section {present[0]!r} must be a mapping of names to values")
+        stray = sorted(set(data) & KNOWN_KEYS)
+        if stray:
+            raise DPAuditError(f"config {path} gives privacy key(s) {', '.join(stray)} both at the top and in the "
+                               f"{present[0]!r} section; keep them in one place")
+        return section
     return data
+
+
+def _shown(key: str) -> str:
+    """A key name safe to print: short identifiers only (never a line of some other file)."""
+    return repr(key) if key.replace("_", "").isalnum() and len(key) <= 40 else "(a key that is not a name)"
 
 
 def _number(data: dict, key: str, kind=float):
@@ -58,12 +113,14 @@ def _number(data: dict, key: str, kind=float):
         try:
             value = float(value)
         except ValueError:
-            raise DPAuditError(f"config key {key!r} must be a number, got {value!r}") from None
+            raise DPAuditError(f"config key {key!r} must be a number") from None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise DPAuditError(f"config key {key!r} must be a finite number, got {value!r}")
+        raise DPAuditError(f"config key {key!r} must be a finite number")
     if kind is int:
         if value != int(value):
-            raise DPAuditError(f"config key {key!r} must be an integer, got {value!r}")
+            raise DPAuditError(f"config key {key!r} must be an integer")
+        if abs(value) > MAX_INTEGER:
+            raise DPAuditError(f"config key {key!r} is beyond {MAX_INTEGER:.0e}")
         return int(value)
     return float(value)
 
@@ -72,13 +129,24 @@ def load_privacy_config(path: Path) -> PrivacyConfig:
     data = _read(Path(path))
     unknown = sorted(set(data) - KNOWN_KEYS)
     if unknown:
-        raise DPAuditError(f"unknown config key(s) {', '.join(unknown)}; known: {', '.join(sorted(KNOWN_KEYS))}")
+        raise DPAuditError(f"unknown config key(s) {', '.join(map(_shown, unknown))}; known: "
+                           f"{', '.join(sorted(KNOWN_KEYS))}")
     mechanism = data.get("mechanism", "gaussian")
     if mechanism not in ("gaussian", "laplace"):
-        raise DPAuditError(f"config mechanism must be gaussian or laplace, got {mechanism!r}")
+        raise DPAuditError("config mechanism must be gaussian or laplace")
     if "sigma" in data and "noise_multiplier" in data:
         raise DPAuditError("config gives both sigma and noise_multiplier; keep one")
     sigma = _number(data, "sigma") if "sigma" in data else _number(data, "noise_multiplier")
+    calibrate = data.get("calibrate", False)
+    if not isinstance(calibrate, bool):
+        raise DPAuditError("config key 'calibrate' must be true or false")
+    # Fail closed: a gate judges the sigma the trainer will use. No sigma is unusable, unless the
+    # config asks for calibration explicitly (and then a sigma beside it would be ambiguous).
+    if sigma is None and not calibrate:
+        raise DPAuditError("config states no noise_multiplier (sigma); a gate must judge the sigma training uses "
+                           "(or set calibrate: true to ask for the minimal one)")
+    if sigma is not None and calibrate:
+        raise DPAuditError("config gives a noise_multiplier and calibrate: true; keep one")
     target = _number(data, "target_epsilon")
     if target is None:
         raise DPAuditError("config needs target_epsilon")
@@ -92,9 +160,11 @@ def load_privacy_config(path: Path) -> PrivacyConfig:
     p = sampling_rate_from(_number(data, "batch_size", int), _number(data, "dataset_size", int),
                            _number(data, "sampling_rate"))
     steps = steps_from(_number(data, "steps", int), _number(data, "epochs"), p)
+    if steps > MAX_STEPS:
+        raise DPAuditError(f"config schedule has {steps:.3g} steps; dpaudit check accounts up to {MAX_STEPS:.0e}")
     accountant = data.get("accountant")
     if accountant is not None and not isinstance(accountant, str):
-        raise DPAuditError(f"config accountant must be a name, got {accountant!r}")
+        raise DPAuditError("config accountant must be a name")
     config = PrivacyConfig(mechanism, sigma, p, steps, delta, target, accountant)
     if sigma is not None:
         config.schedule(sigma)  # validates sigma

@@ -44,6 +44,7 @@ def test_dp_sgd_gradient_canaries_and_transcript(tmp_path, tiny_model_dir):
     ("dp-sgd", "no-clip", {}),
     ("dp-zo", "public-noise-seed", {"lr": 1e-5}),
     ("dp-zo", "noise-x0.1", {"lr": 1e-5}),
+    ("dp-zo", "no-clip", {"lr": 1e-5}),
 ])
 def test_planted_bugs_are_caught(tmp_path, tiny_model_dir, monkeypatch, method, bug, extra):
     folder = run(tmp_path, tiny_model_dir, bug, monkeypatch, bug=bug, method=method, target_epsilon=1.0,

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
 
 from dpaudit.audit.auditor import Bound, CanaryScoreAuditor, GuessCounts, HullThresholds, TopGuesses
 from dpaudit.audit.guesses import check_scores

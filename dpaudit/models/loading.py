@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dpaudit.canaries.hf import load_tokenizer, require_transformers
+from dpaudit.canaries.hf import load_tokenizer, refuse_remote_code, require_transformers
 from dpaudit.errors import DPAuditError
 
 
@@ -16,7 +16,8 @@ def load_causal_lm(path: str | Path, gguf_file: str | None = None, dtype=None):
         path, gguf_file = path.parent, path.name
     if not path.is_dir():
         raise DPAuditError(f"checkpoint directory not found: {path}")
-    kwargs = {"local_files_only": True}
+    refuse_remote_code(path)
+    kwargs = {"local_files_only": True, "trust_remote_code": False}
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
     else:

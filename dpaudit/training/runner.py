@@ -115,11 +115,6 @@ class TrainResult:
         return d
 
 
-def public_seed(seed: int, step: int) -> int:
-    """The per-step direction seed: public, logged, and derivable from (run seed, step)."""
-    return int(np.random.SeedSequence([seed, step]).generate_state(1)[0])
-
-
 def _save_checkpoint(run_dir: Path, model, tokenizer, state: dict, trainer_state=None) -> None:
     """Write the checkpoint beside the old one, then swap, so a crash leaves one intact copy."""
     import torch
@@ -222,29 +217,28 @@ def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *,
     rng = np.random.default_rng([int(secret), start])
     batches = None if cfg.private else shuffled_batches(n, batch_size, rng)
     noise_sigma = 0.0 if cfg.unsafe_disable_noise else plan.noise_sigma(cfg.bug)
-    log = transcript = hook = None
-    if cfg.method == "dp-sgd" and canaries is not None and main:
-        transcript = TranscriptWriter(run_dir / TRANSCRIPT, start, canaries.m)
-
     if cfg.method == "dp-zo":
-        from dpaudit.training.zo import ZOSettings, zo_step
+        from dpaudit.training.zo import ZOSettings, ZOTrainer
 
-        zo = ZOSettings(lr=cfg.lr, phi=cfg.phi, clip=cfg.clip if cfg.private and not cfg.bug.skip_clipping else None,
+        zo = ZOSettings(lr=cfg.lr, phi=cfg.phi, clip=cfg.clip if cfg.private else None,
                         noise=cfg.mechanism if cfg.private and noise_sigma > 0 else None, sigma=noise_sigma,
-                        direction=cfg.direction)
+                        direction=cfg.direction, clip_examples=not cfg.bug.skip_clipping)
         log_path = run_dir / "zo_steps.jsonl"
         if main:
             _truncate_log(log_path, start)
-        log = open(log_path, "a", encoding="utf-8") if main else None
+        trainer = ZOTrainer(model, params, zo, run_seed=cfg.seed, expected_batch=batch_size, private=cfg.private,
+                            rng=rng, log_path=log_path if main else None, bug=cfg.bug, canaries=canaries,
+                            clip=cfg.clip, all_sum=world.sum)
     else:
         from dpaudit.training.sgd import FirstOrderTrainer
 
-        if canaries is not None:
-            hook = GradientCanaryHook(canaries, params, cfg.clip)
+        hook = GradientCanaryHook(canaries, params, cfg.clip) if canaries is not None else None
+        transcript = TranscriptWriter(run_dir / TRANSCRIPT, start, canaries.m) if hook and main else None
         trainer = FirstOrderTrainer(model, params, lr=cfg.lr, private=cfg.private, clip=cfg.clip,
                                     sigma=noise_sigma, expected_batch_size=batch_size,
                                     noise_generator=torch.Generator(world.device).manual_seed(int(secret) + start),
-                                    optimizer=cfg.optimizer, world_size=world.size, hook=hook, bug=cfg.bug)
+                                    optimizer=cfg.optimizer, world_size=world.size, hook=hook, bug=cfg.bug,
+                                    transcript=transcript)
         if start and (checkpoint / "optimizer.pt").is_file():
             trainer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=True))
 
@@ -258,35 +252,14 @@ def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *,
                 real = idx[idx < n_real]
                 sampled = canaries.member_ids[idx[idx >= n_real] - n_real] if canaries else idx[:0]
                 batch = {k: v.to(world.device) for k, v in data.batch(world.shard(real)).items()}
-                if cfg.method == "dp-zo":
-                    seed = public_seed(cfg.seed, step)
-                    denom = (max(1, len(idx)) if cfg.bug.actual_batch else batch_size) if cfg.private \
-                        else max(1, len(idx))
-                    diffs = None
-                    if len(sampled):
-                        diffs = torch.as_tensor(canaries.gain * cfg.clip * canaries.signs(step)[sampled])
-                    noise_rng = np.random.default_rng(seed) if cfg.bug.public_noise else rng
-                    scalar, last_loss = zo_step(model, params, batch, seed, zo, denom, noise_rng, world.sum,
-                                                canary_diffs=diffs)
-                    if main:
-                        log.write(json.dumps({"step": step, "seed": seed, "scalar": scalar}) + "\n")
-                        log.flush()
-                else:
-                    if hook is not None:
-                        hook.begin_step(step, sampled)
-                    last_loss = trainer.step(batch, len(idx))
-                    if transcript is not None:
-                        transcript.write(hook.released)
+                last_loss = trainer.run_step(step, batch, len(idx), sampled)
                 if main:
                     ledger.record(step + 1 + discarded, steps_in_model=step + 1)
                 advance(1)
                 if main and cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
-                    _checkpoint(run_dir, model, tokenizer, cfg, step + 1,
-                                trainer.state_dict() if cfg.method == "dp-sgd" else None)
+                    _checkpoint(run_dir, model, tokenizer, cfg, step + 1, trainer.state_dict())
     finally:
-        for fh in (log, transcript):
-            if fh is not None:
-                fh.close()
+        trainer.close()
     seconds = time.perf_counter() - began
     final = run_dir / "model"
     if main:  # the finished model replaces the resume checkpoint (no second copy of the weights)

@@ -47,12 +47,17 @@ def _audited(cls):
 
 
 class FirstOrderTrainer:
+    """DP-SGD (or SGD) behind the trainers' common interface: ``run_step``, ``state_dict``, ``close``.
+    White-box canaries enter through ``hook`` (a GradientCanaryHook), whose reading of each release goes
+    to ``transcript``; planted bugs through ``bug``."""
+
     def __init__(self, model, params, *, lr: float, private: bool, clip: float = 1.0, sigma: float = 0.0,
                  expected_batch_size: int = 1, noise_generator: torch.Generator | None = None,
-                 optimizer: str = "adamw", world_size: int = 1, hook=None, bug=None) -> None:
+                 optimizer: str = "adamw", world_size: int = 1, hook=None, bug=None, transcript=None) -> None:
         self.private = private
         self.world_size = world_size
         self.bug = bug
+        self.hook, self.transcript = hook, transcript
         base = (torch.optim.AdamW(params, lr=lr, weight_decay=0.0) if optimizer == "adamw"
                 else torch.optim.SGD(params, lr=lr))
         if private:
@@ -100,6 +105,18 @@ class FirstOrderTrainer:
                 dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
         self.optimizer.step()
         return float(losses.detach().mean())
+
+    def run_step(self, step: int, batch, n_sampled: int, sampled_canaries) -> float:
+        if self.hook is not None:
+            self.hook.begin_step(step, sampled_canaries)
+        loss = self.step(batch, n_sampled)
+        if self.transcript is not None:
+            self.transcript.write(self.hook.released)
+        return loss
+
+    def close(self) -> None:
+        if self.transcript is not None:
+            self.transcript.close()
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()

@@ -29,6 +29,11 @@ class ZOSettings:
     noise: str | None = "gaussian"  # gaussian, laplace, or None (non-private)
     sigma: float = 0.0              # noise multiplier (Gaussian std / Laplace scale, in units of C)
     direction: str = "gaussian"
+    clip_examples: bool = True      # False only for the planted bug "no-clip" (noise still scaled by C)
+
+    @property
+    def example_clip(self) -> float | None:
+        return self.clip if self.clip_examples else None
 
 
 def _chunks(params, seed: int):
@@ -86,7 +91,7 @@ def privatize(total: float, settings: ZOSettings, denominator: float, rng: np.ra
 
 
 def noisy_scalar(diffs: torch.Tensor, settings: ZOSettings, denominator: float, rng: np.random.Generator) -> float:
-    return privatize(clipped_sum(diffs, settings.clip), settings, denominator, rng)
+    return privatize(clipped_sum(diffs, settings.example_clip), settings, denominator, rng)
 
 
 def apply_update(params, seed: int, scalar: float, lr: float, scale: float) -> None:
@@ -109,12 +114,59 @@ def zo_step(model, params, batch, seed: int, settings: ZOSettings, denominator: 
     else:
         plus, minus = perturbed_losses(model, params, batch, seed, settings.phi, scale)
         restore = settings.phi * scale
-    total = all_sum(clipped_sum(plus - minus, settings.clip))
+    total = all_sum(clipped_sum(plus - minus, settings.example_clip))
     if canary_diffs is not None:
-        total += clipped_sum(canary_diffs, settings.clip)
+        total += clipped_sum(canary_diffs, settings.example_clip)
     s = privatize(total, settings, denominator, rng)
     add_direction(params, seed, restore - settings.lr * s * scale)
     return s, float((plus + minus).mean() / 2) if plus.numel() else float("nan")
+
+
+def public_seed(seed: int, step: int) -> int:
+    """The per-step direction seed: public, logged, and derivable from (run seed, step)."""
+    return int(np.random.SeedSequence([seed, step]).generate_state(1)[0])
+
+
+class ZOTrainer:
+    """DP-ZO behind the trainers' common interface: ``run_step`` (one step, returns the loss),
+    ``state_dict`` (nothing beyond the weights) and ``close``. Its transcript is the (seed, scalar) log.
+    White-box canaries and planted bugs enter here: sampled canaries add their loss differences to the
+    clipped sum; "actual-batch" divides by the realised batch, "public-noise-seed" draws the noise from
+    the step's public seed (both with the claim unchanged)."""
+
+    def __init__(self, model, params, settings: ZOSettings, *, run_seed: int, expected_batch: int, private: bool,
+                 rng: np.random.Generator, log_path=None, bug=None, canaries=None, clip: float = 1.0,
+                 all_sum=lambda x: x):
+        self.model, self.params, self.settings = model, params, settings
+        self.run_seed, self.expected_batch, self.private = run_seed, expected_batch, private
+        self.rng, self.bug, self.canaries, self.clip, self.all_sum = rng, bug, canaries, clip, all_sum
+        self.log = open(log_path, "a", encoding="utf-8") if log_path is not None else None
+
+    def run_step(self, step: int, batch, n_sampled: int, sampled_canaries) -> float:
+        import json
+
+        seed = public_seed(self.run_seed, step)
+        realised = max(1, n_sampled)
+        denom = (realised if self.bug is not None and self.bug.actual_batch else self.expected_batch) \
+            if self.private else realised
+        diffs = None
+        if len(sampled_canaries):
+            c = self.canaries
+            diffs = torch.as_tensor(c.gain * self.clip * c.signs(step)[sampled_canaries])
+        noise_rng = np.random.default_rng(seed) if self.bug is not None and self.bug.public_noise else self.rng
+        scalar, loss = zo_step(self.model, self.params, batch, seed, self.settings, denom, noise_rng, self.all_sum,
+                               canary_diffs=diffs)
+        if self.log is not None:
+            self.log.write(json.dumps({"step": step, "seed": seed, "scalar": scalar}) + "\n")
+            self.log.flush()
+        return loss
+
+    def state_dict(self) -> None:
+        return None
+
+    def close(self) -> None:
+        if self.log is not None:
+            self.log.close()
 
 
 def replay(params, steps, lr: float, direction: str) -> None:

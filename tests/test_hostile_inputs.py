@@ -1,0 +1,111 @@
+"""Hostile and careless inputs (issue 15): the gate fails closed, writes never destroy what is not a regular
+file, configs are parsed within limits and never echoed, checkpoint code never runs, OS errors are one line."""
+
+import json
+import os
+import stat
+
+import pytest
+
+from cli_helpers import assert_one_line_error, dpaudit
+
+PASSING = "mechanism: gaussian\nbatch_size: 16\ndataset_size: 1000\nsteps: 1000\ndelta: 1.0e-5\ntarget_epsilon: 8\n"
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_outputs_never_replace_devices_or_folders(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for target, what in ((fifo, "not a regular file"), (tmp_path, "a folder")):
+        out = dpaudit("plot", "--vs", "sigma", "-o", target, "--force")
+        assert_one_line_error(out)
+        assert what in out.stderr
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)  # still a FIFO
+
+
+def test_a_symlinked_output_is_not_replaced(tmp_path):
+    precious = write(tmp_path, "precious.png", "keep me")
+    link = tmp_path / "link.png"
+    link.symlink_to(precious)
+    assert_one_line_error(dpaudit("plot", "--vs", "sigma", "-o", link, "--force"))
+    assert link.is_symlink() and precious.read_text() == "keep me"
+
+
+def test_unwritable_output_folder_is_one_line_exit_2(tmp_path):
+    if os.geteuid() == 0:
+        target = "/proc/dpaudit-cannot-write/x.png"  # root can write anywhere but /proc
+    else:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        target = locked / "x.png"
+    assert_one_line_error(dpaudit("plot", "--vs", "sigma", "-o", target))
+
+
+@pytest.mark.parametrize("text,message", [
+    (PASSING, "states no noise_multiplier"),                                   # sigma missing: fail closed
+    (PASSING + "noise_multiplier: null\n", "states no noise_multiplier"),
+    ("target_epsilon: 1\ndelta: 1e-5\n", "states no noise_multiplier"),
+    (PASSING + "noise_multiplier: 1\ncalibrate: true\n", "keep one"),
+    ("noise_multiplier: 0.1\nprivacy:\n" + "".join("  " + line + "\n" for line in PASSING.splitlines()),
+     "both at the top and in the 'privacy' section"),
+    ("dpaudit:\n  noise_multiplier: 1\nprivacy:\n  noise_multiplier: 2\n", "both a 'dpaudit' and a 'privacy'"),
+    (PASSING + "noise_multiplier: 1\nsteps: 1e308\n", "beyond"),
+    ("mechanism: gaussian\nbatch_size: 16\ndataset_size: 1000\nepochs: 1.0e+300\ndelta: 1.0e-5\n"
+     "target_epsilon: 8\nnoise_multiplier: 1\n", "steps"),
+    ("a: &a [x, x, x]\nb: &b [*a, *a, *a]\nc: [*b, *b, *b]\n", "aliases"),   # billion laughs, small
+    ("x: " + "[" * 100_000 + "]" * 100_000 + "\n", "nested deeper"),
+    ("1: 2\n", "every key must be a name"),
+])
+def test_check_refuses_unusable_configs_with_exit_2(tmp_path, text, message):
+    out = dpaudit("check", write(tmp_path, "c.yaml", text), timeout=120)
+    assert_one_line_error(out)
+    assert message in out.stderr
+
+
+def test_check_never_echoes_the_file(tmp_path):
+    secret = "root:$6$saltsalt$5H0QpwprRiJQR19Y5aVvM9ZK0ZvIcm8:19000:0:99999:7:::"
+    out = dpaudit("check", write(tmp_path, "shadow.yaml", secret + "\n"))
+    assert_one_line_error(out)
+    assert "$6$" not in out.stderr and "saltsalt" not in out.stderr
+    huge = tmp_path / "huge.yaml"
+    huge.write_text("x: 1\n" * 300_000)
+    out = dpaudit("check", huge)
+    assert_one_line_error(out)
+    assert "KiB" in out.stderr
+
+
+def test_check_judges_the_stated_sigma_and_calibrates_only_when_asked(tmp_path):
+    ok = dpaudit("check", write(tmp_path, "ok.yaml", PASSING + "noise_multiplier: 1.0\n"), "--json")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["minimal_sigma"] is None  # no calibration when sigma is given and passes
+    asked = dpaudit("check", write(tmp_path, "cal.yaml", PASSING + "calibrate: true\n"), "--json")
+    assert asked.returncode == 0 and json.loads(asked.stdout)["sigma_from_config"] is False
+    over = dpaudit("check", write(tmp_path, "over.yaml", PASSING + "noise_multiplier: 0.3\n"), "--json")
+    assert over.returncode == 1 and json.loads(over.stdout)["minimal_sigma"] > 0.3
+
+
+def test_check_has_a_time_budget(tmp_path):
+    cfg = write(tmp_path, "mc.yaml", PASSING.replace("steps: 1000", "steps: 75000") +
+                "noise_multiplier: 1\naccountant: mc\n")
+    out = dpaudit("check", cfg, "--timeout", "3", timeout=120)
+    assert_one_line_error(out)
+    assert "time budget" in out.stderr
+
+
+def test_checkpoints_that_ship_code_are_refused(tmp_path, tiny_model_dir):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg["auto_map"] = {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (model / "tokenization_evil.py").write_text("raise SystemExit('evil code ran')\n")
+    out = dpaudit("canaries", "make", "-t", model, "-o", tmp_path / "c.json", "-m", "4")
+    assert_one_line_error(out)
+    assert "auto_map" in out.stderr and out.stdout == ""
