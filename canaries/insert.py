@@ -42,36 +42,62 @@ def detect_format(path: Path, fmt: str | None) -> str:
     raise DPAuditError(f"cannot tell the format of {path} from its name; pass --format jsonl|txt|csv")
 
 
-def _read_jsonl(text: str, field: str, path: Path) -> list[dict]:
-    rows = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DPAuditError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
-        if not isinstance(row, dict) or field not in row:
-            raise DPAuditError(f"{path}:{n}: no {field!r} field (choose it with --field)")
-        rows.append(row)
-    return rows
+def _lines(text: str) -> list[str]:
+    """Physical lines, split on "\n" only (never on form feed, NEL or U+2028, which may sit inside a text);
+    a carriage return stays on its line, so every line can be copied byte for byte."""
+    lines = text.split("\n")
+    return lines[:-1] if lines and lines[-1] == "" else lines
+
+
+def _jsonl_text(line: str, field: str, path: Path, n: int) -> str:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise DPAuditError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+    if not isinstance(row, dict) or field not in row:
+        raise DPAuditError(f"{path}:{n}: no {field!r} field (choose it with --field)")
+    if not isinstance(row[field], str):
+        raise DPAuditError(f"{path}:{n}: field {field!r} is not text")
+    return row[field]
 
 
 def read_texts(path: Path, fmt: str, field: str = "text") -> list[str]:
     """The training texts of a dataset file (used by the trainer too)."""
     text = _read(path)
     if fmt == "jsonl":
-        return [str(r[field]) for r in _read_jsonl(text, field, path)]
+        return [_jsonl_text(line, field, path, n) for n, line in enumerate(_lines(text), 1) if line.strip()]
     if fmt == "txt":
-        return [line for line in text.splitlines() if line.strip()]
+        return [line.rstrip("\r") for line in _lines(text) if line.strip()]
     return [row[field] for row in _csv_reader(text, field, path)]
 
 
 def _csv_reader(text: str, field: str, path: Path) -> csv.DictReader:
-    reader = csv.DictReader(io.StringIO(text))
+    reader = csv.DictReader(io.StringIO(text, newline=""))
     if field not in (reader.fieldnames or []):
-        raise DPAuditError(f"{path}: no column {field!r} (columns: {reader.fieldnames}); choose it with --field")
+        raise DPAuditError(f"{path}: no column {field!r}; choose it with --field")
     return reader
+
+
+def _csv_records(text: str, field: str, path: Path) -> tuple[list[str], list[str], list[str]]:
+    """(header lines, one raw chunk of lines per record, column names): records located by the csv parser
+    (a quoted field may span lines), their bytes kept as they were."""
+    lines = _lines(text)
+    reader = csv.reader(line + "\n" for line in lines)
+    try:
+        header = next(reader)
+    except StopIteration:
+        raise DPAuditError(f"{path} is empty") from None
+    if field not in header:
+        raise DPAuditError(f"{path}: no column {field!r}; choose it with --field")
+    head_end, chunks = reader.line_num, []
+    start = head_end
+    try:
+        for _ in reader:
+            chunks.append("\n".join(lines[start:reader.line_num]))
+            start = reader.line_num
+    except csv.Error as exc:
+        raise DPAuditError(f"{path}: not valid CSV ({exc})") from None
+    return lines[:head_end], chunks, header
 
 
 def _read(path: Path) -> str:
@@ -98,28 +124,32 @@ def insert_canaries(manifest: Manifest, data: Path, output: Path, *, fmt: str | 
     canary_texts = [c.text for c in members for _ in range(repeats)]
     text = _read(data)
     rng = np.random.default_rng(seed)
+    # Every original line is copied byte for byte (parsed only to validate and find the text); the
+    # canaries are new lines, shuffled in among the original records.
+    crlf = text.count("\r\n") * 2 > text.count("\n")
+    end = "\r" if crlf else ""
+    header: list[str] = []
     if fmt == "jsonl":
-        rows = [json.dumps(r, ensure_ascii=False) for r in _read_jsonl(text, field, data)]
-        new = [json.dumps({field: t}, ensure_ascii=False) for t in canary_texts]
-        n = len(rows)
-        out = _shuffled(rows + new, rng)
-        body = "\n".join(out) + "\n"
+        records = _lines(text)
+        for n, line in enumerate(records, 1):
+            if line.strip():
+                _jsonl_text(line, field, data, n)
+        new = [json.dumps({field: t}, ensure_ascii=False) + end for t in canary_texts]
     elif fmt == "txt":
-        if any("\n" in t for t in canary_texts):
+        if any(ch in t for t in canary_texts for ch in "\r\n"):
             raise DPAuditError("a canary spans several lines and cannot go into a one-example-per-line file")
-        rows = [line for line in text.splitlines() if line.strip()]
-        n = len(rows)
-        body = "\n".join(_shuffled(rows + canary_texts, rng)) + "\n"
+        records = _lines(text)
+        new = [t + end for t in canary_texts]
     else:
-        reader = _csv_reader(text, field, data)
-        rows = list(reader)
-        n = len(rows)
-        new = [{field: t} for t in canary_texts]
+        header, records, columns = _csv_records(text, field, data)
         buf = io.StringIO()
-        writer = csv.DictWriter(buf, fieldnames=reader.fieldnames, restval="")
-        writer.writeheader()
-        writer.writerows(_shuffled(rows + new, rng))
-        body = buf.getvalue()
+        writer = csv.DictWriter(buf, fieldnames=columns, restval="", lineterminator="\n")
+        writer.writerows({field: t} for t in canary_texts)
+        new = [line + end for line in buf.getvalue().rstrip("\n").split("\n")] if canary_texts else []
+        if any("\n" in t for t in canary_texts):
+            raise DPAuditError("a canary spans several lines; CSV insertion keeps one line per canary")
+    n = sum(1 for r in records if r.strip())
+    body = "\n".join(header + _shuffled(records + new, rng)) + "\n"
     atomic_write_text(output, body)
     return InsertSummary(output=output, original_examples=n, inserted=len(canary_texts), repeats=repeats)
 

@@ -77,6 +77,9 @@ def train_cmd(
     data_format: FormatOpt = None, field: FieldOpt = "text",
     save_every: Annotated[int, typer.Option("--save-every", help="Checkpoint every k steps (0: at the end).")] = 0,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its checkpoint.")] = False,
+    allow_overspend: Annotated[bool, typer.Option(
+        "--allow-overspend", help="With --resume: accept spending more than planned (steps redone after a kill "
+                                  "count again); recorded in the ledger.")] = False,
     white_box: Annotated[int, typer.Option(
         "--white-box", help="Plant M white-box canaries and record the canary-aligned transcript "
                             "(audit it with 'dpaudit audit transcript').")] = 0,
@@ -89,7 +92,7 @@ def train_cmd(
 
     cfg = make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction,
                       trainable, bf16, seed, secret_seed, accountant, save_every=save_every, white_box=white_box,
-                      plant_bug=plant_bug)
+                      plant_bug=plant_bug, allow_overspend=allow_overspend)
     texts = read_texts(data, detect_format(data, data_format), field)
     result = train(model, texts, out, cfg, resume=resume, show_progress=not as_json)
     privacy = (f"eps <= {fmt(result.epsilon)} at delta = {result.delta:g} (sigma {fmt(result.sigma)}, "

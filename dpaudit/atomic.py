@@ -30,12 +30,19 @@ def guard_new_file(path: Path, force: bool) -> None:
 
 
 def guard_new_folder(path: Path, force: bool) -> None:
-    """Refuse to write into a non-empty folder the user already has, unless told to."""
+    """Refuse to write into a non-empty folder the user already has, unless told to; --force only ever
+    reuses a folder dpaudit made (it holds the marker), never one of the user's."""
+    from dpaudit.lock import LOCK, MARKER, is_marked
+
     path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise DPAuditError(f"{path} is a file, not a folder")
-    if path.exists() and any(path.iterdir()) and not force:
-        raise DPAuditError(f"{path} is not empty; pass --force to write into it")
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        raise DPAuditError(f"{path} is not a plain folder")
+    if path.exists() and any(p.name not in (MARKER, LOCK) for p in path.iterdir()):
+        if not force:
+            raise DPAuditError(f"{path} is not empty; pass --force to write into it")
+        if not is_marked(path):
+            raise DPAuditError(f"{path} is not empty and was not made by dpaudit; --force only replaces dpaudit's "
+                               "own folders (use a new folder)")
 
 
 def _umask() -> int:

@@ -109,3 +109,37 @@ def test_checkpoints_that_ship_code_are_refused(tmp_path, tiny_model_dir):
     out = dpaudit("canaries", "make", "-t", model, "-o", tmp_path / "c.json", "-m", "4")
     assert_one_line_error(out)
     assert "auto_map" in out.stderr and out.stdout == ""
+
+
+@pytest.fixture(scope="module")
+def manifest(tmp_path_factory, tiny_model_dir):
+    path = tmp_path_factory.mktemp("manifest") / "canaries.json"
+    out = dpaudit("canaries", "make", "-t", tiny_model_dir, "-o", path, "-m", "6", "--seed", "2")
+    assert out.returncode == 0, out.stderr
+    return path
+
+
+def test_insert_copies_every_original_line_byte_for_byte(tmp_path, manifest):
+    txt = tmp_path / "d.txt"
+    txt.write_bytes("one\x0ctwo\nthree\x85four\nfive\n".encode())  # form feed and NEL inside lines
+    out = dpaudit("canaries", "insert", "-c", manifest, "-d", txt, "-o", tmp_path / "o.txt", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["original_examples"] == 3
+    lines = (tmp_path / "o.txt").read_bytes().decode().split("\n")
+    assert {"one\x0ctwo", "three\x85four", "five"} <= set(lines)
+    raw = ['{"text": "a\u2028b", "n": Infinity}', '{"text": "x", "text": "y"}', '{"text": "plain"}']
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text("\n".join(raw) + "\n", encoding="utf-8")
+    out = dpaudit("canaries", "insert", "-c", manifest, "-d", jsonl, "-o", tmp_path / "o.jsonl")
+    assert out.returncode == 0, out.stderr
+    copied = (tmp_path / "o.jsonl").read_text(encoding="utf-8").split("\n")
+    assert set(raw) <= set(copied)
+    again = dpaudit("canaries", "insert", "-c", manifest, "-d", tmp_path / "o.jsonl", "-o", tmp_path / "o2.jsonl")
+    assert again.returncode == 0, again.stderr  # dpaudit reads its own output
+
+
+def test_insert_refuses_a_text_that_is_not_text(tmp_path, manifest):
+    bad = write(tmp_path, "bad.jsonl", '{"text": null}\n')
+    out = dpaudit("canaries", "insert", "-c", manifest, "-d", bad, "-o", tmp_path / "o.jsonl")
+    assert_one_line_error(out)
+    assert "not text" in out.stderr

@@ -1,6 +1,7 @@
 """Trainer mechanics: clipping bounds one example's influence, noise has the calibrated scale,
 Poisson sampling has rate p, DP-ZO replays from its log, the ledger tells what a killed run spent."""
 
+import dataclasses
 import json
 import math
 
@@ -178,14 +179,20 @@ def test_killed_run_keeps_ledger_and_resumes(tiny_model_dir, tmp_path, monkeypat
     from dpaudit.errors import DPAuditError
     with pytest.raises(DPAuditError, match="not empty"):
         train(tiny_model_dir, TEXTS, run, cfg, show_progress=False)
-    result = train(tiny_model_dir, TEXTS, run, cfg, resume=True, show_progress=False)
+    # Steps 6 and 7 ran twice (killed after the step-5 checkpoint): resuming spends more than planned,
+    # which is refused unless accepted, and then written down.
+    with pytest.raises(DPAuditError, match="allow-overspend"):
+        train(tiny_model_dir, TEXTS, run, cfg, resume=True, show_progress=False)
+    result = train(tiny_model_dir, TEXTS, run, dataclasses.replace(cfg, allow_overspend=True), resume=True,
+                   show_progress=False)
     assert result.steps == 12
     assert [json.loads(x)["step"] for x in (run / "zo_steps.jsonl").read_text().splitlines()] == list(range(12))
-    # Steps 6 and 7 ran twice (killed after the step-5 checkpoint): 14 steps are spent, not 12.
     after = json.loads((run / "privacy_ledger.json").read_text())
     assert after["steps_in_model"] == 12 and after["steps_executed"] == 14
-    assert after["steps_discarded_by_resume"] == 2
-    assert after["epsilon_spent"] == after["epsilon_planned"] == result.epsilon > ledger["epsilon_planned"]
+    assert after["steps_discarded_by_resume"] == 2 and after["overspend_allowed"]
+    assert after["epsilon_planned"] == pytest.approx(ledger["epsilon_planned"])  # the plan is kept
+    assert after["epsilon_spent"] == after["epsilon_total"] == result.epsilon > after["epsilon_planned"]
+    assert after["epsilon_overspend"] == pytest.approx(result.epsilon - after["epsilon_planned"])
     assert (run / "model").is_dir() and not (run / "checkpoint").exists()  # one copy of the weights
     with pytest.raises(DPAuditError, match="complete"):
         train(tiny_model_dir, TEXTS, run, cfg, resume=True, show_progress=False)

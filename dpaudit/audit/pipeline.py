@@ -64,9 +64,20 @@ def embedded_default(folder: Path, seed: int = 0) -> Path:
     return build_embedded_default(folder, seed=seed)
 
 
-def run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model: Path | None = None,
-              data: Path | None = None, data_format: str | None = None, field: str = "text",
-              force: bool = False, show_progress: bool = True) -> tuple[AuditResult, TrainResult, dict]:
+def run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, force: bool = False,
+              **kwargs) -> tuple[AuditResult, TrainResult, dict]:
+    """The whole audit in ``out`` (a non-empty folder only with --force, and only one dpaudit made), holding
+    the folder's lock so a second run into the same folder is refused."""
+    from dpaudit.lock import folder_lock
+
+    out = prepare_folder(out, force)
+    with folder_lock(out):
+        return _run_audit(out, cfg, settings, **kwargs)
+
+
+def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model: Path | None = None,
+               data: Path | None = None, data_format: str | None = None, field: str = "text",
+               show_progress: bool = True) -> tuple[AuditResult, TrainResult, dict]:
     from dpaudit.audit.scoring import score_checkpoint
     from dpaudit.canaries.generate import make_canaries
     from dpaudit.canaries.hf import extend_model
@@ -74,7 +85,6 @@ def run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model:
     from dpaudit.models.corpus import sentences
     from dpaudit.models.loading import load_causal_lm
 
-    out = prepare_folder(out, force)  # a non-empty folder only with --force: then our sub-folders are redone
     base = model if model is not None else embedded_default(out / "base_model", settings.seed)
     if cfg.white_box:
         return _white_box(out, cfg, settings, base, data, data_format, field, show_progress)

@@ -15,9 +15,12 @@ from dpaudit.audit.analysis import AuditResult
 
 
 def prepare_folder(folder: Path, force: bool) -> Path:
+    from dpaudit.lock import mark
+
     folder = Path(folder)
     guard_new_folder(folder, force)
     folder.mkdir(parents=True, exist_ok=True)
+    mark(folder)
     return folder
 
 

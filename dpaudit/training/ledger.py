@@ -21,7 +21,8 @@ GRID_POINTS = 25
 class PrivacyLedger:
     def __init__(self, path: Path, header: dict, plan, total_steps: int):
         """``plan``: the run's PrivacyPlan (the same one the noise was taken from); ``total_steps`` counts
-        the steps a resume redid."""
+        the steps a resume redid. ``epsilon_planned`` stays the plan's (its T steps); ``epsilon_total`` is
+        what the run spends with the redone steps, and any excess is written down as an overspend."""
         self.path = Path(path)
         self.header = header
         self.grid: list[int] = []
@@ -34,11 +35,20 @@ class PrivacyLedger:
             self.eps = [r.epsilon for r in results]
             self.relation = results[-1].relation
             self.accountant = results[-1].accountant
+            self.planned = (results[-1].epsilon if total == plan.mechanism.steps
+                            else plan.epsilon_at(plan.mechanism.steps).epsilon)
         else:
             self.accountant = None
+            self.planned = math.inf
 
     @property
     def planned_epsilon(self) -> float:
+        """eps of the plan as made (T steps)."""
+        return self.planned
+
+    @property
+    def total_epsilon(self) -> float:
+        """eps the run spends when it finishes, the steps a resume redid included."""
         return self.eps[-1] if self.eps else math.inf
 
     def spent(self, steps_done: int) -> float:
@@ -52,5 +62,6 @@ class PrivacyLedger:
         atomic_write_json(self.path, {
             **self.header, "accountant": self.accountant, "relation": self.relation,
             "steps_executed": steps_executed, "epsilon_spent": json_float(self.spent(steps_executed)),
-            "epsilon_planned": json_float(self.planned_epsilon), **extra,
+            "epsilon_planned": json_float(self.planned_epsilon), "epsilon_total": json_float(self.total_epsilon),
+            "epsilon_overspend": json_float(max(0.0, self.total_epsilon - self.planned_epsilon)), **extra,
         })

@@ -51,6 +51,7 @@ class TrainConfig:
     save_every: int = 0
     unsafe_disable_noise: bool = False   # for audit tests only: claims eps but adds no noise
     white_box: int = 0                   # m white-box canaries planted in the run (0: none)
+    allow_overspend: bool = False        # a resume may spend more than planned (recorded); not part of the plan
     plant_bug: str | None = None         # a planted privacy bug (testing the audit; see training/bugs.py)
 
     def __post_init__(self) -> None:
@@ -134,6 +135,25 @@ def _save_checkpoint(run_dir: Path, model, tokenizer, state: dict, trainer_state
 
 def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *, resume: bool = False,
           show_progress: bool = True) -> TrainResult:
+    """Train into ``run_dir``, holding its lock (rank 0 of a distributed run) so no second run writes there."""
+    from contextlib import nullcontext
+
+    from dpaudit.lock import folder_lock
+
+    run_dir = Path(run_dir)
+    main_process = int(os.environ.get("RANK", "0")) == 0
+    with folder_lock(run_dir) if main_process else nullcontext():
+        return _train(model_dir, texts, run_dir, cfg, resume=resume, show_progress=show_progress)
+
+
+def _has_content(folder: Path) -> bool:
+    from dpaudit.lock import LOCK, MARKER
+
+    return any(p.name not in (LOCK, MARKER) for p in folder.iterdir())
+
+
+def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *, resume: bool,
+           show_progress: bool) -> TrainResult:
     import torch
 
     from dpaudit.models.loading import load_causal_lm
@@ -161,7 +181,7 @@ def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *,
         if (checkpoint / "trainer_state.json").is_file():
             start = int(json.loads((checkpoint / "trainer_state.json").read_text())["step"])
             model_dir = checkpoint
-    elif run_dir.exists() and any(run_dir.iterdir()):
+    elif run_dir.exists() and _has_content(run_dir):
         raise DPAuditError(f"run folder {run_dir} is not empty; pass --resume to continue it or use a new folder")
     world.barrier()  # every rank has checked the folder before rank 0 writes to it
     if world.is_main:
@@ -203,7 +223,12 @@ def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *,
     # outputs (the DP-ZO log, the ledger) may have been seen: they are spent, and stay counted.
     discarded = max(0, executed_before - start)
     header["steps_discarded_by_resume"] = discarded
+    header["overspend_allowed"] = cfg.allow_overspend
     ledger = PrivacyLedger(run_dir / "privacy_ledger.json", header, plan, cfg.steps + discarded)
+    if discarded and ledger.total_epsilon > max(ledger.planned_epsilon, cfg.target_epsilon) and not cfg.allow_overspend:
+        raise DPAuditError(f"resuming would spend eps {ledger.total_epsilon:.4g} > the planned "
+                           f"{ledger.planned_epsilon:.4g}: {discarded} steps ran after the last checkpoint and count "
+                           "again; pass --allow-overspend to accept (it is recorded in the ledger)")
     main = world.is_main  # only rank 0 writes: ledger, log, checkpoints, model
     if main:
         # DP-ZO directions come from the generator of the device the weights live on (CPU and CUDA
@@ -267,7 +292,7 @@ def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *,
         shutil.rmtree(checkpoint, ignore_errors=True)
     world.barrier()
     return TrainResult(run_dir=run_dir, model_dir=final, private=plan.private, sigma=sigma,
-                       epsilon=ledger.planned_epsilon, delta=cfg.delta, sampling_rate=rate, steps=cfg.steps,
+                       epsilon=ledger.total_epsilon, delta=cfg.delta, sampling_rate=rate, steps=cfg.steps,
                        examples=n, seconds=seconds, seconds_per_step=seconds / max(1, cfg.steps - start),
                        last_loss=last_loss, accountant=ledger.accountant, relation=ledger.relation)
 
@@ -288,6 +313,7 @@ def _shared_entropy(world) -> int:
 def _config_for_state(cfg: TrainConfig) -> dict:
     d = asdict(cfg)
     d.pop("secret_seed")  # never written down: it would reveal batches and noise
+    d.pop("allow_overspend")  # a permission for this resume, not part of the run's plan
     d["target_epsilon"] = d["target_epsilon"] if math.isfinite(d["target_epsilon"]) else "inf"
     return d
 
