@@ -18,7 +18,7 @@ from dpaudit.atomic import guard_new_file
 from dpaudit.errors import DPAuditError
 from dpaudit.cli.common import (
     AccountantOpt, BatchOpt, DatasetOpt, DeltaOpt, EpochsOpt, ForceOpt, JsonOpt, McBackendOpt, McSamplesOpt, McWorkersOpt, MechOpt,
-    POpt, SeedOpt, StepsOpt, accountant_options, assumptions, console, emit_json, fmt, resolve_delta, schedule,
+    POpt, SeedOpt, StepsOpt, accountant_options, assumptions, bounded, console, emit_json, fmt, resolve_delta, schedule,
 )
 
 SigmaOpt = Annotated[float, typer.Option("--sigma", "-s", help="Noise multiplier (gaussian) or Laplace scale / sensitivity.")]
@@ -31,6 +31,7 @@ def _print_assumptions(lines: list[str]) -> None:
         console.print(f"  - {line}")
 
 
+@bounded("dpaudit calibrate")
 def calibrate(
     eps: EpsOpt, mech: MechOpt = "gaussian", delta: DeltaOpt = None, p: POpt = None,
     batch_size: BatchOpt = None, dataset_size: DatasetOpt = None, steps: StepsOpt = None,
@@ -64,6 +65,7 @@ def calibrate(
     _print_assumptions(lines)
 
 
+@bounded("dpaudit epsilon")
 def epsilon_cmd(
     sigma: SigmaOpt, mech: MechOpt = "gaussian", delta: DeltaOpt = None, p: POpt = None,
     batch_size: BatchOpt = None, dataset_size: DatasetOpt = None, steps: StepsOpt = None,
@@ -86,6 +88,7 @@ def epsilon_cmd(
     _print_assumptions(lines)
 
 
+@bounded("dpaudit delta")
 def delta_cmd(
     sigma: SigmaOpt, eps: EpsOpt, mech: MechOpt = "gaussian", p: POpt = None, batch_size: BatchOpt = None,
     dataset_size: DatasetOpt = None, steps: StepsOpt = None, epochs: EpochsOpt = None,
@@ -129,6 +132,7 @@ def delta_cmd(
     _print_assumptions(lines)
 
 
+@bounded("dpaudit max-steps")
 def max_steps_cmd(
     sigma: SigmaOpt, eps: EpsOpt, mech: MechOpt = "gaussian", delta: DeltaOpt = None, p: POpt = None,
     batch_size: BatchOpt = None, dataset_size: DatasetOpt = None, accountant: AccountantOpt = None,
@@ -154,6 +158,7 @@ def max_steps_cmd(
     _print_assumptions(lines)
 
 
+@bounded("dpaudit compare")
 def compare(
     sigma: Annotated[Optional[float], typer.Option("--sigma", "-s", help="Noise level to account.")] = None,
     eps: Annotated[Optional[float], typer.Option("--eps", "-e", help="Or: target eps to calibrate for.")] = None,
@@ -167,7 +172,9 @@ def compare(
     if (sigma is None) == (eps is None):
         raise DPAuditError("give exactly one of --sigma (compare epsilons) or --eps (compare calibrated sigmas)")
     d = resolve_delta(mech, delta)
-    m = schedule(mech, sigma or 1.0, p, batch_size, dataset_size, steps, epochs)
+    if eps is not None:
+        check_epsilon(eps)
+    m = schedule(mech, 1.0 if sigma is None else sigma, p, batch_size, dataset_size, steps, epochs)
     rows = []
     for name, acc in ACCOUNTANTS.items():
         reason = acc.supports(m, d)
@@ -210,6 +217,7 @@ def compare(
     console.print(table)
 
 
+@bounded("dpaudit plot")
 def plot(
     out: Annotated[Path, typer.Option("--out", "-o", help="PNG file to write.")],
     vs: Annotated[str, typer.Option("--vs", help="x axis: sigma or steps.")] = "sigma",
@@ -229,12 +237,12 @@ def plot(
         raise DPAuditError(f"--points must be in [3, 200], got {points}")
     guard_new_file(out, force)
     d = resolve_delta(mech, delta)
-    m = schedule(mech, sigma or 1.0, p, batch_size, dataset_size, steps, epochs)
+    m = schedule(mech, 1.0 if sigma is None else sigma, p, batch_size, dataset_size, steps, epochs)
     marker = None
     if vs == "sigma":
         if eps is not None:
             marker = calibrate_sigma(m, eps, d, accountant).sigma
-        centre = marker or sigma or 1.0
+        centre = marker if marker is not None else 1.0 if sigma is None else sigma
         xs = list(np.geomspace(centre / 4, centre * 4, points))
         ys = [epsilon(m.with_sigma(float(x)), d, accountant).epsilon for x in xs]
         label = "sigma (noise multiplier)" if mech == "gaussian" else "Laplace scale / sensitivity"

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import math
 import signal
 import sys
+import typing
 from contextlib import contextmanager
 from typing import Annotated, Optional
 
@@ -101,6 +104,30 @@ def time_budget(seconds: float, what: str):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+TimeoutOpt = Annotated[float, typer.Option(
+    "--timeout", help="Seconds this command may take; past it: one line, exit 2, nothing decided.")]
+
+
+def bounded(what: str, default: float = 100.0):
+    """Give a command a --timeout (default ``default`` s) and run it inside that time budget."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def command(*args, timeout: float = default, **kwargs):
+            with time_budget(timeout, what):
+                return fn(*args, **kwargs)
+
+        hints = typing.get_type_hints(fn, include_extras=True)  # typer reads these, resolved
+        sig = inspect.signature(fn)
+        params = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values()]
+        extra = inspect.Parameter("timeout", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default,
+                                  annotation=TimeoutOpt)
+        command.__signature__ = sig.replace(parameters=[*params[:-1], extra, params[-1]])
+        command.__annotations__ = {**hints, "timeout": TimeoutOpt}
+        del command.__wrapped__  # typer must see the signature above, not the function's own
+        return command
+    return wrap
 
 
 def fmt(x: float, digits: int = 6) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 
 import typer
 from rich.markup import escape
@@ -43,7 +44,19 @@ def _usage_errors() -> tuple[type, ...]:
 
 
 def run(argv: list[str] | None = None) -> None:
-    """Console-script entry: user errors and library refusals print one line and exit 2."""
+    """Console-script entry: user errors and library refusals print one line and exit 2; numerical
+    warnings from the libraries never reach the terminal on their own (folded into an error line)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        _run(argv, caught)
+
+
+def _fold(message: str, caught: list) -> str:
+    seen = sorted({str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)})
+    return message + (f" (numerical warnings: {'; '.join(seen[:3])})" if seen else "")
+
+
+def _run(argv, caught) -> None:
     try:
         code = app(args=argv, standalone_mode=False)  # click then raises usage errors to us, returns exit codes
     except _usage_errors() as exc:
@@ -66,7 +79,8 @@ def run(argv: list[str] | None = None) -> None:
                           highlight=False)
         sys.exit(USAGE_ERROR)
     except (ValueError, OverflowError, ZeroDivisionError, FloatingPointError, MemoryError) as exc:
-        err_console.print(f"[bold red]error:[/bold red] cannot answer this query: {type(exc).__name__}: {exc}",
+        err_console.print(f"[bold red]error:[/bold red] "
+                          f"{escape(_fold(f'cannot answer this query: {type(exc).__name__}: {exc}', caught))}",
                           highlight=False)
         sys.exit(USAGE_ERROR)
     sys.exit(code if isinstance(code, int) else 0)

@@ -143,3 +143,34 @@ def test_insert_refuses_a_text_that_is_not_text(tmp_path, manifest):
     out = dpaudit("canaries", "insert", "-c", manifest, "-d", bad, "-o", tmp_path / "o.jsonl")
     assert_one_line_error(out)
     assert "not text" in out.stderr
+
+
+def test_a_run_folder_has_one_writer_and_force_only_clears_dpaudits_own(tmp_path):
+    from dpaudit.lock import folder_lock
+
+    busy = tmp_path / "busy"
+    with folder_lock(busy):
+        out = dpaudit("audit", "run", "--out", busy, "--force", "--steps", "1")
+    assert_one_line_error(out)
+    assert "in use by another dpaudit run" in out.stderr and f"pid {os.getpid()}" in out.stderr
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "run").mkdir()
+    (mine / "run" / "thesis.tex").write_text("years of work")
+    out = dpaudit("audit", "run", "--out", mine, "--force", "--steps", "1")
+    assert_one_line_error(out)
+    assert "not made by dpaudit" in out.stderr
+    assert (mine / "run" / "thesis.tex").read_text() == "years of work"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["compare", "--sigma", "0"], "sigma must be"),
+    (["plot", "--sigma", "0", "-o", "x.png"], "sigma must be"),
+    (["compare", "--eps", "0"], "epsilon must be"),
+    (["epsilon", "--sigma", "1e308", "--p", "0.1", "-T", "10"], "cannot answer"),
+    (["calibrate", "--eps", "1e308", "--p", "0.01", "-T", "100", "--timeout", "3"], "time budget"),
+])
+def test_accounting_edges_are_one_line(tmp_path, args, message):
+    out = dpaudit(*[str(tmp_path / a) if a.endswith(".png") else a for a in args], timeout=120)
+    assert_one_line_error(out)
+    assert message in out.stderr
