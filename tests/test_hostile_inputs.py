@@ -174,3 +174,12 @@ def test_accounting_edges_are_one_line(tmp_path, args, message):
     out = dpaudit(*[str(tmp_path / a) if a.endswith(".png") else a for a in args], timeout=120)
     assert_one_line_error(out)
     assert message in out.stderr
+
+
+def test_max_steps_is_the_largest_t_within_budget():
+    """The coarse PLD bracket (pessimistic above, optimistic below) must not move the answer."""
+    from dpaudit.accounting import Mechanism, epsilon, max_steps
+
+    answer = max_steps(Mechanism("gaussian", 1.0, 0.01, 1), 1.0, 1e-5)
+    assert answer.result.epsilon <= 1.0 < answer.epsilon_next
+    assert epsilon(Mechanism("gaussian", 1.0, 0.01, answer.steps + 1), 1e-5).epsilon > 1.0

@@ -174,10 +174,13 @@ def max_steps(template: Mechanism, target_eps: float, delta: float, accountant: 
 
     if eps_at(1) > target_eps:
         raise DPAuditError(f"even one step spends eps={eps_at(1):.4g} > target {target_eps:g}; raise sigma")
-    good = 1
-    bad = None
+    good, bad = 1, None
+    if name == "pld":
+        good, bad = _pld_bracket(template, target_eps, delta, good)
     while bad is None:
         nxt = min(good * 2, MAX_STEPS)
+        if nxt == good:
+            return StepsAnswer(good, True, _at(cache, eps_at, good), None)
         if eps_at(nxt) <= target_eps:
             good = nxt
             if good == MAX_STEPS:
@@ -190,4 +193,45 @@ def max_steps(template: Mechanism, target_eps: float, delta: float, accountant: 
             good = mid
         else:
             bad = mid
-    return StepsAnswer(good, False, cache[good], eps_at(good + 1))
+    return StepsAnswer(good, False, _at(cache, eps_at, good), eps_at(good + 1))
+
+
+def _at(cache: dict, eps_at, steps: int) -> EpsilonResult:
+    eps_at(steps)
+    return cache[steps]
+
+
+def _pld_bracket(template: Mechanism, target: float, delta: float, good: int) -> tuple[int, int | None]:
+    """A narrow bracket for max-steps from cheap coarse-grid PLDs: the pessimistic one is a valid upper
+    bound, so where it meets the target so does the fine one (good); the optimistic one is below the true
+    eps, so where it exceeds the target the true eps does too (bad). The fine grid then bisects the gap."""
+    from dpaudit.accounting import pld
+
+    def upper(t: int) -> float:
+        return pld.epsilon(template.with_steps(t), delta, grid=pld.COARSE_GRID).epsilon
+
+    def lower(t: int) -> float:
+        return pld.epsilon_estimate_below(template.with_steps(t), delta)
+
+    hi = good
+    while lower(hi) <= target:
+        if hi >= MAX_STEPS:
+            return good, None
+        hi = min(hi * 2, MAX_STEPS)
+    lo = max(1, hi // 2) if hi > 1 else 1
+    lo = lo if upper(lo) <= target else good
+    a, b = lo, hi  # bisect the coarse upper bound for the largest T it allows
+    while b - a > 1:
+        mid = (a + b) // 2
+        if upper(mid) <= target:
+            a = mid
+        else:
+            b = mid
+    c, d = a, hi  # and the optimistic one for the smallest T past the target
+    while d - c > 1:
+        mid = (c + d) // 2
+        if lower(mid) > target:
+            d = mid
+        else:
+            c = mid
+    return a, d

@@ -20,15 +20,17 @@ RELATIVE_GRID = 5e-5
 FINEST_GRID = 2e-6
 
 
-def composed_pld(mech: Mechanism, grid: float) -> pld_lib.PrivacyLossDistribution:
+def composed_pld(mech: Mechanism, grid: float, pessimistic: bool = True) -> pld_lib.PrivacyLossDistribution:
+    # Connect-the-dots is pessimistic only; the optimistic estimate uses privacy buckets.
+    options = {} if pessimistic else {"use_connect_dots": False}
     if mech.kind == "gaussian":
         single = pld_lib.from_gaussian_mechanism(
-            mech.sigma, sensitivity=1.0, pessimistic_estimate=True,
-            value_discretization_interval=grid, sampling_prob=mech.sampling_rate)
+            mech.sigma, sensitivity=1.0, pessimistic_estimate=pessimistic,
+            value_discretization_interval=grid, sampling_prob=mech.sampling_rate, **options)
     else:
         single = pld_lib.from_laplace_mechanism(
-            mech.sigma, sensitivity=1.0, pessimistic_estimate=True,
-            value_discretization_interval=grid, sampling_prob=mech.sampling_rate)
+            mech.sigma, sensitivity=1.0, pessimistic_estimate=pessimistic,
+            value_discretization_interval=grid, sampling_prob=mech.sampling_rate, **options)
     return single.self_compose(mech.steps) if mech.steps > 1 else single
 
 
@@ -38,6 +40,12 @@ def _directions(pld: pld_lib.PrivacyLossDistribution, delta: float) -> dict[str,
     remove = float(pld._pmf_remove.get_epsilon_for_delta(delta))  # noqa: SLF001
     add = float(pld._pmf_add.get_epsilon_for_delta(delta))  # noqa: SLF001
     return {"remove": remove, "add": add}
+
+
+def epsilon_estimate_below(mech: Mechanism, delta: float, grid: float = COARSE_GRID) -> float:
+    """A *lower* estimate of eps (dp-accounting's optimistic discretisation rounds losses down): never
+    reported as a guarantee, only used to bracket searches (the true eps is at least this)."""
+    return max(_directions(composed_pld(mech, grid, pessimistic=False), delta).values())
 
 
 def epsilon(mech: Mechanism, delta: float, grid: float | None = None) -> EpsilonResult:
