@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dpaudit.atomic import guard_new_file, guard_new_folder
+from dpaudit.atomic import guard_new_file, guard_new_folder, save_model_folder
 from dpaudit.canaries.generate import make_canaries
 from dpaudit.canaries.hf import check_base_tokenizer, extend_model, load_tokenizer
 from dpaudit.canaries.insert import insert_canaries
@@ -77,8 +77,7 @@ def extend(
     lm, tok = load_causal_lm(model)
     check_base_tokenizer(tok, manifest, str(model))
     ids = extend_model(lm, tok, manifest)
-    lm.save_pretrained(output, safe_serialization=True)
-    tok.save_pretrained(output)
+    save_model_folder(output, lm, tok)
     summary = {"command": "canaries extend", "output": str(output), "added_tokens": len(ids),
                "vocab_size": len(tok)}
     emit(summary, as_json, f"wrote {output}: {len(ids)} canary tokens added, vocabulary {len(tok)}")

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dpaudit.atomic import guard_new_folder
+from dpaudit.atomic import guard_new_folder, save_model_folder
 from dpaudit.cli.common import ForceOpt, JsonOpt, console, emit, err_console, fmt
 from dpaudit.errors import DPAuditError
 
@@ -173,8 +173,7 @@ def replay_cmd(
 
     guard_new_folder(out, force)
     model, tok = replay_run(run, base)
-    model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
+    save_model_folder(out, model, tok)
     diff = None
     if (run / "model").is_dir():
         diff = max_weight_difference(model, load_causal_lm(run / "model")[0])

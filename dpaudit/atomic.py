@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -77,3 +79,40 @@ def atomic_write_text(path: Path, text: str) -> Path:
 
 def atomic_write_json(path: Path, data: object) -> Path:
     return atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+@contextmanager
+def atomic_folder(path: Path):
+    """Build a folder beside ``path`` and rename it into place at the end: a failure (disk full, a kill)
+    leaves no half-written folder, only the old one (if any), untouched."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; give the folder the user's usual mode
+    try:
+        yield tmp
+        old = None
+        if path.exists():
+            if path.is_symlink() or not path.is_dir():
+                raise DPAuditError(f"{path} is not a plain folder; refusing to replace it")
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
+            os.replace(path, old / "x")
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save_model_folder(path: Path, model, tokenizer, extra_json: dict | None = None) -> Path:
+    """A Hugging Face model folder (safetensors, plus ``extra_json`` files), written whole or not at all,
+    marked as dpaudit's."""
+    from dpaudit.lock import mark
+
+    with atomic_folder(path) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        for name, data in (extra_json or {}).items():
+            atomic_write_json(tmp / name, data)
+        mark(tmp)
+    return Path(path)

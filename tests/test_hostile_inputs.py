@@ -183,3 +183,17 @@ def test_max_steps_is_the_largest_t_within_budget():
     answer = max_steps(Mechanism("gaussian", 1.0, 0.01, 1), 1.0, 1e-5)
     assert answer.result.epsilon <= 1.0 < answer.epsilon_next
     assert epsilon(Mechanism("gaussian", 1.0, 0.01, answer.steps + 1), 1e-5).epsilon > 1.0
+
+
+def test_a_failed_folder_write_leaves_nothing_behind(tmp_path):
+    from dpaudit.atomic import atomic_folder
+
+    target = tmp_path / "model"
+    with pytest.raises(OSError):
+        with atomic_folder(target) as tmp:
+            (tmp / "weights").write_bytes(b"half")
+            raise OSError(28, "No space left on device")
+    assert list(tmp_path.iterdir()) == []  # no half-written folder, no temporary left
+    with atomic_folder(target) as tmp:
+        (tmp / "weights").write_bytes(b"whole")
+    assert (target / "weights").read_bytes() == b"whole" and oct(target.stat().st_mode & 0o777) != "0o700"

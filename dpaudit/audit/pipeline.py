@@ -12,7 +12,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from dpaudit.atomic import atomic_write_json, atomic_write_text
+from dpaudit.atomic import atomic_write_json, atomic_write_text, save_model_folder
 from dpaudit.audit.analysis import AuditResult, analyse
 from dpaudit.audit.report import prepare_folder, write_report
 from dpaudit.training.runner import TrainConfig, TrainResult, train
@@ -102,8 +102,7 @@ def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model
     insert_canaries(manifest, data, train_file, fmt=fmt, field=field, repeats=settings.repeats,
                     seed=settings.seed, force=True)
     extend_model(lm, tok, manifest)
-    lm.save_pretrained(out / "extended_model", safe_serialization=True)
-    tok.save_pretrained(out / "extended_model")
+    save_model_folder(out / "extended_model", lm, tok)
     del lm
     shutil.rmtree(out / "run", ignore_errors=True)
     result = train(out / "extended_model", read_texts(train_file, fmt, field), out / "run", cfg,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dpaudit.atomic import atomic_write_json
+from dpaudit.atomic import save_model_folder
 from dpaudit.canaries.hf import require_transformers
 from dpaudit.models.corpus import sentences
 
@@ -70,10 +70,6 @@ def build_embedded_default(out_dir: Path, seed: int = 0, pretrain_steps: int = 1
     tokenizer = build_tokenizer(corpus)
     model = build_model(tokenizer, seed)
     loss = pretrain(model, tokenizer, corpus, steps=pretrain_steps, seed=seed) if pretrain_steps else None
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
-    atomic_write_json(out_dir / "dpaudit_model.json",
-                      {"kind": "embedded-default", "seed": seed, "pretrain_steps": pretrain_steps,
-                       "pretrain_loss": loss, "corpus": "dpaudit.models.corpus.sentences(4000, seed=1000+seed)"})
-    return out_dir
+    return save_model_folder(out_dir, model, tokenizer, {"dpaudit_model.json": {
+        "kind": "embedded-default", "seed": seed, "pretrain_steps": pretrain_steps, "pretrain_loss": loss,
+        "corpus": "dpaudit.models.corpus.sentences(4000, seed=1000+seed)"}})

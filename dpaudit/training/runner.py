@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dpaudit.atomic import atomic_write_json
+from dpaudit.atomic import atomic_write_json, save_model_folder
 from dpaudit.errors import DPAuditError
 from dpaudit.progress import progress_bar
 from dpaudit.training.plan import PrivacyPlan
@@ -326,13 +326,9 @@ def _checkpoint(run_dir, model, tokenizer, cfg, step, trainer_state) -> None:
 
 def _export(run_dir: Path, model, tokenizer) -> Path:
     """The fine-tuned model as a plain Hugging Face directory (LoRA merged), for auditing and use."""
-    out = run_dir / "model"
-    shutil.rmtree(out, ignore_errors=True)
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    return out
+    return save_model_folder(run_dir / "model", model, tokenizer)
 
 
 def _truncate_log(path: Path, steps: int) -> None:
