@@ -50,7 +50,9 @@ class PrivacyPlan:
 
 
 def _remove_only_sigma(template: Mechanism, target: float, delta: float) -> float:
-    """The planted bug "remove-only": the smallest sigma whose *remove* direction alone meets the target."""
+    """The planted bug "remove-only": the smallest sigma whose *remove* direction alone meets the target.
+    It lies below the correct sigma (max of both directions), so the search starts there and only goes
+    down by halves: never near the tiny sigmas whose PLDs would not fit in memory."""
     from scipy import optimize
 
     from dpaudit.accounting import pld
@@ -59,4 +61,12 @@ def _remove_only_sigma(template: Mechanism, target: float, delta: float) -> floa
         res = pld.epsilon(template.with_sigma(math.exp(log_sigma)), delta)
         return res.directions["remove"] - target
 
-    return math.exp(optimize.brentq(gap, math.log(1e-2), math.log(1e3), xtol=1e-4))
+    hi = math.log(calibrate_sigma(template, target, delta, "pld").sigma)
+    if gap(hi) > 0:
+        return math.exp(hi)
+    lo = hi
+    for _ in range(4):
+        lo -= math.log(2)
+        if gap(lo) > 0:
+            return math.exp(optimize.brentq(gap, lo, hi, xtol=1e-4))
+    return math.exp(lo)
