@@ -176,7 +176,10 @@ def max_steps(template: Mechanism, target_eps: float, delta: float, accountant: 
         raise DPAuditError(f"even one step spends eps={eps_at(1):.4g} > target {target_eps:g}; raise sigma")
     good, bad = 1, None
     if name == "pld":
-        good, bad = _pld_bracket(template, target_eps, delta, good)
+        try:
+            good, bad = _pld_bracket(template, target_eps, delta, good)
+        except (OverflowError, ValueError, FloatingPointError):
+            good, bad = 1, None  # the optimistic estimate fails on extreme inputs; plain doubling still works
     while bad is None:
         nxt = min(good * 2, MAX_STEPS)
         if nxt == good:
