@@ -190,13 +190,17 @@ def max_steps(template: Mechanism, target_eps: float, delta: float, accountant: 
                 return StepsAnswer(good, True, cache[good], None)
         else:
             bad = nxt
+    good = _last_true(lambda t: eps_at(t) <= target_eps, good, bad)
+    return StepsAnswer(good, False, _at(cache, eps_at, good), eps_at(good + 1))
+
+
+def _last_true(ok, good: int, bad: int) -> int:
+    """Bisection on integers: the largest t in [good, bad) with ok(t), given ok(good) and not ok(bad)
+    (ok is monotone: true up to some t, false after)."""
     while bad - good > 1:
         mid = (good + bad) // 2
-        if eps_at(mid) <= target_eps:
-            good = mid
-        else:
-            bad = mid
-    return StepsAnswer(good, False, _at(cache, eps_at, good), eps_at(good + 1))
+        good, bad = (mid, bad) if ok(mid) else (good, mid)
+    return good
 
 
 def _at(cache: dict, eps_at, steps: int) -> EpsilonResult:
@@ -223,18 +227,6 @@ def _pld_bracket(template: Mechanism, target: float, delta: float, good: int) ->
         hi = min(hi * 2, MAX_STEPS)
     lo = max(1, hi // 2) if hi > 1 else 1
     lo = lo if upper(lo) <= target else good
-    a, b = lo, hi  # bisect the coarse upper bound for the largest T it allows
-    while b - a > 1:
-        mid = (a + b) // 2
-        if upper(mid) <= target:
-            a = mid
-        else:
-            b = mid
-    c, d = a, hi  # and the optimistic one for the smallest T past the target
-    while d - c > 1:
-        mid = (c + d) // 2
-        if lower(mid) > target:
-            d = mid
-        else:
-            c = mid
+    a = _last_true(lambda t: upper(t) <= target, lo, hi)  # the largest T the coarse upper bound allows
+    d = _last_true(lambda t: lower(t) <= target, a, hi) + 1  # the first T the optimistic estimate exceeds
     return a, d
