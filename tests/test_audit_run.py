@@ -32,6 +32,13 @@ def test_dp_sgd_at_eps_1_holds(shared):
     assert data["auc"] <= 0.6 and data["epsilon_lower_bound"] < data["claimed_epsilon"] <= 1
     ledger = json.loads((shared / "eps1" / "run" / "privacy_ledger.json").read_text())
     assert ledger["steps_executed"] == 300 and ledger["epsilon_spent"] <= 1
+    # The model in its run folder carries the run's claims: no --delta or --claimed-eps needed.
+    again = dpaudit("audit", "checkpoint", "--model", shared / "eps1" / "run" / "model", "-c",
+                    shared / "eps1" / "canaries.json", "--json")
+    redone = json.loads(again.stdout)
+    assert again.returncode == 0 and redone["delta"] == 1e-5
+    assert redone["claimed_epsilon"] == pytest.approx(data["claimed_epsilon"])
+    assert redone["context"]["method"] == "dp-sgd" and redone["context"]["steps"] == 300
 
 
 def test_noise_switched_off_is_caught(shared):

@@ -35,7 +35,8 @@ def run_claims(path: Path) -> dict | None:
         if config and isinstance(config.get("config"), dict):
             cfg, ledger = config["config"], _json(folder / "privacy_ledger.json") or {}
             return {"source": str(folder), "method": cfg.get("method"), "delta": _number(cfg.get("delta")),
-                    "epsilon": _number(ledger.get("epsilon_planned")), "sigma": _number(config.get("sigma")),
+                    "epsilon": _number(ledger.get("epsilon_total", ledger.get("epsilon_planned"))),
+                    "sigma": _number(config.get("sigma")),
                     "sampling rate p": _number(config.get("sampling_rate")), "steps": _number(cfg.get("steps")),
                     "mechanism": cfg.get("mechanism"), "white_box": bool(cfg.get("white_box"))}
         report = _json(folder / "report.json")
