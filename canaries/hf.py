@@ -14,6 +14,9 @@ def require_transformers():
         import transformers
     except ImportError:  # the base install is accounting-only
         raise DPAuditError("this command needs the training extras: pip install 'dpaudit[train]'") from None
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")  # deprecation chatter
     transformers.logging.set_verbosity_error()  # library chatter would bury our one-line messages
     transformers.utils.logging.disable_progress_bar()
     return transformers

@@ -147,13 +147,17 @@ def audit_checkpoint(
         "--base", help="The model before training (the extended model), for --score loss-vs-base.")] = None,
     headline: HeadlineOpt = "auto",
     batch_size: Annotated[int, typer.Option("--batch-size", help="Canaries per forward pass.")] = 32,
+    threads: Annotated[Optional[int], typer.Option(
+        "--threads", help="CPU threads for torch (default: the cores this process may use).")] = None,
     report: ReportOpt = None,
     force: ForceOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Score each canary's secret token on a checkpoint, then audit; exit 1 on a violation."""
     from dpaudit.audit.scoring import score_checkpoint
+    from dpaudit.threads import set_threads
 
+    set_threads(threads)
     manifest = load_manifest(canaries)
     claimed_eps, delta, context = resolve_claims(model, claimed_eps, delta)
     if score not in ("neg-loss", "loss-vs-base"):

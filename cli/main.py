@@ -16,6 +16,20 @@ app = typer.Typer(
     name="dpaudit", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
     help="Calibrate the noise of DP training, prove budgets in CI, and audit what leaked.",
 )
+def _version(value: bool) -> None:
+    if value:
+        from dpaudit import __version__
+
+        print(f"dpaudit {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                          help="Print the version and exit.")) -> None:
+    """Calibrate the noise of DP training, prove budgets in CI, and audit what leaked."""
+
+
 app.command("calibrate")(accounting_commands.calibrate)
 app.command("epsilon")(accounting_commands.epsilon_cmd)
 app.command("delta")(accounting_commands.delta_cmd)

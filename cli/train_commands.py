@@ -12,6 +12,7 @@ import typer
 from dpaudit.atomic import guard_new_folder, save_model_folder
 from dpaudit.cli.common import ForceOpt, JsonOpt, console, emit, err_console, fmt
 from dpaudit.errors import DPAuditError
+from dpaudit.threads import set_threads
 
 MethodOpt = Annotated[str, typer.Option("--method", help="dp-zo or dp-sgd.")]
 EpsOpt = Annotated[Optional[str], typer.Option(
@@ -50,6 +51,8 @@ def parse_eps(eps: str | None, sigma: float | None) -> float:
     return value
 
 
+ThreadsOpt = Annotated[Optional[int], typer.Option(
+    "--threads", help="CPU threads for torch (default: the cores this process may use, within its CPU quota).")]
 PlantBugOpt = Annotated[Optional[str], typer.Option(
     "--plant-bug", hidden=True, help="Testing the audit only (needs DPAUDIT_ALLOW_BUGS=1): plant a privacy bug.")]
 
@@ -84,6 +87,7 @@ def train_cmd(
         "--white-box", help="Plant M white-box canaries and record the canary-aligned transcript "
                             "(audit it with 'dpaudit audit transcript').")] = 0,
     plant_bug: PlantBugOpt = None,
+    threads: ThreadsOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Fine-tune a local causal LM with DP-ZO or DP-SGD (sigma calibrated to --eps) or a non-private baseline."""
@@ -93,6 +97,7 @@ def train_cmd(
     cfg = make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction,
                       trainable, bf16, seed, secret_seed, accountant, save_every=save_every, white_box=white_box,
                       plant_bug=plant_bug, allow_overspend=allow_overspend)
+    set_threads(threads)
     texts = read_texts(data, detect_format(data, data_format), field)
     result = train(model, texts, out, cfg, resume=resume, show_progress=not as_json)
     privacy = (f"eps <= {fmt(result.epsilon)} at delta = {result.delta:g} (sigma {fmt(result.sigma)}, "
@@ -124,6 +129,7 @@ def audit_run(
         "--white-box", help="Audit what DP protects: canaries planted in every privatised release "
                             "(DP-SGD gradients, DP-ZO scalars), scored from the run's transcript.")] = False,
     plant_bug: PlantBugOpt = None,
+    threads: ThreadsOpt = None,
     repeat: Annotated[int, typer.Option("--repeat", "-r", help="Copies of each member canary.")] = 1,
     unsafe_disable_noise: Annotated[bool, typer.Option(
         "--unsafe-disable-noise", hidden=True, help="Testing only: claim eps but add no noise.")] = False,
@@ -147,6 +153,7 @@ def audit_run(
                       plant_bug=plant_bug)
     if white_box:
         cfg = dataclasses.replace(cfg, white_box=canaries or white_box_canaries(cfg))
+    set_threads(threads)
     if repeat > 1 and cfg.private:
         err_console.print(f"[yellow]note:[/yellow] {repeat} copies per canary: the claimed eps is per example, "
                       "a canary's group guarantee is weaker", highlight=False)

@@ -114,3 +114,16 @@ def test_audit_scores_bad_files(tmp_path, content, message):
     out = dpaudit("audit", "scores", f, "--claimed-eps", "1", "--delta", "0.4")
     assert out.returncode == 2 and message in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_version_and_plain_progress_lines_in_logs(tmp_path, tiny_model_dir):
+    out = dpaudit("--version")
+    assert out.returncode == 0 and out.stdout.startswith("dpaudit ")
+    data = tmp_path / "d.txt"
+    data.write_text("".join(f"example number {i}\n" for i in range(20)))
+    run = dpaudit("train", "--model", tiny_model_dir, "-d", data, "-o", tmp_path / "run", "--eps", "8",
+                  "--steps", "3", "-B", "4", "--threads", "1")
+    assert run.returncode == 0, run.stderr
+    # stderr is a pipe here, as in CI or nohup: plain progress lines, with the step, loss and eps spent
+    assert "dp-sgd: 3/3 (100%)" in run.stderr and "eps spent" in run.stderr
+    assert "FutureWarning" not in run.stderr

@@ -280,7 +280,7 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
                 last_loss = trainer.run_step(step, batch, len(idx), sampled)
                 if main:
                     ledger.record(step + 1 + discarded, steps_in_model=step + 1)
-                advance(1)
+                advance(1, f"step {step + 1}, loss {last_loss:.4g}, eps spent {ledger.spent(step + 1 + discarded):.4g}")
                 if main and cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
                     _checkpoint(run_dir, model, tokenizer, cfg, step + 1, trainer.state_dict())
     finally:
