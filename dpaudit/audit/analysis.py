@@ -72,8 +72,8 @@ class AuditResult:
             return f"empirical eps >= {self.epsilon_lower_bound:.3f} (no claimed eps given)"
         if self.violation:
             return (f"VIOLATION: empirical eps >= {self.epsilon_lower_bound:.3f} > claimed "
-                    f"{self.claimed_epsilon:g}")
-        return f"consistent with eps = {self.claimed_epsilon:g}"
+                    f"{self.claimed_epsilon:.4g}")
+        return f"consistent with eps = {self.claimed_epsilon:.4g}"
 
     def to_dict(self) -> dict:
         eps = self.epsilon_lower_bound

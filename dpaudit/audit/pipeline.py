@@ -132,13 +132,21 @@ def _white_box(out: Path, cfg: TrainConfig, settings: AuditRunSettings, base: Pa
     return _finish(out, cfg, base, audit, result, scores, members, facts)
 
 
+def _claim(cfg: TrainConfig, result: TrainResult) -> str:
+    """The target as the user gave it, and what the accountant certifies for the sigma used."""
+    if cfg.sigma is None and math.isfinite(cfg.target_epsilon):
+        return f"{cfg.target_epsilon:g} (target; accounted {result.epsilon:.4g})"
+    return f"{result.epsilon:.4g} (accounted for sigma {cfg.sigma:g})"
+
+
 def _finish(out: Path, cfg: TrainConfig, base: Path, audit: AuditResult, result: TrainResult, scores, members,
             extra: dict):
     claimed = result.epsilon if math.isfinite(result.epsilon) else None
     context = {
         "method": cfg.method + ("" if result.private else " (non-private baseline)"),
-        "claimed eps": f"{result.epsilon:.4g}" if claimed is not None else "inf (no DP)",
-        "delta": cfg.delta, "sigma": result.sigma, "mechanism": cfg.mechanism if result.private else None,
+        "claimed eps": _claim(cfg, result) if claimed is not None else "inf (no DP)",
+        "delta": cfg.delta, "sigma": float(f"{result.sigma:.6g}") if result.sigma else None,
+        "mechanism": cfg.mechanism if result.private else None,
         "accountant": result.accountant, "relation": result.relation,
         "sampling rate p": round(result.sampling_rate, 6), "steps": result.steps, "examples": result.examples,
         "trainable": cfg.trainable, "model": str(base),
