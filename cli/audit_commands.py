@@ -12,6 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from dpaudit.audit.analysis import AuditResult, analyse
+from dpaudit.audit.guesses import check_scores
 from dpaudit.audit.report import prepare_folder, write_report
 from dpaudit.canaries.manifest import load_manifest
 from dpaudit.cli.common import ForceOpt, JsonOpt, console, emit_json
@@ -159,6 +160,9 @@ def audit_checkpoint(
 
     set_threads(threads)
     manifest = load_manifest(canaries)
+    members = [c.member for c in manifest.canaries]
+    if not any(members) or all(members):  # refuse before the slow scoring, not after it
+        check_scores(np.zeros(len(members)), np.array(members, bool))
     claimed_eps, delta, context = resolve_claims(model, claimed_eps, delta)
     if score not in ("neg-loss", "loss-vs-base"):
         raise DPAuditError(f"a checkpoint is scored with neg-loss or loss-vs-base, not {score!r}")
