@@ -123,10 +123,8 @@ def audit_scores(
     as_json: JsonOpt = False,
 ) -> None:
     """Audit precomputed canary scores; exit 1 if the empirical eps exceeds the claimed eps."""
-    from dpaudit.audit.claims import run_claims
-
     claimed_eps, delta, context = resolve_claims(scores_file, claimed_eps, delta)
-    score = score or (run_claims(scores_file) or {}).get("score") or "unnamed"
+    score = score or context.pop("score", None) or "unnamed"  # the report's score, read with its claims
     scores, members = read_scores(scores_file)
     result = analyse(scores, members, claimed_epsilon=claimed_eps, delta=delta, alpha=alpha, guess_counts=guesses,
                      score=score, headline=headline)

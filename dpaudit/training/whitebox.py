@@ -100,15 +100,12 @@ class GradientCanaryHook:
     """DP-SGD: puts the sampled canaries' clipped gradients into the clipped sum, and reads the release."""
 
     def __init__(self, canaries: WhiteBoxCanaries, params, clip: float):
-        import torch
-
         self.canaries, self.clip = canaries, clip
         sizes = np.cumsum([0] + [p.numel() for p in params])
         self.where = []  # (parameter index, flat offset) of every canary coordinate
         for j in canaries.coordinates:
             k = int(np.searchsorted(sizes, j, side="right") - 1)
             self.where.append((k, j - int(sizes[k])))
-        self.torch = torch
         self.sampled: np.ndarray = np.zeros(0, int)
         self.signs = np.zeros(canaries.m)
         self.released = np.zeros(canaries.m)
