@@ -7,12 +7,11 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Annotated, Optional
 
-import numpy as np
 import typer
-from rich.table import Table
 
 from dpaudit.accounting import ACCOUNTANTS, calibrate_sigma, default_accountant, epsilon, max_steps
 from dpaudit.accounting.mechanism import check_epsilon
+from dpaudit.accounting.noise import noise
 from dpaudit.accounting.result import json_float
 from dpaudit.atomic import guard_new_file
 from dpaudit.errors import DPAuditError
@@ -44,7 +43,7 @@ def calibrate(
     d = resolve_delta(mech, delta)
     template = schedule(mech, 1.0, p, batch_size, dataset_size, steps, epochs)
     name = accountant or default_accountant(template, d)
-    cal = calibrate_sigma(template, eps, d, name, rtol=rtol, **accountant_options(name, mc_samples, seed, not as_json))
+    cal = calibrate_sigma(template, eps, d, name, rtol=rtol, options=accountant_options(name, mc_samples, seed, not as_json))
     lines = assumptions(template, d, name, cal.result.relation)
     if as_json:
         emit_json({
@@ -56,7 +55,7 @@ def calibrate(
             "result": cal.result.to_json(), "assumptions": lines,
         })
         return
-    noun = "noise multiplier sigma" if mech == "gaussian" else "Laplace scale b / sensitivity"
+    noun = noise(mech).noun
     console.print(f"[bold green]{noun} = {fmt(cal.sigma)}[/bold green]  gives eps <= {fmt(cal.result.epsilon)} "
                   f"(target {eps:g}) at delta = {d:g}")
     console.print(f"  sigma = {fmt(cal.sigma_rejected)} would give eps = {fmt(cal.epsilon_rejected)} > target"
@@ -76,7 +75,7 @@ def epsilon_cmd(
     d = resolve_delta(mech, delta)
     m = schedule(mech, sigma, p, batch_size, dataset_size, steps, epochs)
     name = accountant or default_accountant(m, d)
-    res = epsilon(m, d, name, **accountant_options(name, mc_samples, seed, not as_json, mc_workers, mc_backend))
+    res = epsilon(m, d, name, accountant_options(name, mc_samples, seed, not as_json, mc_workers, mc_backend))
     lines = assumptions(m, d, name, res.relation)
     if as_json:
         emit_json({"command": "epsilon", "sigma": sigma, "sampling_rate": m.sampling_rate, "steps": m.steps,
@@ -100,35 +99,23 @@ def delta_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """delta(eps) for a noise level and schedule: an upper bound (pld; mc with probability >= 1 - beta)."""
-    from dpaudit.accounting import montecarlo
-    from dpaudit.accounting.pld import composed_pld
+    from dpaudit.accounting.registry import delta as delta_of
 
     check_epsilon(eps)
     m = schedule(mech, sigma, p, batch_size, dataset_size, steps, epochs)
-    if accountant == "pld":
-        value = float(composed_pld(m, grid=min(1e-3, 1e-4 * max(eps, 0.1))).get_delta_for_epsilon(eps))
-        out = {"upper": value, "guarantee": "upper bound (pessimistic PLD, max of add and remove)"}
-    elif accountant == "mc":
-        settings = montecarlo.MonteCarloSettings(samples=mc_samples, seed=seed, progress=not as_json,
-                                                 workers=mc_workers, backend=mc_backend)
-        if mc_tilt:
-            from dpaudit.accounting.montecarlo_tilted import delta_for_epsilon_tilted
-
-            out = delta_for_epsilon_tilted(m, eps, montecarlo.sample_count(m, settings), seed, settings.beta)
-        else:
-            out = montecarlo.delta_for_epsilon(m, eps, settings)
-        out["guarantee"] = (f"upper bound with probability >= 1 - {settings.beta:g} (Monte-Carlo"
-                            f"{', exponential tilting' if mc_tilt else ''}); 'estimate' is an estimate")
-    else:
-        raise DPAuditError(f"delta is answered by pld or mc, not {accountant!r}")
-    lines = assumptions(m, 0.0, accountant, "add/remove (max of the add and the remove direction)")[:2]
+    res = delta_of(m, eps, accountant,
+                   accountant_options(accountant, mc_samples, seed, not as_json, mc_workers, mc_backend, mc_tilt))
+    lines = assumptions(m, 0.0, accountant, res.relation)[:2]
     if as_json:
+        out = {"upper": res.delta, "guarantee": res.guarantee, **({"estimate": res.estimate} if res.estimate is not None
+                                                                   else {}), **res.details}
+        out["directions"] = res.directions
         emit_json({"command": "delta", "sigma": sigma, "epsilon": eps, "sampling_rate": m.sampling_rate,
                    "steps": m.steps, "accountant": accountant, "result": out, "assumptions": lines})
         return
-    console.print(f"[bold]delta <= {out['upper']:.4g}[/bold] at eps = {eps:g}  ({out['guarantee']})")
-    if "estimate" in out:
-        console.print(f"  estimate: {out['estimate']:.4g}")
+    console.print(f"[bold]delta <= {res.delta:.4g}[/bold] at eps = {eps:g}  ({res.guarantee})")
+    if res.estimate is not None:
+        console.print(f"  estimate: {res.estimate:.4g}")
     _print_assumptions(lines)
 
 
@@ -190,10 +177,10 @@ def compare(
         with console.status(f"{name} ...", spinner="dots") if not as_json else nullcontext():
             try:
                 if sigma is not None:
-                    res = epsilon(m, d, name, **opts)
+                    res = epsilon(m, d, name, opts)
                     value = res.epsilon
                 else:
-                    cal = calibrate_sigma(m, eps, d, name, **opts)
+                    cal = calibrate_sigma(m, eps, d, name, options=opts)
                     res, value = cal.result, cal.sigma
             except DPAuditError as exc:
                 rows.append({"accountant": name, "skipped": str(exc)})
@@ -202,6 +189,8 @@ def compare(
                      "relation": res.relation, "guarantee": res.guarantee,
                      "directions": {k: json_float(v) for k, v in res.directions.items()}})
     what = "epsilon" if sigma is not None else "sigma"
+    from rich.table import Table
+
     if as_json:
         emit_json({"command": "compare", "quantity": what, "mechanism": mech, "sigma": sigma, "target_epsilon": eps,
                    "sampling_rate": m.sampling_rate, "steps": m.steps, "delta": d, "rows": rows})
@@ -229,6 +218,8 @@ def plot(
     force: ForceOpt = False, as_json: JsonOpt = False,
 ) -> None:
     """PNG of epsilon against sigma (for a schedule) or against steps (for a sigma)."""
+    import numpy as np
+
     from dpaudit.plots import epsilon_curve
 
     if vs not in ("sigma", "steps"):
@@ -245,7 +236,7 @@ def plot(
         centre = marker if marker is not None else 1.0 if sigma is None else sigma
         xs = list(np.geomspace(centre / 4, centre * 4, points))
         ys = [epsilon(m.with_sigma(float(x)), d, accountant).epsilon for x in xs]
-        label = "sigma (noise multiplier)" if mech == "gaussian" else "Laplace scale / sensitivity"
+        label = noise(mech).axis_label
     else:
         if sigma is None:
             raise DPAuditError("--vs steps needs --sigma")

@@ -6,19 +6,13 @@ import csv
 from pathlib import Path
 from typing import Annotated, Optional
 
-import numpy as np
 import typer
 from rich.markup import escape
-from rich.table import Table
 
-from dpaudit.audit.analysis import AuditResult, analyse
-from dpaudit.audit.guesses import check_scores
-from dpaudit.audit.report import prepare_folder, write_report
-from dpaudit.canaries.manifest import load_manifest
 from dpaudit.cli.common import ForceOpt, JsonOpt, console, emit_json
 from dpaudit.errors import DPAuditError
 
-app = typer.Typer(no_args_is_help=True, help="Membership-inference audits against a claimed eps.")
+app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Membership-inference audits against a claimed eps.")
 
 ClaimedOpt = Annotated[Optional[float], typer.Option(
     "--claimed-eps", help="The eps the training claims (default: the run's, when the file sits in a run folder).")]
@@ -53,6 +47,10 @@ def resolve_claims(where: Path, claimed_eps: float | None, delta: float | None) 
 def present(result: AuditResult, context: dict, as_json: bool, *, report: Path | None = None, force: bool = False,
             scores=None, members=None, extra: dict | None = None) -> None:
     """Print (or emit) the audit, write the report folder, and exit 1 on a violation."""
+    from rich.table import Table
+
+    from dpaudit.audit.report import prepare_folder, write_report
+
     files = {}
     if report is not None:
         files = {k: str(v) for k, v in write_report(prepare_folder(report, force), result, scores, members,
@@ -89,7 +87,10 @@ def present(result: AuditResult, context: dict, as_json: bool, *, report: Path |
         raise typer.Exit(1)
 
 
-def read_scores(path: Path) -> tuple[np.ndarray, np.ndarray]:
+def read_scores(path: Path):
+    """(scores, members) as numpy arrays from a score,member CSV."""
+    import numpy as np
+
     if not path.is_file():
         raise DPAuditError(f"scores file not found: {path}")
     try:
@@ -123,6 +124,8 @@ def audit_scores(
     as_json: JsonOpt = False,
 ) -> None:
     """Audit precomputed canary scores; exit 1 if the empirical eps exceeds the claimed eps."""
+    from dpaudit.audit.analysis import analyse
+
     claimed_eps, delta, context = resolve_claims(scores_file, claimed_eps, delta)
     score = score or context.pop("score", None) or "unnamed"  # the report's score, read with its claims
     scores, members = read_scores(scores_file)
@@ -153,7 +156,13 @@ def audit_checkpoint(
     as_json: JsonOpt = False,
 ) -> None:
     """Score each canary's secret token on a checkpoint, then audit; exit 1 on a violation."""
+    import numpy as np
+
+    from dpaudit.audit.analysis import analyse
+    from dpaudit.audit.guesses import check_scores
+    from dpaudit.audit.report import prepare_folder
     from dpaudit.audit.scoring import score_checkpoint
+    from dpaudit.canaries.manifest import load_manifest
     from dpaudit.threads import set_threads
 
     set_threads(threads)

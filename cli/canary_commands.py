@@ -8,13 +8,9 @@ from typing import Annotated, Optional
 import typer
 
 from dpaudit.atomic import guard_new_file, guard_new_folder, save_model_folder
-from dpaudit.canaries.generate import make_canaries
-from dpaudit.canaries.hf import check_base_tokenizer, extend_model, load_tokenizer
-from dpaudit.canaries.insert import insert_canaries
-from dpaudit.canaries.manifest import load_manifest
 from dpaudit.cli.common import ForceOpt, JsonOpt, emit
 
-app = typer.Typer(no_args_is_help=True, help="Make new-token canaries and put them into data and models.")
+app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Make new-token canaries and put them into data and models.")
 ManifestOpt = Annotated[Path, typer.Option("--canaries", "-c", help="Canary manifest (JSON) from `canaries make`.")]
 
 
@@ -31,6 +27,9 @@ def make(
     as_json: JsonOpt = False,
 ) -> None:
     """Generate m canaries (secret = one new token), each a member with probability 1/2; write the manifest."""
+    from dpaudit.canaries.generate import make_canaries
+    from dpaudit.canaries.hf import load_tokenizer
+
     guard_new_file(output, force)
     manifest = make_canaries(load_tokenizer(tokenizer), m, seed, prefix_length, template, name_or_path=str(tokenizer))
     manifest.save(output)
@@ -53,6 +52,9 @@ def insert(
     as_json: JsonOpt = False,
 ) -> None:
     """Shuffle the member canaries into a copy of a dataset (the input file is never modified)."""
+    from dpaudit.canaries.insert import insert_canaries
+    from dpaudit.canaries.manifest import load_manifest
+
     s = insert_canaries(load_manifest(canaries), data, output, fmt=fmt, field=field, repeats=repeat, seed=seed,
                         force=force)
     summary = {"command": "canaries insert", "output": str(s.output), "original_examples": s.original_examples,
@@ -70,6 +72,8 @@ def extend(
     as_json: JsonOpt = False,
 ) -> None:
     """Add the canary tokens to a model's tokenizer and embeddings (new output rows zero, ties kept)."""
+    from dpaudit.canaries.hf import check_base_tokenizer, extend_model
+    from dpaudit.canaries.manifest import load_manifest
     from dpaudit.models.loading import load_causal_lm
 
     guard_new_folder(output, force)

@@ -10,19 +10,22 @@ from rich.markup import escape
 
 from dpaudit.accounting import calibrate_sigma, default_accountant, epsilon
 from dpaudit.accounting.result import json_float
-from dpaudit.cli.common import JsonOpt, assumptions, console, emit_json, fmt, time_budget
+from dpaudit.cli.common import (
+    DEFAULT_MAX_MEMORY, DEFAULT_TIMEOUT, JsonOpt, MaxMemoryOpt, assumptions, console, emit_json, fmt, time_budget,
+)
 from dpaudit.training_config import load_privacy_config
 
 
 def check(
     config: Annotated[Path, typer.Argument(help="Training config (YAML or TOML) with the privacy keys.")],
-    timeout: Annotated[float, typer.Option("--timeout", help="Seconds the check may take (exit 2 past it).")] = 60.0,
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds the check may take (exit 2 past it).")] = DEFAULT_TIMEOUT,
+    max_memory: MaxMemoryOpt = DEFAULT_MAX_MEMORY,
     as_json: JsonOpt = False,
 ) -> None:
     """Gate a training config on its privacy budget (for CI and pre-commit): exit 0 within budget, 1 over it,
     2 when the config is unusable (no sigma stated, ambiguous, malformed) or the check ran out of time."""
     cfg = load_privacy_config(config)
-    with time_budget(timeout, "dpaudit check"):
+    with time_budget(timeout, "dpaudit check", max_memory):
         report, passed = _judge(cfg, config)
     if as_json:
         emit_json(report)

@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 
 from dpaudit.accounting.mechanism import Mechanism, sampling_rate_from, steps_from
-from dpaudit.accounting.montecarlo import MonteCarloSettings
+from dpaudit.accounting.noise import noise
 from dpaudit.errors import DPAuditError
 
 console = Console()
@@ -46,9 +46,7 @@ def schedule(mech: str, sigma: float, p, batch_size, dataset_size, steps, epochs
 
 
 def resolve_delta(mech: str, delta: float | None) -> float:
-    if delta is not None:
-        return delta
-    return 1e-5 if mech == "gaussian" else 0.0
+    return noise(mech).default_delta if delta is None else delta
 
 
 McWorkersOpt = Annotated[int, typer.Option("--mc-workers", help="mc accountant: processes (0 = every core).")]
@@ -56,18 +54,19 @@ McBackendOpt = Annotated[str, typer.Option("--mc-backend", help="mc accountant: 
 
 
 def accountant_options(accountant: str | None, mc_samples: int | None, seed: int, progress: bool,
-                       workers: int = 1, backend: str = "numpy") -> dict:
+                       workers: int = 1, backend: str = "numpy", tilt: bool = False):
+    """The typed options of the accountant the flags are for (None: its defaults)."""
     if accountant == "mc":
-        return {"settings": MonteCarloSettings(samples=mc_samples, seed=seed, progress=progress, workers=workers,
-                                               backend=backend)}
-    return {}
+        from dpaudit.accounting.montecarlo import MonteCarloSettings
+
+        return MonteCarloSettings(samples=mc_samples, seed=seed, progress=progress, workers=workers, backend=backend,
+                                  tilt=tilt)
+    return None
 
 
 def assumptions(mech: Mechanism, delta: float, accountant: str, relation: str) -> list[str]:
-    noise = ("noise std = sigma x sensitivity (noise multiplier)" if mech.kind == "gaussian"
-             else "Laplace scale b = sigma x sensitivity")
     lines = [
-        f"mechanism: {mech.kind}; {noise}; sensitivity (clip norm) C = 1 unit",
+        f"mechanism: {mech.kind}; {noise(mech.kind).scale_text}; sensitivity (clip norm) C = 1 unit",
         ("one release: no subsampling, one step (p = 1, T = 1)" if mech.is_single_release
          else f"Poisson sampling with rate p = {mech.sampling_rate:g}, T = {mech.steps} steps"),
         f"delta = {delta:g}" + (" (pure eps-DP)" if delta == 0 else ""),
@@ -89,8 +88,11 @@ def emit(summary: dict, as_json: bool, text: str) -> None:
 
 
 @contextmanager
-def time_budget(seconds: float, what: str):
-    """Refuse (exit 2, one line) instead of hanging: SIGALRM interrupts the work after ``seconds``."""
+def time_budget(seconds: float, what: str, max_memory: str | None = None):
+    """Refuse (exit 2, one line) instead of hanging: SIGALRM interrupts the work after ``seconds``. The
+    accountants see the same deadline and memory budget (dpaudit.accounting.budget) and plan within it."""
+    from dpaudit.accounting import budget
+
     if not (seconds > 0 and math.isfinite(seconds)):
         raise DPAuditError(f"--timeout must be a positive number of seconds, got {seconds}")
 
@@ -100,7 +102,8 @@ def time_budget(seconds: float, what: str):
     previous = signal.signal(signal.SIGALRM, expired)
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
-        yield
+        with budget.limits(max_memory=max_memory, timeout=seconds):
+            yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
@@ -108,23 +111,30 @@ def time_budget(seconds: float, what: str):
 
 TimeoutOpt = Annotated[float, typer.Option(
     "--timeout", help="Seconds this command may take; past it: one line, exit 2, nothing decided.")]
+MaxMemoryOpt = Annotated[str, typer.Option(
+    "--max-memory", help="Memory the accountant may use (e.g. 2G, 512M). Over it: a valid coarser bound "
+                         "(named in the answer) or one line, exit 2.")]
+DEFAULT_TIMEOUT = 60.0
+DEFAULT_MAX_MEMORY = "2G"
 
 
-def bounded(what: str, default: float = 100.0):
-    """Give a command a --timeout (default ``default`` s) and run it inside that time budget."""
+def bounded(what: str, default: float = DEFAULT_TIMEOUT):
+    """Give a command --timeout (default ``default`` s) and --max-memory, and run it inside both budgets."""
     def wrap(fn):
         @functools.wraps(fn)
-        def command(*args, timeout: float = default, **kwargs):
-            with time_budget(timeout, what):
+        def command(*args, timeout: float = default, max_memory: str = DEFAULT_MAX_MEMORY, **kwargs):
+            with time_budget(timeout, what, max_memory):
                 return fn(*args, **kwargs)
 
         hints = typing.get_type_hints(fn, include_extras=True)  # typer reads these, resolved
         sig = inspect.signature(fn)
         params = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values()]
-        extra = inspect.Parameter("timeout", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default,
-                                  annotation=TimeoutOpt)
-        command.__signature__ = sig.replace(parameters=[*params[:-1], extra, params[-1]])
-        command.__annotations__ = {**hints, "timeout": TimeoutOpt}
+        extra = [inspect.Parameter("timeout", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default,
+                                   annotation=TimeoutOpt),
+                 inspect.Parameter("max_memory", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                   default=DEFAULT_MAX_MEMORY, annotation=MaxMemoryOpt)]
+        command.__signature__ = sig.replace(parameters=[*params[:-1], *extra, params[-1]])
+        command.__annotations__ = {**hints, "timeout": TimeoutOpt, "max_memory": MaxMemoryOpt}
         del command.__wrapped__  # typer must see the signature above, not the function's own
         return command
     return wrap

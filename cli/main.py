@@ -6,14 +6,19 @@ import sys
 import warnings
 
 import typer
+import typer.core
 from rich.markup import escape
 
 from dpaudit.errors import DPAuditError
 from dpaudit.cli import accounting_commands, audit_commands, canary_commands, check_command, train_commands
 from dpaudit.cli.common import err_console
 
+# Plain click help: typer's rich help imports and renders ~0.15 s per call, and escapes brackets
+# in plain mode. Start-up is budgeted (benchmarks/startup.py); results still print with rich.
+typer.core.HAS_RICH = False
+
 app = typer.Typer(
-    name="dpaudit", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    name="dpaudit", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
     help="Calibrate the noise of DP training, prove budgets in CI, and audit what leaked.",
 )
 def _version(value: bool) -> None:

@@ -3,12 +3,19 @@
 from dpaudit.errors import DPAuditError
 
 __version__ = "0.1.0"
-__all__ = ["CanaryScoreAuditor", "DPAuditError", "__version__"]
+__all__ = ["CanaryScoreAuditor", "DPAuditError", "Mechanism", "NeighboringRelation", "__version__", "calibrate",
+           "delta", "epsilon", "max_steps"]
+_API = {"calibrate", "delta", "epsilon", "max_steps", "Mechanism", "NeighboringRelation"}
 
 
 def __getattr__(name: str):
-    if name == "CanaryScoreAuditor":  # lazily: `import dpaudit` stays cheap for the CLI
+    # Lazily: `import dpaudit` stays cheap for the CLI.
+    if name == "CanaryScoreAuditor":
         from dpaudit.audit.auditor import CanaryScoreAuditor
 
         return CanaryScoreAuditor
+    if name in _API:
+        from dpaudit import api
+
+        return getattr(api, name)
     raise AttributeError(f"module 'dpaudit' has no attribute {name!r}")

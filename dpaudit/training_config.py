@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 
 from dpaudit.accounting.mechanism import Mechanism, check_delta, check_epsilon, sampling_rate_from, steps_from
+from dpaudit.accounting.noise import NOISES
 from dpaudit.errors import DPAuditError
 
 KNOWN_KEYS = {
@@ -132,8 +133,9 @@ def load_privacy_config(path: Path) -> PrivacyConfig:
         raise DPAuditError(f"unknown config key(s) {', '.join(map(_shown, unknown))}; known: "
                            f"{', '.join(sorted(KNOWN_KEYS))}")
     mechanism = data.get("mechanism", "gaussian")
-    if mechanism not in ("gaussian", "laplace"):
-        raise DPAuditError("config mechanism must be gaussian or laplace")
+    if mechanism not in NOISES:
+        raise DPAuditError(f"config mechanism must be one of {', '.join(NOISES)}")
+    facts = NOISES[mechanism]
     if "sigma" in data and "noise_multiplier" in data:
         raise DPAuditError("config gives both sigma and noise_multiplier; keep one")
     sigma = _number(data, "sigma") if "sigma" in data else _number(data, "noise_multiplier")
@@ -153,10 +155,10 @@ def load_privacy_config(path: Path) -> PrivacyConfig:
     check_epsilon(target)
     delta = _number(data, "delta")
     if delta is None:
-        delta = 0.0 if mechanism == "laplace" else None
-        if delta is None:
-            raise DPAuditError("config needs delta for the gaussian mechanism")
-    check_delta(delta, allow_zero=mechanism == "laplace")
+        if not facts.pure_dp:
+            raise DPAuditError(f"config needs delta for the {mechanism} mechanism")
+        delta = facts.default_delta
+    check_delta(delta, allow_zero=facts.pure_dp)
     p = sampling_rate_from(_number(data, "batch_size", int), _number(data, "dataset_size", int),
                            _number(data, "sampling_rate"))
     steps = steps_from(_number(data, "steps", int), _number(data, "epochs"), p)

@@ -22,7 +22,7 @@ def test_torch_sampler_matches_numpy_in_distribution(kind, sigma):
     pytest.importorskip("torch")
     from scipy import stats
 
-    from dpaudit.mc_torch import composed_losses_torch
+    from dpaudit.accounting.mc_torch import composed_losses_torch
 
     mech = Mechanism(kind, sigma, 0.016, 500)
     for direction in ("remove", "add"):

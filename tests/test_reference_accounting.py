@@ -9,8 +9,9 @@ import math
 import pytest
 from scipy.stats import norm
 
-from dpaudit.accounting import Mechanism, calibrate_sigma, epsilon
+from dpaudit.accounting import Mechanism, budget, calibrate_sigma, epsilon
 from dpaudit.accounting.montecarlo import MonteCarloSettings
+from dpaudit.accounting.prv import PrvOptions
 
 P, T, DELTA = 16 / 1000, 75_000, 1e-5
 PAPER_SIGMAS = {0.5: 30.9, 1.0: 16.4, 4.0: 4.8}
@@ -40,7 +41,8 @@ def test_paper_sigma_meets_its_target_under_pld(target):
 
 def test_prv_listing_for_sigma_16_4_is_just_under_one():
     # The paper's PRV listing: eps_error=0.001, 75,000 compositions -> upper bound just under 1.0.
-    res = epsilon(Mechanism("gaussian", 16.4, P, T), DELTA, "prv", eps_error=1e-3)
+    with budget.limits(max_memory="4G"):  # the listing's mesh (eps_error 1e-3) needs ~3 GB
+        res = epsilon(Mechanism("gaussian", 16.4, P, T), DELTA, "prv", PrvOptions(eps_error=1e-3))
     assert 0.98 < res.epsilon < 1.0
     assert res.epsilon == max(res.directions["remove"], res.directions["add"])
 
@@ -60,7 +62,7 @@ def test_laplace_approximate_dp_routes_and_their_order():
     assert round(pure_prv, 2) == 0.51
     pld = epsilon(mech, DELTA, "pld").epsilon
     assert pld < pure_prv  # the Laplace-aware routes are tighter than treating steps as RR
-    mc = epsilon(mech, DELTA, "mc", settings=MonteCarloSettings(samples=150_000, seed=1))
+    mc = epsilon(mech, DELTA, "mc", MonteCarloSettings(samples=150_000, seed=1))
     estimate = mc.details["epsilon_estimate"]
     assert abs(estimate - 0.5) < 0.025
     # 1.5e5 samples cannot certify delta = 1e-5; the bound must say so rather than undercut.

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import math
 
-from dp_accounting.gaussian_mechanism import get_epsilon_gaussian, get_sigma_gaussian
-
 from dpaudit.accounting.mechanism import Mechanism
-from dpaudit.accounting.result import SINGLE_RELEASE, EpsilonResult
+from dpaudit.accounting.result import NO_SUBSAMPLING, SINGLE_RELEASE, EpsilonResult
 from dpaudit.errors import DPAuditError
 
 
@@ -39,18 +37,22 @@ def epsilon(mech: Mechanism, delta: float) -> EpsilonResult:
     if mech.kind == "gaussian":
         if delta <= 0:
             raise DPAuditError("the Gaussian mechanism has no finite epsilon at delta = 0; give delta > 0")
+        from dp_accounting.gaussian_mechanism import get_epsilon_gaussian
+
         eps = float(get_epsilon_gaussian(mech.sigma / math.sqrt(mech.steps), delta))
         how = "exact (analytic Gaussian mechanism, Balle & Wang 2018)"
     else:
         eps = max(0.0, 1.0 / mech.sigma + 2.0 * math.log1p(-delta))
         how = "exact (Laplace mechanism hockey-stick divergence)"
-    relation = SINGLE_RELEASE if mech.is_single_release else "add/remove (no subsampling: both directions coincide)"
+    relation = SINGLE_RELEASE if mech.is_single_release else NO_SUBSAMPLING
     return EpsilonResult("analytic", eps, delta, relation, how)
 
 
 def sigma_closed_form(mech: Mechanism, target_eps: float, delta: float) -> float:
     _require(mech)
     if mech.kind == "gaussian":
+        from dp_accounting.gaussian_mechanism import get_sigma_gaussian
+
         return float(get_sigma_gaussian(target_eps, delta)) * math.sqrt(mech.steps)
     # eps = 1/b + 2 log(1 - delta)  =>  b = 1 / (eps - 2 log(1 - delta))
     return 1.0 / (target_eps - 2.0 * math.log1p(-delta))

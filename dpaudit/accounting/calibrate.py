@@ -11,8 +11,9 @@ import math
 import time
 from dataclasses import dataclass
 
-from dpaudit.accounting import analytic, pure
+from dpaudit.accounting import pure
 from dpaudit.accounting.mechanism import Mechanism, check_delta, check_epsilon
+from dpaudit.accounting.noise import noise
 from dpaudit.accounting.registry import default_accountant, epsilon, get_accountant
 from dpaudit.accounting.result import EpsilonResult
 from dpaudit.errors import DPAuditError
@@ -35,75 +36,106 @@ class Calibration:
     evaluations: int
     seconds: float
 
+    @property
+    def epsilon(self) -> float:
+        """The eps the calibrated sigma spends (an upper bound, <= the target)."""
+        return self.result.epsilon
+
 
 class _Evaluator:
     """epsilon(sigma) for a fixed schedule and accountant, memoised, with an evaluation count."""
 
-    def __init__(self, template: Mechanism, delta: float, accountant: str, options: dict) -> None:
+    def __init__(self, template: Mechanism, delta: float, accountant: str, options, options_for=None) -> None:
         self.template, self.delta, self.accountant, self.options = template, delta, accountant, options
+        self.options_for = options_for  # sigma -> options, when they depend on sigma (pld's fixed grid)
         self.cache: dict[float, EpsilonResult] = {}
 
     def __call__(self, sigma: float) -> EpsilonResult:
         if sigma not in self.cache:
             if len(self.cache) >= MAX_EVALUATIONS:
                 raise DPAuditError("calibration did not converge (accountant is not monotone here?)")
-            self.cache[sigma] = epsilon(self.template.with_sigma(sigma), self.delta, self.accountant, **self.options)
+            options = self.options_for(sigma) if self.options_for else self.options
+            self.cache[sigma] = epsilon(self.template.with_sigma(sigma), self.delta, self.accountant, options)
         return self.cache[sigma]
 
 
-def _initial_sigma(template: Mechanism, target: float, delta: float) -> float:
-    if template.kind == "laplace":
+def _pld_grid_rule(template: Mechanism, delta: float, sigma0: float):
+    """One refinement ladder at ``sigma0`` fixes the grid's resolution relative to one step's loss range;
+    each evaluation of the search then runs a single PLD at that resolution instead of a ladder (the
+    ladder's last rung, the one that shows it has converged, alone costs 3x the converged one). Any
+    grid gives a valid bound; this keeps the search at the converged one."""
+    from dpaudit.accounting import pld
+
+    start = template.with_sigma(sigma0)
+    ratio = pld.converged_grid(start, delta) / pld.step_loss_range(start, delta)
+    return lambda sigma: pld.PldOptions(
+        grid=min(pld.MAX_GRID, ratio * pld.step_loss_range(template.with_sigma(sigma), delta)))
+
+
+def _initial_sigma(template: Mechanism, target: float, delta: float, accountant: str) -> float:
+    if noise(template.kind).pure_dp:
         return pure.sigma_closed_form(template, target)  # pure >= every other bound: an upper end
+    if accountant in ("pld", "prv") and delta > 0:
+        if epsilon(template.with_sigma(SIGMA_MIN), delta, "rdp").epsilon <= target:  # a valid bound says so
+            raise DPAuditError(f"target eps={target:g} is met even with sigma={SIGMA_MIN:g}: "
+                               f"no meaningful noise level to calibrate")
+        # RDP calibrates in ~1 s and lands 0-20 % above the PLD / PRV sigma: a start two evaluations away.
+        try:
+            return 0.95 * calibrate_sigma(template, target, delta, "rdp", rtol=0.02).sigma
+        except DPAuditError:
+            pass
     # Gaussian: the classic sqrt(2 log(1.25/delta)) scaling, with amplification p sqrt(T).
     scale = template.sampling_rate * math.sqrt(template.steps) if template.steps > 1 else 1.0
     return max(0.3, scale * math.sqrt(2 * math.log(1.25 / max(delta, 1e-300))) / target)
 
 
-def _closed_form(name: str, template: Mechanism, target: float, delta: float) -> float | None:
-    if name == "pure":
-        return pure.sigma_closed_form(template, target)
-    if name == "analytic":
-        return analytic.sigma_closed_form(template, target, delta)
-    return None
-
-
 def _bracket(f, target: float, sigma0: float) -> tuple[float, float]:
-    """(lo, hi) with eps(lo) > target >= eps(hi), stepping in log-log space (eps ~ 1/sigma)."""
+    """(lo, hi) with eps(lo) > target >= eps(hi). Steps in log-log space: eps ~ sigma^-k, with k read off
+    the last two evaluations (1 until there are two), overshooting a little so one step usually brackets."""
     lo, hi, sigma = None, None, min(max(sigma0, SIGMA_MIN), SIGMA_MAX)
+    seen: list[tuple[float, float]] = []
     while lo is None or hi is None:
         eps = f(sigma).epsilon
+        if math.isfinite(eps) and eps > 0:
+            seen.append((math.log(sigma), math.log(eps)))
+        k = 1.0
+        if len(seen) >= 2 and seen[-1][0] != seen[-2][0]:
+            k = min(8.0, max(0.5, -(seen[-1][1] - seen[-2][1]) / (seen[-1][0] - seen[-2][0])))
         if eps <= target:
             hi = sigma
             if sigma <= SIGMA_MIN:
                 raise DPAuditError(f"target eps={target:g} is met even with sigma={SIGMA_MIN:g}: "
                                    f"no meaningful noise level to calibrate")
-            factor = min(16.0, max(1.25, target / max(eps, 1e-12)))
+            factor = min(16.0, max(1.05, 1.1 * (target / max(eps, 1e-12)) ** (1 / k)))
             sigma = max(SIGMA_MIN, sigma / factor if lo is None else sigma)
         else:
             lo = sigma
             if sigma >= SIGMA_MAX:
                 raise DPAuditError(f"target eps={target:g} is unreachable: even sigma={SIGMA_MAX:g} gives eps={eps:.4g}")
-            factor = 16.0 if not math.isfinite(eps) else min(16.0, max(1.25, eps / target))
+            factor = 16.0 if not math.isfinite(eps) else min(16.0, max(1.05, 1.1 * (eps / target) ** (1 / k)))
             sigma = min(SIGMA_MAX, sigma * factor if hi is None else sigma)
         if lo is not None and hi is not None:
             return lo, hi
 
 
 def calibrate_sigma(template: Mechanism, target_eps: float, delta: float, accountant: str | None = None,
-                    rtol: float = 1e-3, **options) -> Calibration:
+                    rtol: float = 1e-3, options=None) -> Calibration:
     """Smallest sigma (to relative tolerance ``rtol``, never on the wrong side) with eps <= target."""
     check_epsilon(target_eps)
     check_delta(delta, allow_zero=True)
     if not 0 < rtol < 0.5:
         raise DPAuditError(f"relative tolerance must be in (0, 0.5), got {rtol}")
     name = accountant or default_accountant(template, delta)
-    get_accountant(name)
+    acc = get_accountant(name)
+    reason = acc.supports(template, delta)
+    if reason:
+        raise DPAuditError(reason)
     start = time.perf_counter()
-    f = _Evaluator(template, delta, name, options)
+    exact = acc.sigma(template, target_eps, delta)
     width = math.log1p(rtol / 2)
 
-    exact = _closed_form(name, template, target_eps, delta)
     if exact is not None:
+        f = _Evaluator(template, delta, name, options)
         hi = exact
         bump = 1e-14
         while f(hi).epsilon > target_eps:  # floating-point rounding of the inverse only
@@ -111,23 +143,39 @@ def calibrate_sigma(template: Mechanism, target_eps: float, delta: float, accoun
             bump *= 10
         lo = hi * (1 - rtol / 2)
     else:
-        lo, hi = _bracket(f, target_eps, _initial_sigma(template, target_eps, delta))
-        lo, hi = _refine(f, target_eps, lo, hi, width)
+        anchor, evaluations = _initial_sigma(template, target_eps, delta, name), 0
+        fixed_grid = name == "pld" and options is None
+        for _ in range(3):
+            # pld: the grid is fixed from a ladder at the anchor; if the answer lands far from the anchor,
+            # the grid is re-fixed there and the search repeated from it (the converged resolution can
+            # change with sigma, e.g. at p = 1e-5).
+            f = _Evaluator(template, delta, name, options, _pld_grid_rule(template, delta, anchor) if fixed_grid else None)
+            lo, hi = _bracket(f, target_eps, anchor)
+            lo, hi = _refine(f, target_eps, lo, hi, width)
+            evaluations += len(f.cache)
+            if not fixed_grid or abs(math.log(hi / anchor)) < 0.05:
+                break
+            anchor = hi
     return Calibration(
         sigma=hi, result=f(hi), sigma_rejected=lo, epsilon_rejected=f(lo).epsilon,
-        target_epsilon=target_eps, evaluations=len(f.cache), seconds=time.perf_counter() - start,
+        target_epsilon=target_eps, evaluations=evaluations if exact is None else len(f.cache),
+        seconds=time.perf_counter() - start,
     )
 
 
 def _refine(f, target: float, lo: float, hi: float, width: float) -> tuple[float, float]:
     """Shrink the bracket to relative width ``width``: secant on (log sigma, log eps), then
-    evaluate just either side of the estimate so that one pass usually closes the bracket."""
+    evaluate just either side of the estimate so that one pass usually closes the bracket.
+    Illinois rule: when the same end moves twice running, the other end's weight is halved, so a
+    curved eps(sigma) cannot stall the secant on one side (regula falsi's failure mode)."""
     log_t = math.log(target)
 
     def g(sigma: float) -> float:
         eps = f(sigma).epsilon
         return (math.log(eps) if eps > 0 else -math.inf) - log_t if math.isfinite(eps) else math.inf
 
+    weight_lo = weight_hi = 1.0
+    last = None
     for _ in range(MAX_EVALUATIONS):
         u_lo, u_hi = math.log(lo), math.log(hi)
         if u_hi - u_lo <= width:
@@ -136,7 +184,7 @@ def _refine(f, target: float, lo: float, hi: float, width: float) -> tuple[float
             mid = math.exp((u_lo + u_hi) / 2)
             lo, hi = (lo, mid) if f(mid).epsilon <= target else (mid, hi)
             continue
-        g_lo, g_hi = g(lo), g(hi)
+        g_lo, g_hi = g(lo) * weight_lo, g(hi) * weight_hi
         if math.isfinite(g_lo) and math.isfinite(g_hi) and g_lo != g_hi:
             u = u_lo + g_lo * (u_hi - u_lo) / (g_lo - g_hi)
         else:
@@ -144,10 +192,15 @@ def _refine(f, target: float, lo: float, hi: float, width: float) -> tuple[float
         u = min(max(u, u_lo + width), u_hi - width)
         above, below = math.exp(u + width / 2), math.exp(u - width / 2)
         if f(above).epsilon <= target:
-            hi = above
-            lo, hi = (lo, below) if f(below).epsilon <= target else (below, hi)
+            if f(below).epsilon <= target:
+                hi, moved = below, "hi"
+            else:
+                lo, hi, moved = below, above, "both"
         else:
-            lo = above
+            lo, moved = above, "lo"
+        weight_lo = weight_lo / 2 if moved == last == "hi" else (1.0 if moved != "hi" else weight_lo)
+        weight_hi = weight_hi / 2 if moved == last == "lo" else (1.0 if moved != "lo" else weight_hi)
+        last = moved
     raise DPAuditError("calibration did not converge (accountant is not monotone here?)")
 
 
@@ -158,28 +211,37 @@ class StepsAnswer:
     result: EpsilonResult  # at ``steps``
     epsilon_next: float | None  # epsilon at steps + 1 (exceeds the target), None at the cap
 
+    @property
+    def epsilon(self) -> float:
+        return self.result.epsilon
+
 
 def max_steps(template: Mechanism, target_eps: float, delta: float, accountant: str | None = None,
-              **options) -> StepsAnswer:
+              options=None) -> StepsAnswer:
     """Largest T with eps(T) <= target for the given sigma and p."""
     check_epsilon(target_eps)
     check_delta(delta, allow_zero=True)
     name = accountant or default_accountant(template.with_steps(2), delta)
     cache: dict[int, EpsilonResult] = {}
+    fixed = {}  # pld: the grid, fixed once the bracket is known (one step's loss range does not depend on T)
 
     def eps_at(steps: int) -> float:
         if steps not in cache:
-            cache[steps] = epsilon(template.with_steps(steps), delta, name, **options)
+            cache[steps] = epsilon(template.with_steps(steps), delta, name, fixed.get("options", options))
         return cache[steps].epsilon
 
     if eps_at(1) > target_eps:
         raise DPAuditError(f"even one step spends eps={eps_at(1):.4g} > target {target_eps:g}; raise sigma")
     good, bad = 1, None
     if name == "pld":
+        from dpaudit.accounting import pld
+
         try:
             good, bad = _pld_bracket(template, target_eps, delta, good)
         except (OverflowError, ValueError, FloatingPointError):
             good, bad = 1, None  # the optimistic estimate fails on extreme inputs; plain doubling still works
+        if options is None:
+            fixed["options"] = pld.PldOptions(grid=pld.converged_grid(template.with_steps(good), delta))
     while bad is None:
         nxt = min(good * 2, MAX_STEPS)
         if nxt == good:
@@ -214,11 +276,13 @@ def _pld_bracket(template: Mechanism, target: float, delta: float, good: int) ->
     eps, so where it exceeds the target the true eps does too (bad). The fine grid then bisects the gap."""
     from dpaudit.accounting import pld
 
+    grid = pld.first_grid(template, delta)  # coarse for this mechanism: cheap, valid above, optimistic below
+
     def upper(t: int) -> float:
-        return pld.epsilon(template.with_steps(t), delta, grid=pld.COARSE_GRID).epsilon
+        return pld.epsilon(template.with_steps(t), delta, grid=grid).epsilon
 
     def lower(t: int) -> float:
-        return pld.epsilon_estimate_below(template.with_steps(t), delta)
+        return pld.epsilon_estimate_below(template.with_steps(t), delta, grid)
 
     hi = good
     while lower(hi) <= target:

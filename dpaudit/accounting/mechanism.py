@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from dpaudit.accounting.noise import NOISES, noise
 from dpaudit.errors import DPAuditError
 
-MECHANISMS = ("gaussian", "laplace")
+MECHANISMS = tuple(NOISES)
 
 
 @dataclass(frozen=True)
@@ -25,8 +26,7 @@ class Mechanism:
     steps: int = 1
 
     def __post_init__(self) -> None:
-        if self.kind not in MECHANISMS:
-            raise DPAuditError(f"unknown mechanism {self.kind!r}; choose one of {', '.join(MECHANISMS)}")
+        noise(self.kind)  # refuses an unknown mechanism
         check_sigma(self.sigma)
         check_sampling_rate(self.sampling_rate)
         check_steps(self.steps)
@@ -42,8 +42,7 @@ class Mechanism:
         return replace(self, steps=steps)
 
     def describe(self) -> str:
-        noise = "noise multiplier" if self.kind == "gaussian" else "Laplace scale / sensitivity"
-        return (f"Poisson-subsampled {self.kind} mechanism, {noise} sigma={self.sigma:g}, "
+        return (f"Poisson-subsampled {self.kind} mechanism, {noise(self.kind).axis_label} sigma={self.sigma:g}, "
                 f"sampling rate p={self.sampling_rate:g}, T={self.steps} steps")
 
 

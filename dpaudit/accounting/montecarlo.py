@@ -29,7 +29,7 @@ import numpy as np
 
 from dpaudit.accounting.mechanism import Mechanism
 from dpaudit.progress import progress_bar
-from dpaudit.accounting.result import ADD_REMOVE, SINGLE_RELEASE, EpsilonResult
+from dpaudit.accounting.result import DeltaResult, EpsilonResult, relation_of
 from dpaudit.errors import DPAuditError
 
 DIRECTIONS = ("remove", "add")
@@ -47,7 +47,8 @@ class MonteCarloSettings:
     chunk_elements: int = 1 << 22
     progress: bool = False
     workers: int = 1          # processes for the numpy sampler; 0 = every core
-    backend: str = "numpy"    # "torch": sample on a GPU when there is one (dpaudit.mc_torch)
+    backend: str = "numpy"    # "torch": sample on a GPU when there is one (accounting/mc_torch.py)
+    tilt: bool = False        # delta(eps), Laplace: importance sampling by exponential tilting
 
     def __post_init__(self) -> None:
         if self.samples is not None and self.samples < 100:
@@ -60,11 +61,24 @@ class MonteCarloSettings:
             raise DPAuditError(f"mc workers must be >= 0, got {self.workers}")
 
 
-def _log_mix(p: float, a: np.ndarray) -> np.ndarray:
-    """log(1 - p + p e^a), the loss of the subsampled step as a function of a = log(mu_1/mu_0)."""
+def _log_mix(p: float, a, xp=np):
+    """log(1 - p + p e^a), the loss of the subsampled step as a function of a = log(mu_1/mu_0).
+    ``xp``: the array module (numpy here, torch in mc_torch)."""
     if p == 1.0:
         return a
-    return np.logaddexp(math.log1p(-p), math.log(p) + a)
+    return xp.logaddexp(xp.full_like(a, math.log1p(-p)), math.log(p) + a)
+
+
+def laplace_inside(u, mirror_u, mech: Mechanism, direction: str, xp=np):
+    """One Laplace step's draws x in (0, 1) from uniforms ``u`` (and ``mirror_u`` for remove), for the numpy,
+    torch and tilted samplers alike: Lap(0, b) restricted to (0, 1) has density prop. to e^{-x/b}, so
+    x = -b log(1 - u (1 - e^{-1/b})); in the remove direction the draw is Lap(1, b)'s mirror 1 - x with
+    probability p."""
+    b, p = mech.sigma, mech.sampling_rate
+    x = -b * xp.log1p(-u * (1 - math.exp(-1 / b)))
+    if direction == "remove":
+        x = xp.where(mirror_u < p, 1 - x, x) if p < 1 else 1 - x
+    return x
 
 
 def _draws_per_sample(mech: Mechanism) -> float:
@@ -99,18 +113,11 @@ def laplace_regions(mech: Mechanism, direction: str) -> tuple[float, float, floa
 
 def _laplace_composed(mech: Mechanism, direction: str, rows: int, rng: np.random.Generator) -> np.ndarray:
     b, p, steps = mech.sigma, mech.sampling_rate, mech.steps
-    q = math.exp(-1 / b)
     low, mid, _ = laplace_regions(mech, direction)
     counts = rng.multinomial(steps, [low, mid, max(0.0, 1 - low - mid)], size=rows)
     n_mid = counts[:, 1]
-    # Inside (0, 1) a Lap(0,b) draw has density prop. to e^{-x/b}; a Lap(1,b) draw is its mirror.
     u = rng.random(int(n_mid.sum()))
-    x = -b * np.log1p(-u * (1 - q))
-    if direction == "remove" and p < 1:
-        mirrored = rng.random(x.size) < p
-        x = np.where(mirrored, 1 - x, x)
-    elif direction == "remove":
-        x = 1 - x
+    x = laplace_inside(u, rng.random(u.size) if direction == "remove" and p < 1 else None, mech, direction)
     mid_loss = np.bincount(np.repeat(np.arange(rows), n_mid), weights=_log_mix(p, (2 * x - 1) / b), minlength=rows)
     ends = _log_mix(p, np.array([-1 / b, 1 / b]))
     loss = counts[:, 0] * ends[0] + counts[:, 2] * ends[1] + mid_loss
@@ -192,7 +199,7 @@ def chunk_sums(mech: Mechanism, eps_grid: np.ndarray, settings: MonteCarloSettin
     so the result does not depend on which process or device ran it, or in which order."""
     direction = DIRECTIONS[d_index]
     if settings.backend == "torch":
-        from dpaudit.mc_torch import composed_losses_torch
+        from dpaudit.accounting.mc_torch import composed_losses_torch
 
         loss = composed_losses_torch(mech, direction, rows, (settings.seed, d_index, c_index))
     else:
@@ -261,7 +268,7 @@ def epsilon(mech: Mechanism, delta: float, settings: MonteCarloSettings = MonteC
         accountant="mc",
         epsilon=max(per_dir.values()),
         delta=delta,
-        relation=SINGLE_RELEASE if mech.is_single_release else ADD_REMOVE,
+        relation=relation_of(mech),
         guarantee=(f"upper bound holding with probability >= 1 - {settings.beta:g} "
                    f"(Monte-Carlo, empirical Bernstein, {curve.samples} samples per direction)"),
         directions=per_dir,
@@ -284,3 +291,19 @@ def delta_for_epsilon(mech: Mechanism, eps: float, settings: MonteCarloSettings 
         "seconds": curve.seconds,
         "samples_per_second": curve.samples_per_second,
     }
+
+
+def delta(mech: Mechanism, eps: float, settings: MonteCarloSettings = MonteCarloSettings()) -> DeltaResult:
+    """The accountant contract's delta(eps): an upper bound holding with probability >= 1 - beta."""
+    if settings.tilt:
+        from dpaudit.accounting.montecarlo_tilted import delta_for_epsilon_tilted
+
+        out = delta_for_epsilon_tilted(mech, eps, sample_count(mech, settings), settings.seed, settings.beta)
+    else:
+        out = delta_for_epsilon(mech, eps, settings)
+    return DeltaResult(
+        accountant="mc", delta=out["upper"], epsilon=eps, relation=relation_of(mech),
+        guarantee=(f"upper bound with probability >= 1 - {settings.beta:g} (Monte-Carlo"
+                   f"{', exponential tilting' if settings.tilt else ''}); 'estimate' is an estimate"),
+        estimate=out["estimate"], directions={d: v["upper"] for d, v in out["directions"].items()},
+        details={k: v for k, v in out.items() if k not in ("upper", "estimate", "directions")})

@@ -23,7 +23,7 @@ import numpy as np
 from scipy import integrate, optimize
 
 from dpaudit.accounting.mechanism import Mechanism
-from dpaudit.accounting.montecarlo import DIRECTIONS, _bernstein_upper, _log_mix, laplace_regions
+from dpaudit.accounting.montecarlo import DIRECTIONS, _bernstein_upper, _log_mix, laplace_inside, laplace_regions
 from dpaudit.errors import DPAuditError
 
 MIN_ACCEPTANCE = 1e-3
@@ -36,8 +36,7 @@ class _StepLaw:
         if mech.kind != "laplace":
             raise DPAuditError("importance sampling is implemented for the Laplace mechanism only")
         b, p = mech.sigma, mech.sampling_rate
-        self.b, self.p, self.direction = b, p, direction
-        self.q = math.exp(-1 / b)
+        self.mech, self.b, self.p, self.direction = mech, b, p, direction
         self.low, _, self.high = laplace_regions(mech, direction)
         self.sign = 1.0 if direction == "remove" else -1.0
         ends = _log_mix(p, np.array([-1 / b, 1 / b]))
@@ -83,10 +82,8 @@ class _StepLaw:
         out = np.empty(0)
         while out.size < n:
             m = int((n - out.size) / max(worst, 0.05)) + 16
-            u = rng.random(m)
-            x = -self.b * np.log1p(-u * (1 - self.q))  # Lap(0, b) restricted to (0, 1)
-            if self.direction == "remove":
-                x = np.where(rng.random(m) < self.p, 1 - x, x)
+            x = laplace_inside(rng.random(m), rng.random(m) if self.direction == "remove" else None,
+                               self.mech, self.direction)
             keep = rng.random(m) < np.exp(theta * (self.g(x) - g_top))
             out = np.concatenate([out, x[keep]])
         return out[:n]

@@ -15,29 +15,31 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
-from scipy.optimize import brentq
-from scipy.special import expit, logsumexp
-from scipy.stats import binom
-
 from dpaudit.accounting.mechanism import Mechanism
-from dpaudit.accounting.result import ADD_REMOVE, SINGLE_RELEASE, EpsilonResult
+from dpaudit.accounting.result import EpsilonResult, relation_of
 from dpaudit.errors import DPAuditError
+
+RR_BYTES_PER_STEP = 48  # randomized_response_delta: a few float64 arrays of T + 1 entries
 
 
 def step_epsilon(sigma: float, p: float) -> float:
     """eps_1 = log(1 - p + p e^{1/sigma}), computed without overflow for small sigma."""
     if p == 1.0:
         return 1.0 / sigma
-    return float(np.logaddexp(math.log1p(-p), math.log(p) + 1.0 / sigma))
+    return _logaddexp(math.log1p(-p), math.log(p) + 1.0 / sigma)
+
+
+def _logaddexp(a: float, b: float) -> float:
+    """log(e^a + e^b) in plain floats (the closed forms stay free of numpy for a fast start)."""
+    hi, lo = max(a, b), min(a, b)
+    return hi + math.log1p(math.exp(lo - hi))
 
 
 def sigma_for_step_epsilon(eps1: float, p: float) -> float:
     """Inverse of ``step_epsilon``: sigma = 1 / log(1 + (e^{eps_1} - 1) / p)."""
     if p == 1.0:
         return 1.0 / eps1
-    return 1.0 / float(np.logaddexp(0.0, math.log(math.expm1(eps1)) - math.log(p)))
+    return 1.0 / _logaddexp(0.0, math.log(math.expm1(eps1)) - math.log(p))
 
 
 def _require_laplace(mech: Mechanism, name: str) -> None:
@@ -52,7 +54,7 @@ def epsilon(mech: Mechanism, delta: float) -> EpsilonResult:
         accountant="pure",
         epsilon=mech.steps * eps1,
         delta=delta,
-        relation=SINGLE_RELEASE if mech.is_single_release else ADD_REMOVE,
+        relation=relation_of(mech),
         guarantee="pure eps-DP by basic composition: exact at delta = 0, an upper bound at any delta",
         details={"step_epsilon": eps1},
     )
@@ -67,13 +69,17 @@ def prv_epsilon(mech: Mechanism, delta: float) -> EpsilonResult:
     _require_laplace(mech, "pure-prv")
     if delta <= 0:
         raise DPAuditError("pure-prv needs delta > 0; at delta = 0 use the pure accountant")
+    from dpaudit.accounting import budget
+
+    budget.current().require(RR_BYTES_PER_STEP * (mech.steps + 1), f"pure-prv at T = {mech.steps}",
+                             "the pure accountant (T * eps_1) answers at any T")
     eps1 = step_epsilon(mech.sigma, mech.sampling_rate)
     eps = randomized_response_epsilon(eps1, mech.steps, delta)
     return EpsilonResult(
         accountant="pure-prv",
         epsilon=eps,
         delta=delta,
-        relation=SINGLE_RELEASE if mech.is_single_release else ADD_REMOVE,
+        relation=relation_of(mech),
         guarantee="upper bound (each step as randomized response with eps_1, composed exactly)",
         details={"step_epsilon": eps1},
     )
@@ -81,6 +87,10 @@ def prv_epsilon(mech: Mechanism, delta: float) -> EpsilonResult:
 
 def randomized_response_delta(eps1: float, steps: int, eps: float) -> float:
     """Exact delta(eps) of T-fold randomized response with eps_1 (the pure-DP dominating pair)."""
+    import numpy as np
+    from scipy.special import expit, logsumexp
+    from scipy.stats import binom
+
     k = np.arange(steps + 1)
     loss = eps1 * (2 * k - steps)
     keep = loss > eps
@@ -94,6 +104,8 @@ def randomized_response_delta(eps1: float, steps: int, eps: float) -> float:
 
 def randomized_response_epsilon(eps1: float, steps: int, delta: float) -> float:
     """Smallest eps with delta(eps) <= delta, found to 1e-9 and rounded up to stay a bound."""
+    from scipy.optimize import brentq
+
     top = steps * eps1
     if randomized_response_delta(eps1, steps, 0.0) <= delta:
         return 0.0

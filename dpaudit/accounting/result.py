@@ -1,20 +1,37 @@
-"""What an accountant answers: an upper bound on epsilon, with what it covers."""
+"""What an accountant answers: an upper bound on epsilon, with the neighbouring relation it covers."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from enum import Enum
+
+
+class NeighboringRelation(str, Enum):
+    """Which datasets are neighbours (dp_accounting's enum, same names). Every accountant here covers
+    ADD_OR_REMOVE_ONE; REPLACE_ONE is refused with a reason rather than answered wrongly."""
+
+    ADD_OR_REMOVE_ONE = "add/remove"
+    REPLACE_ONE = "replace-one"
+
 
 ADD_REMOVE = "add/remove (max of the add and the remove direction after composition)"
 SINGLE_RELEASE = "add/remove (one release: both directions coincide)"
+NO_SUBSAMPLING = "add/remove (no subsampling: both directions coincide)"
+
+
+def relation_of(mech) -> str:
+    """How the add/remove relation is covered for ``mech``, in words."""
+    return SINGLE_RELEASE if mech.is_single_release else ADD_REMOVE
 
 
 @dataclass(frozen=True)
 class EpsilonResult:
-    """``epsilon`` is an upper bound on the true epsilon at ``delta`` for ``relation``.
+    """``epsilon`` is an upper bound on the true epsilon at ``delta`` for ``neighboring``.
 
-    ``directions`` holds the per-direction values where the accountant composes them apart
-    (their max is ``epsilon``). ``guarantee`` says in words what kind of bound it is.
+    ``relation`` says in words how both directions are covered; ``directions`` holds the
+    per-direction values where the accountant composes them apart (their max is ``epsilon``).
+    ``guarantee`` says in words what kind of bound it is.
     """
 
     accountant: str
@@ -24,14 +41,43 @@ class EpsilonResult:
     guarantee: str
     directions: dict[str, float] = field(default_factory=dict)
     details: dict[str, object] = field(default_factory=dict)
+    neighboring: NeighboringRelation = NeighboringRelation.ADD_OR_REMOVE_ONE
+    mechanism: object = None  # the Mechanism accounted, when the caller attached it (the Python API does)
+
+    @property
+    def sigma(self) -> float | None:
+        return None if self.mechanism is None else self.mechanism.sigma
 
     def to_json(self) -> dict:
         out = asdict(self)
+        out.pop("mechanism")
         out["epsilon"] = json_float(self.epsilon)
         out["directions"] = {k: json_float(v) for k, v in self.directions.items()}
+        out["neighboring"] = self.neighboring.value
         return out
 
 
 def json_float(x: float) -> float | str:
     """JSON has no infinity: write it as the string "inf"."""
     return x if math.isfinite(x) else ("inf" if x > 0 else "-inf")
+
+
+@dataclass(frozen=True)
+class DeltaResult:
+    """``delta`` is an upper bound on the true delta at ``epsilon`` (with probability >= 1 - beta for
+    Monte-Carlo, said in ``guarantee``); ``estimate`` is a point estimate where the accountant has one."""
+
+    accountant: str
+    delta: float
+    epsilon: float
+    relation: str
+    guarantee: str
+    estimate: float | None = None
+    directions: dict[str, float] = field(default_factory=dict)
+    details: dict[str, object] = field(default_factory=dict)
+    neighboring: NeighboringRelation = NeighboringRelation.ADD_OR_REMOVE_ONE
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["neighboring"] = self.neighboring.value
+        return out

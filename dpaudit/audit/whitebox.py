@@ -39,8 +39,10 @@ def _zo_log(run_dir: Path) -> tuple[np.ndarray, np.ndarray]:
 
 def public_noise(seeds: np.ndarray, kind: str, scale: float) -> np.ndarray:
     """The noise each step's public seed would give (what a trainer that misuses it adds)."""
-    draw = (lambda g: g.normal(0.0, scale)) if kind == "gaussian" else (lambda g: g.laplace(0.0, scale))
-    return np.array([draw(np.random.default_rng(int(s))) for s in seeds])
+    from dpaudit.accounting.noise import noise
+
+    draw = noise(kind).draw
+    return np.array([draw(np.random.default_rng(int(s)), scale) for s in seeds])
 
 
 def transcript_scores(run_dir: Path) -> tuple[dict[str, np.ndarray], np.ndarray, str, dict]:

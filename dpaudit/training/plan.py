@@ -59,7 +59,7 @@ def _remove_only_sigma(template: Mechanism, target: float, delta: float) -> floa
 
     def gap(log_sigma: float) -> float:
         res = pld.epsilon(template.with_sigma(math.exp(log_sigma)), delta)
-        return res.directions["remove"] - target
+        return res.directions.get("remove", res.epsilon) - target
 
     hi = math.log(calibrate_sigma(template, target, delta, "pld").sigma)
     if gap(hi) > 0:

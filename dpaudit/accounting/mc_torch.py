@@ -1,6 +1,6 @@
-"""torch sampler for the Monte-Carlo accountant: the same exact composed-loss draws as
-``dpaudit.accounting.montecarlo.composed_losses``, on a GPU when one is present (CPU otherwise).
-Kept outside the accounting core, which imports no torch."""
+"""torch backend of the Monte-Carlo accountant: the same exact composed-loss draws as
+``montecarlo.composed_losses`` (sharing its step formulas), on a GPU when one is present.
+torch is imported only when this backend runs: importing the accounting core never imports torch."""
 
 from __future__ import annotations
 
@@ -9,18 +9,13 @@ import math
 import numpy as np
 
 from dpaudit.accounting.mechanism import Mechanism
+from dpaudit.accounting.montecarlo import _log_mix, laplace_inside, laplace_regions
 
 
 def _device():
     import torch
 
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _log_mix(torch, p: float, a):
-    if p == 1.0:
-        return a
-    return torch.logaddexp(torch.full_like(a, math.log1p(-p)), math.log(p) + a)
 
 
 def composed_losses_torch(mech: Mechanism, direction: str, rows: int, stream: tuple[int, int, int],
@@ -42,13 +37,11 @@ def composed_losses_torch(mech: Mechanism, direction: str, rows: int, stream: tu
             x = torch.randn((rows, cols), generator=gen, dtype=dt, device=device) * s
             if direction == "remove":
                 x += (torch.rand((rows, cols), generator=gen, dtype=dt, device=device) < p).to(dt) if p < 1 else 1.0
-            loss = _log_mix(torch, p, (2 * x - 1) / (2 * s * s)).sum(dim=1)
+            loss = _log_mix(p, (2 * x - 1) / (2 * s * s), torch).sum(dim=1)
             total += loss if direction == "remove" else -loss
         return total.cpu().numpy()
     b = mech.sigma
-    q = math.exp(-1 / b)
-    mid = (1 - q) / 2
-    low = (1 - p) / 2 + p * q / 2 if direction == "remove" else 0.5
+    low, mid, _ = laplace_regions(mech, direction)
     # The three-way multinomial of montecarlo._laplace_composed as two binomials.
     n = torch.full((rows,), float(steps), dtype=dt, device=device)
     n_low = torch.binomial(n, torch.full_like(n, low), generator=gen)
@@ -56,12 +49,10 @@ def composed_losses_torch(mech: Mechanism, direction: str, rows: int, stream: tu
     n_high = n - n_low - n_mid
     count = int(n_mid.sum().item())
     u = torch.rand(count, generator=gen, dtype=dt, device=device)
-    x = -b * torch.log1p(-u * (1 - q))
-    if direction == "remove":
-        flip = torch.rand(count, generator=gen, dtype=dt, device=device) < p if p < 1 else torch.ones_like(x, dtype=torch.bool)
-        x = torch.where(flip, 1 - x, x)
+    mirror = torch.rand(count, generator=gen, dtype=dt, device=device) if direction == "remove" and p < 1 else None
+    x = laplace_inside(u, mirror, mech, direction, torch)
     owner = torch.repeat_interleave(torch.arange(rows, device=device), n_mid.long())
-    mid_loss = torch.zeros(rows, dtype=dt, device=device).index_add_(0, owner, _log_mix(torch, p, (2 * x - 1) / b))
-    ends = _log_mix(torch, p, torch.tensor([-1 / b, 1 / b], dtype=dt, device=device))
+    mid_loss = torch.zeros(rows, dtype=dt, device=device).index_add_(0, owner, _log_mix(p, (2 * x - 1) / b, torch))
+    ends = _log_mix(p, torch.tensor([-1 / b, 1 / b], dtype=dt, device=device), torch)
     loss = n_low * ends[0] + n_high * ends[1] + mid_loss
     return (loss if direction == "remove" else -loss).cpu().numpy()

@@ -1,0 +1,96 @@
+"""Is the default `pld` calibration converged? For each (p, T, eps, delta) in a sweep:
+
+  sigma      = dpaudit's calibrated sigma (pld, grid chosen by convergence),
+  reference  = dp-accounting's PLD refined further (grids halved REF_RUNGS more times than ours
+               starts, the smallest bound kept: each is a valid upper bound),
+  check      = the reference eps at sigma * (1 - 0.001) exceeds the target, i.e. no sigma 0.1 %
+               smaller than ours is valid even by the refined reference.
+
+Prints a table (seconds for ours and for the reference, the reference eps at 0.999 sigma / target)
+and the worst case. Usage:
+
+    .venv/bin/python benchmarks/pld_convergence.py            # the full sweep (slow: ~1 h on 2 cores)
+    .venv/bin/python benchmarks/pld_convergence.py --quick    # 16 cases, a few minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import random
+import time
+
+from dpaudit.accounting import Mechanism, budget, calibrate_sigma, pld
+
+REF_RUNGS = 6
+TOLERANCE = 1e-3
+
+
+def reference_epsilon(mech: Mechanism, delta: float) -> float:
+    """Smallest of dp-accounting's pessimistic PLD bounds over grids from ours down to 2^-REF_RUNGS of
+    it (stopping where the memory budget ends)."""
+    width = pld.step_loss_range(mech, delta)
+    grid = min(pld.MAX_GRID, width / pld.POINTS_PER_STEP)
+    best = math.inf
+    for _ in range(REF_RUNGS + 1):
+        try:
+            eps, _ = pld._fitted(mech, delta, grid)  # noqa: SLF001
+        except budget.OverBudget:
+            break
+        best = min(best, max(eps.values()))
+        grid /= 2
+    return best
+
+
+def case(p: float, steps: int, eps: float, delta: float) -> dict:
+    template = Mechanism("gaussian", 1.0, p, steps)
+    began = time.perf_counter()
+    cal = calibrate_sigma(template, eps, delta, "pld")
+    ours = time.perf_counter() - began
+    began = time.perf_counter()
+    ref = reference_epsilon(template.with_sigma(cal.sigma * (1 - TOLERANCE)), delta)
+    return {"p": p, "T": steps, "eps": eps, "delta": delta, "sigma": cal.sigma, "seconds": ours,
+            "ref_seconds": time.perf_counter() - began, "ref_eps_at_0.999_sigma_over_target": ref / eps,
+            "within_0.1%": ref > eps}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="16 cases drawn from the sweep (seeded)")
+    parser.add_argument("--max-memory", default="4G")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    grid = list(itertools.product([1e-5, 1e-3, 0.1, 1.0], [1, 1000, 100_000, 10_000_000], [0.05, 1.0, 50.0],
+                                  [1e-10, 1e-5, 1e-3]))
+    if args.quick:
+        grid = random.Random(0).sample(grid, 16)
+    rows = []
+    with budget.limits(max_memory=args.max_memory):
+        for p, steps, eps, delta in grid:
+            try:
+                row = case(p, steps, eps, delta)
+            except Exception as exc:  # noqa: BLE001 - a benchmark reports every case
+                row = {"p": p, "T": steps, "eps": eps, "delta": delta, "error": f"{type(exc).__name__}: {exc}"}
+            rows.append(row)
+            if not args.json:
+                if "error" in row:
+                    print(f"p={p:<6g} T={steps:<9d} eps={eps:<5g} delta={delta:<6g}  {row['error']}", flush=True)
+                else:
+                    print(f"p={p:<6g} T={steps:<9d} eps={eps:<5g} delta={delta:<6g} sigma={row['sigma']:<10.6g} "
+                          f"{row['seconds']:6.1f} s  ref {row['ref_seconds']:6.1f} s  "
+                          f"ref eps(0.999 sigma)/target={row['ref_eps_at_0.999_sigma_over_target']:.5f}  "
+                          f"{'ok' if row['within_0.1%'] else 'NOT within 0.1%'}", flush=True)
+    done = [r for r in rows if "error" not in r]
+    worst = min(done, key=lambda r: r["ref_eps_at_0.999_sigma_over_target"]) if done else None
+    summary = {"cases": len(rows), "within": sum(r["within_0.1%"] for r in done), "errors": len(rows) - len(done),
+               "worst": worst, "slowest_seconds": max((r["seconds"] for r in done), default=None)}
+    if args.json:
+        print(json.dumps({"rows": rows, "summary": summary}, indent=2))
+    else:
+        print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
