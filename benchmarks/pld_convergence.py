@@ -5,6 +5,9 @@
                starts, the smallest bound kept: each is a valid upper bound),
   check      = the reference eps at sigma * (1 - 0.001) exceeds the target, i.e. no sigma 0.1 %
                smaller than ours is valid even by the refined reference.
+  unresolved = the reference at 0.999 sigma is more than 2 % above the target: at T ~ 1e7 the finest
+               grids' FFT round-off inflates dp-accounting's bound (seen: eps 8-11 where RDP gives 1.05),
+               so the reference cannot judge that case; it is counted apart, not as a pass.
 
 Prints a table (seconds for ours and for the reference, the reference eps at 0.999 sigma / target)
 and the worst case. Usage:
@@ -53,7 +56,7 @@ def case(p: float, steps: int, eps: float, delta: float) -> dict:
     ref = reference_epsilon(template.with_sigma(cal.sigma * (1 - TOLERANCE)), delta)
     return {"p": p, "T": steps, "eps": eps, "delta": delta, "sigma": cal.sigma, "seconds": ours,
             "ref_seconds": time.perf_counter() - began, "ref_eps_at_0.999_sigma_over_target": ref / eps,
-            "within_0.1%": ref > eps}
+            "within_0.1%": eps < ref <= eps * 1.02, "unresolved": ref > eps * 1.02}
 
 
 def main() -> None:
@@ -81,10 +84,13 @@ def main() -> None:
                     print(f"p={p:<6g} T={steps:<9d} eps={eps:<5g} delta={delta:<6g} sigma={row['sigma']:<10.6g} "
                           f"{row['seconds']:6.1f} s  ref {row['ref_seconds']:6.1f} s  "
                           f"ref eps(0.999 sigma)/target={row['ref_eps_at_0.999_sigma_over_target']:.5f}  "
-                          f"{'ok' if row['within_0.1%'] else 'NOT within 0.1%'}", flush=True)
+                          f"{'ok' if row['within_0.1%'] else 'reference unresolved' if row['unresolved'] else 'NOT within 0.1%'}",
+                          flush=True)
     done = [r for r in rows if "error" not in r]
-    worst = min(done, key=lambda r: r["ref_eps_at_0.999_sigma_over_target"]) if done else None
+    judged = [r for r in done if not r["unresolved"]]
+    worst = min(judged, key=lambda r: r["ref_eps_at_0.999_sigma_over_target"]) if judged else None
     summary = {"cases": len(rows), "within": sum(r["within_0.1%"] for r in done), "errors": len(rows) - len(done),
+               "unresolved": sum(r["unresolved"] for r in done),
                "worst": worst, "slowest_seconds": max((r["seconds"] for r in done), default=None)}
     if args.json:
         print(json.dumps({"rows": rows, "summary": summary}, indent=2))

@@ -242,6 +242,8 @@ def max_steps(template: Mechanism, target_eps: float, delta: float, accountant: 
             good, bad = 1, None  # the optimistic estimate fails on extreme inputs; plain doubling still works
         if options is None:
             fixed["options"] = pld.PldOptions(grid=pld.converged_grid(template.with_steps(good), delta))
+        if bad is not None and eps_at(bad) <= target_eps:  # the optimistic estimate was wrong: keep doubling
+            good, bad = bad, None
     while bad is None:
         nxt = min(good * 2, MAX_STEPS)
         if nxt == good:
@@ -252,8 +254,28 @@ def max_steps(template: Mechanism, target_eps: float, delta: float, accountant: 
                 return StepsAnswer(good, True, cache[good], None)
         else:
             bad = nxt
-    good = _last_true(lambda t: eps_at(t) <= target_eps, good, bad)
+    good = _last_within(eps_at, target_eps, good, bad)
     return StepsAnswer(good, False, _at(cache, eps_at, good), eps_at(good + 1))
+
+
+def _last_within(eps_at, target: float, good: int, bad: int) -> int:
+    """The largest t in [good, bad) with eps(t) <= target, given eps(good) <= target < eps(bad): interpolate
+    eps linearly in t (eps grows about linearly to sqrt-like in T), and bisect whenever an interpolated step
+    kept the same end as the step before (so a curved eps(T) cannot stall it). Far fewer evaluations than
+    plain bisection over a wide bracket, each a full PLD at large T."""
+    prev, bisect_next = None, False
+    while bad - good > 1:
+        e_good, e_bad = eps_at(good), eps_at(bad)
+        if not bisect_next and math.isfinite(e_bad) and e_bad > e_good:
+            t = good + (target - e_good) * (bad - good) / (e_bad - e_good)
+            mid = int(min(max(round(t), good + 1), bad - 1))
+        else:
+            mid = (good + bad) // 2
+        ok = eps_at(mid) <= target
+        good, bad = (mid, bad) if ok else (good, mid)
+        bisect_next = ok == prev and not bisect_next
+        prev = ok
+    return good
 
 
 def _last_true(ok, good: int, bad: int) -> int:
@@ -285,7 +307,7 @@ def _pld_bracket(template: Mechanism, target: float, delta: float, good: int) ->
         return pld.epsilon_estimate_below(template.with_steps(t), delta, grid)
 
     hi = good
-    while lower(hi) <= target:
+    while not lower(hi) > target:  # NaN (dp-accounting's optimistic PMF can fail at large T) is not "exceeds"
         if hi >= MAX_STEPS:
             return good, None
         hi = min(hi * 2, MAX_STEPS)

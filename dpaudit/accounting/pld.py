@@ -231,7 +231,7 @@ def epsilon(mech: Mechanism, delta: float, grid: float | None = None,
     except OverflowError:  # dp-accounting evaluates e^{1/sigma} in floats: Laplace with sigma < ~1/700
         return _fallback(mech, delta, f"dp-accounting's PLD overflows at sigma = {mech.sigma:g}")
     eps = max(best.values())
-    if mech.kind == "laplace":
+    if noise(mech.kind).pure_dp:
         # A Laplace run is also pure (T * eps_1)-DP; pessimistic rounding can put PLD a grid step
         # above that, and the smaller of two valid upper bounds is still valid.
         from dpaudit.accounting.pure import step_epsilon
