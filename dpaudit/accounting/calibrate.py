@@ -11,7 +11,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from dpaudit.accounting import pure
+from dpaudit.accounting import budget, pure
 from dpaudit.accounting.mechanism import Mechanism, check_delta, check_epsilon
 from dpaudit.accounting.noise import noise
 from dpaudit.accounting.registry import default_accountant, epsilon, get_accountant
@@ -118,6 +118,26 @@ def _bracket(f, target: float, sigma0: float) -> tuple[float, float]:
             return lo, hi
 
 
+def _polish(template: Mechanism, target: float, delta: float, fixed, lo: float, hi: float, width: float):
+    """pld: the search ran on one fixed grid; a full ladder (the smallest bound over its grids) can accept
+    the sigma that grid rejected, where dp-accounting's bound is not monotone in the grid. Then bisect
+    further down with ladders, while the time budget allows (each ladder costs ~4x a fixed-grid PLD)."""
+    ladder = _Evaluator(template, delta, "pld", None)
+    began = time.perf_counter()
+    if ladder(lo).epsilon > target:
+        return fixed, lo, hi, 1
+    cost = time.perf_counter() - began
+    hi, lo = lo, lo * math.exp(-8 * width)
+    while budget.current().seconds_left() > 4 * cost and ladder(lo).epsilon <= target:
+        hi, lo = lo, lo * math.exp(-8 * width)  # walk down until the ladder rejects
+    while math.log(hi / lo) > width and budget.current().seconds_left() > 4 * cost:
+        mid = math.sqrt(lo * hi)
+        lo, hi = (lo, mid) if ladder(mid).epsilon <= target else (mid, hi)
+    if ladder(lo).epsilon <= target:  # out of time before the ladder rejected anything: report what is known
+        lo = hi * (1 - 1e-9)
+    return ladder, lo, hi, len(ladder.cache)
+
+
 def calibrate_sigma(template: Mechanism, target_eps: float, delta: float, accountant: str | None = None,
                     rtol: float = 1e-3, options=None) -> Calibration:
     """Smallest sigma (to relative tolerance ``rtol``, never on the wrong side) with eps <= target."""
@@ -156,6 +176,10 @@ def calibrate_sigma(template: Mechanism, target_eps: float, delta: float, accoun
             if not fixed_grid or abs(math.log(hi / anchor)) < 0.05:
                 break
             anchor = hi
+        per_evaluation = (time.perf_counter() - start) / max(1, evaluations)
+        if fixed_grid and budget.current().seconds_left() > 8 * per_evaluation:
+            f, lo, hi, extra = _polish(template, target_eps, delta, f, lo, hi, width)
+            evaluations += extra
     return Calibration(
         sigma=hi, result=f(hi), sigma_rejected=lo, epsilon_rejected=f(lo).epsilon,
         target_epsilon=target_eps, evaluations=evaluations if exact is None else len(f.cache),

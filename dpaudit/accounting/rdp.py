@@ -9,6 +9,8 @@ still finds its best order.
 
 from __future__ import annotations
 
+import logging
+
 from dpaudit.accounting.mechanism import Mechanism
 from dpaudit.accounting.result import EpsilonResult, relation_of
 from dpaudit.errors import DPAuditError
@@ -29,10 +31,17 @@ def epsilon(mech: Mechanism, delta: float) -> EpsilonResult:
     if mech.sampling_rate < 1:
         event = dp_accounting.PoissonSampledDpEvent(mech.sampling_rate, event)
     accountant = rdp_privacy_accountant.RdpAccountant(orders=ORDERS)
-    accountant.compose(event, mech.steps)
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)  # "failed to converge ... excluding this order": fewer orders, still a bound
+    try:
+        accountant.compose(event, mech.steps)
+        eps = float(accountant.get_epsilon(delta))
+    finally:
+        absl.setLevel(level)
     return EpsilonResult(
         accountant="rdp",
-        epsilon=float(accountant.get_epsilon(delta)),
+        epsilon=eps,
         delta=delta,
         relation=relation_of(mech),
         guarantee="upper bound (Renyi DP conversion; looser than pld)",
