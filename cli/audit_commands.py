@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from dpaudit.cli.common import ForceOpt, JsonOpt, console, emit_json
+from dpaudit.cli.common import ForceOpt, JsonOpt, ThreadsOpt, console, emit_json
 from dpaudit.errors import DPAuditError
 
 app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Membership-inference audits against a claimed eps.")
@@ -149,8 +149,7 @@ def audit_checkpoint(
         "--base", help="The model before training (the extended model), for --score loss-vs-base.")] = None,
     headline: HeadlineOpt = "auto",
     batch_size: Annotated[int, typer.Option("--batch-size", help="Canaries per forward pass.")] = 32,
-    threads: Annotated[Optional[int], typer.Option(
-        "--threads", help="CPU threads for torch (default: the cores this process may use).")] = None,
+    threads: ThreadsOpt = None,
     report: ReportOpt = None,
     force: ForceOpt = False,
     as_json: JsonOpt = False,

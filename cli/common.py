@@ -15,8 +15,8 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from dpaudit.accounting.mechanism import Mechanism, sampling_rate_from, steps_from
-from dpaudit.accounting.noise import noise
+from dpaudit.accounting.mechanism import Mechanism, schedule  # noqa: F401 - schedule: the commands import it here
+from dpaudit.accounting.noise import noise, resolve_delta  # noqa: F401 - resolve_delta: likewise
 from dpaudit.errors import DPAuditError
 
 console = Console()
@@ -37,16 +37,9 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JS
 McSamplesOpt = Annotated[Optional[int], typer.Option(
     "--mc-samples", help="mc accountant: composed samples per direction (default: sized to ~2e8 draws).")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="mc accountant: random seed.")]
+ThreadsOpt = Annotated[Optional[int], typer.Option(
+    "--threads", help="CPU threads for torch (default: the cores this process may use, within its CPU quota).")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing output file.")]
-
-
-def schedule(mech: str, sigma: float, p, batch_size, dataset_size, steps, epochs) -> Mechanism:
-    rate = sampling_rate_from(batch_size, dataset_size, p)
-    return Mechanism(mech, sigma, rate, steps_from(steps, epochs, rate))
-
-
-def resolve_delta(mech: str, delta: float | None) -> float:
-    return noise(mech).default_delta if delta is None else delta
 
 
 McWorkersOpt = Annotated[int, typer.Option("--mc-workers", help="mc accountant: processes (0 = every core).")]

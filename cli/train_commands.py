@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from dpaudit.atomic import guard_new_folder, save_model_folder
-from dpaudit.cli.common import ForceOpt, JsonOpt, console, emit, err_console, fmt
+from dpaudit.cli.common import ForceOpt, JsonOpt, ThreadsOpt, console, emit, err_console, fmt
 from dpaudit.errors import DPAuditError
 from dpaudit.threads import set_threads
 
@@ -51,8 +51,6 @@ def parse_eps(eps: str | None, sigma: float | None) -> float:
     return value
 
 
-ThreadsOpt = Annotated[Optional[int], typer.Option(
-    "--threads", help="CPU threads for torch (default: the cores this process may use, within its CPU quota).")]
 PlantBugOpt = Annotated[Optional[str], typer.Option(
     "--plant-bug", hidden=True, help="Testing the audit only (needs DPAUDIT_ALLOW_BUGS=1): plant a privacy bug.")]
 

@@ -13,34 +13,19 @@ nothing is interrupted).
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import replace
 
 from dpaudit.accounting import budget as budgets
 from dpaudit.accounting.calibrate import Calibration, StepsAnswer
 from dpaudit.accounting.calibrate import calibrate_sigma as _calibrate_sigma
 from dpaudit.accounting.calibrate import max_steps as _max_steps
-from dpaudit.accounting.mechanism import Mechanism, check_epsilon, sampling_rate_from, steps_from
-from dpaudit.accounting.noise import noise
-from dpaudit.accounting.registry import default_accountant
+from dpaudit.accounting.mechanism import Mechanism, check_epsilon, schedule
+from dpaudit.accounting.noise import resolve_delta
 from dpaudit.accounting.registry import delta as _delta
 from dpaudit.accounting.registry import epsilon as _epsilon
 from dpaudit.accounting.result import DeltaResult, EpsilonResult, NeighboringRelation
 
 __all__ = ["Mechanism", "NeighboringRelation", "calibrate", "delta", "epsilon", "max_steps"]
-
-
-def _schedule(mech: str, sigma: float, p, batch_size, dataset_size, steps, epochs) -> Mechanism:
-    rate = sampling_rate_from(batch_size, dataset_size, p)
-    return Mechanism(mech, sigma, rate, steps_from(steps, epochs, rate))
-
-
-def _limits(max_memory, timeout):
-    return budgets.limits(max_memory, timeout) if (max_memory is not None or timeout is not None) else nullcontext()
-
-
-def _delta_or_default(mech: str, value: float | None) -> float:
-    return noise(mech).default_delta if value is None else value
 
 
 def calibrate(eps: float, *, mech: str = "gaussian", delta: float | None = None, p: float | None = None,
@@ -49,9 +34,9 @@ def calibrate(eps: float, *, mech: str = "gaussian", delta: float | None = None,
               max_memory: int | str | None = None, timeout: float | None = None) -> Calibration:
     """Smallest sigma whose accounted eps is <= ``eps`` (``.sigma``, ``.epsilon``, ``.result``)."""
     check_epsilon(eps)
-    d = _delta_or_default(mech, delta)
-    template = _schedule(mech, 1.0, p, batch_size, dataset_size, steps, epochs)
-    with _limits(max_memory, timeout):
+    d = resolve_delta(mech, delta)
+    template = schedule(mech, 1.0, p, batch_size, dataset_size, steps, epochs)
+    with budgets.limits(max_memory, timeout):  # None, None: the budget in force stays as it is
         return _calibrate_sigma(template, eps, d, accountant, rtol=rtol, options=options)
 
 
@@ -61,10 +46,10 @@ def epsilon(sigma: float, *, mech: str = "gaussian", delta: float | None = None,
             relation: NeighboringRelation = NeighboringRelation.ADD_OR_REMOVE_ONE,
             max_memory: int | str | None = None, timeout: float | None = None) -> EpsilonResult:
     """Upper bound on eps spent by noise ``sigma`` over the schedule (``.epsilon``, ``.sigma``)."""
-    d = _delta_or_default(mech, delta)
-    m = _schedule(mech, sigma, p, batch_size, dataset_size, steps, epochs)
-    with _limits(max_memory, timeout):
-        res = _epsilon(m, d, accountant or default_accountant(m, d), options, relation)
+    d = resolve_delta(mech, delta)
+    m = schedule(mech, sigma, p, batch_size, dataset_size, steps, epochs)
+    with budgets.limits(max_memory, timeout):
+        res = _epsilon(m, d, accountant, options, relation)
     return replace(res, mechanism=m)
 
 
@@ -73,8 +58,8 @@ def delta(sigma: float, eps: float, *, mech: str = "gaussian", p: float | None =
           epochs: float | None = None, accountant: str = "pld", options=None,
           max_memory: int | str | None = None, timeout: float | None = None) -> DeltaResult:
     """Upper bound on delta at ``eps`` (``.delta``; Monte-Carlo: with probability >= 1 - beta)."""
-    m = _schedule(mech, sigma, p, batch_size, dataset_size, steps, epochs)
-    with _limits(max_memory, timeout):
+    m = schedule(mech, sigma, p, batch_size, dataset_size, steps, epochs)
+    with budgets.limits(max_memory, timeout):
         return _delta(m, eps, accountant, options)
 
 
@@ -83,7 +68,7 @@ def max_steps(sigma: float, eps: float, *, mech: str = "gaussian", delta: float 
               accountant: str | None = None, options=None, max_memory: int | str | None = None,
               timeout: float | None = None) -> StepsAnswer:
     """Largest T with eps(T) <= ``eps`` (``.steps``, ``.epsilon``)."""
-    d = _delta_or_default(mech, delta)
-    template = _schedule(mech, sigma, p, batch_size, dataset_size, 1, None)
-    with _limits(max_memory, timeout):
+    d = resolve_delta(mech, delta)
+    template = schedule(mech, sigma, p, batch_size, dataset_size, 1, None)
+    with budgets.limits(max_memory, timeout):
         return _max_steps(template, eps, d, accountant, options)

@@ -127,14 +127,19 @@ def _polish(template: Mechanism, target: float, delta: float, fixed, lo: float, 
     if ladder(lo).epsilon > target:
         return fixed, lo, hi, 1
     cost = time.perf_counter() - began
-    hi, lo = lo, lo * math.exp(-8 * width)
-    while budget.current().seconds_left() > 4 * cost and ladder(lo).epsilon <= target:
-        hi, lo = lo, lo * math.exp(-8 * width)  # walk down until the ladder rejects
-    while math.log(hi / lo) > width and budget.current().seconds_left() > 4 * cost:
+
+    def time_left() -> bool:
+        return budget.current().seconds_left() > 4 * cost
+
+    accepted, below = lo, lo * math.exp(-8 * width)
+    while ladder(below).epsilon <= target:  # walk down until the ladder rejects
+        if not time_left():  # no sigma rejected by the ladder yet: keep the fixed grid's bracket
+            return fixed, lo, hi, len(ladder.cache)
+        accepted, below = below, below * math.exp(-8 * width)
+    lo, hi = below, accepted
+    while math.log(hi / lo) > width and time_left():
         mid = math.sqrt(lo * hi)
         lo, hi = (lo, mid) if ladder(mid).epsilon <= target else (mid, hi)
-    if ladder(lo).epsilon <= target:  # out of time before the ladder rejected anything: report what is known
-        lo = hi * (1 - 1e-9)
     return ladder, lo, hi, len(ladder.cache)
 
 
@@ -247,11 +252,11 @@ def max_steps(template: Mechanism, target_eps: float, delta: float, accountant: 
     check_delta(delta, allow_zero=True)
     name = accountant or default_accountant(template.with_steps(2), delta)
     cache: dict[int, EpsilonResult] = {}
-    fixed = {}  # pld: the grid, fixed once the bracket is known (one step's loss range does not depend on T)
+    step_options = options  # pld: a grid fixed once the bracket is known (one step's loss range does not depend on T)
 
     def eps_at(steps: int) -> float:
         if steps not in cache:
-            cache[steps] = epsilon(template.with_steps(steps), delta, name, fixed.get("options", options))
+            cache[steps] = epsilon(template.with_steps(steps), delta, name, step_options)
         return cache[steps].epsilon
 
     if eps_at(1) > target_eps:
@@ -265,7 +270,7 @@ def max_steps(template: Mechanism, target_eps: float, delta: float, accountant: 
         except (OverflowError, ValueError, FloatingPointError):
             good, bad = 1, None  # the optimistic estimate fails on extreme inputs; plain doubling still works
         if options is None:
-            fixed["options"] = pld.PldOptions(grid=pld.converged_grid(template.with_steps(good), delta))
+            step_options = pld.PldOptions(grid=pld.converged_grid(template.with_steps(good), delta))
         if bad is not None and eps_at(bad) <= target_eps:  # the optimistic estimate was wrong: keep doubling
             good, bad = bad, None
     while bad is None:

@@ -91,6 +91,13 @@ def sampling_rate_from(batch_size: int | None, dataset_size: int | None, p: floa
     return batch_size / dataset_size
 
 
+def schedule(kind: str, sigma: float, p: float | None = None, batch_size: int | None = None,
+             dataset_size: int | None = None, steps: int | None = None, epochs: float | None = None) -> Mechanism:
+    """The Mechanism a CLI command or API call describes: p directly or as B / N, T directly or as epochs / p."""
+    rate = sampling_rate_from(batch_size, dataset_size, p)
+    return Mechanism(kind, sigma, rate, steps_from(steps, epochs, rate))
+
+
 def steps_from(steps: int | None, epochs: float | None, p: float) -> int:
     """T given directly, or as epochs / p (rounded up); one step when neither is given."""
     if steps is not None and epochs is not None:

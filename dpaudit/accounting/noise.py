@@ -80,6 +80,11 @@ NOISES: dict[str, Noise] = {
 }
 
 
+def resolve_delta(kind: str, delta: float | None) -> float:
+    """``delta``, or the mechanism's default when none is given (1e-5 Gaussian, 0 = pure eps-DP Laplace)."""
+    return noise(kind).default_delta if delta is None else delta
+
+
 def noise(kind: str) -> Noise:
     from dpaudit.errors import DPAuditError
 

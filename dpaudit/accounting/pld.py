@@ -185,11 +185,6 @@ def _fft_bytes(pmf, steps: int, common) -> float:
     return FFT_BYTES * length + SCAN_BYTES * (hi - lo + 1)
 
 
-def _directions(pld: ComposedPLD, delta: float) -> dict[str, float]:
-    # dp-accounting returns the max of the two directions; we keep them apart to report which binds.
-    return pld.epsilons(delta)
-
-
 def epsilon_estimate_below(mech: Mechanism, delta: float, grid: float = COARSE_GRID) -> float:
     """A *lower* estimate of eps (dp-accounting's optimistic discretisation rounds losses down): never
     reported as a guarantee, only used to bracket searches (the true eps is at least this)."""
@@ -200,7 +195,7 @@ def _fitted(mech: Mechanism, delta: float, grid: float, pessimistic: bool = True
     """Both directions' eps on ``grid``, or on the finest coarser grid that fits the memory budget
     (a coarser pessimistic grid is still a valid bound). Returns (directions, grid used)."""
     cap = budgets.current().available
-    measure = measure or (lambda pld: _directions(pld, delta))
+    measure = measure or (lambda pld: pld.epsilons(delta))
     for _ in range(8):
         try:
             return measure(composed_pld(mech, grid, pessimistic, delta)), grid
@@ -221,11 +216,7 @@ def epsilon(mech: Mechanism, delta: float, grid: float | None = None,
         return _fallback(mech, delta, f"pld does not resolve delta < {MIN_DELTA:g} "
                                       f"(composed tail truncation {TAIL_MASS_TRUNCATION:g})")
     try:
-        if grid is not None:
-            best, used = _fitted(mech, delta, grid)
-            rungs, rung_eps, limited = [used], [max(best.values())], "memory" if used != grid else None
-        else:
-            best, rungs, rung_eps, limited = _refine(mech, delta)
+        best, rungs, rung_eps, limited = _measured(mech, delta, grid)
     except budgets.OverBudget as exc:
         return _fallback(mech, delta, f"pld does not fit the budget ({exc})")
     except OverflowError:  # dp-accounting evaluates e^{1/sigma} in floats: Laplace with sigma < ~1/700
@@ -255,10 +246,19 @@ def epsilon(mech: Mechanism, delta: float, grid: float | None = None,
     )
 
 
-def _refine(mech: Mechanism, delta: float, measure=None):
-    """Rungs of ever finer grids until the bound stops improving, the budget is reached, or MAX_RUNGS.
-    ``measure`` maps a composed PLD to (per-direction values, their max); default: eps at ``delta``."""
-    measure = measure or (lambda pld: _directions(pld, delta))
+def _measured(mech: Mechanism, delta: float, grid: float | None, measure=None):
+    """(per-direction values, grids, each grid's max, limited_by) on ``grid`` when given (coarsened if it
+    does not fit), else on the refinement ladder. ``measure``: composed PLD -> per-direction values
+    (default: eps at ``delta``; smaller is tighter)."""
+    measure = measure or (lambda pld: pld.epsilons(delta))
+    if grid is None:
+        return _refine(mech, delta, measure)
+    found, used = _fitted(mech, delta, grid, measure=measure)
+    return found, [used], [max(found.values())], "memory" if used != grid else None
+
+
+def _refine(mech: Mechanism, delta: float, measure):
+    """Rungs of ever finer grids until the bound stops improving, the budget is reached, or MAX_RUNGS."""
     budget = budgets.current()
     width = step_loss_range(mech, delta)
     grid = first_grid(mech, delta)
@@ -299,11 +299,7 @@ def _refine(mech: Mechanism, delta: float, measure=None):
 
 def delta(mech: Mechanism, eps: float, settings: PldOptions = PldOptions()) -> DeltaResult:
     """Upper bound on delta at ``eps`` (max of both directions), on a grid refined until converged."""
-    if settings.grid is not None:
-        found, used = _fitted(mech, MIN_DELTA, settings.grid, measure=lambda pld: pld.deltas(eps))
-        best, rungs, values, limited = found, [used], [max(found.values())], "memory" if used != settings.grid else None
-    else:
-        best, rungs, values, limited = _refine(mech, MIN_DELTA, lambda pld: pld.deltas(eps))
+    best, rungs, values, limited = _measured(mech, MIN_DELTA, settings.grid, lambda pld: pld.deltas(eps))
     best = {k: min(1.0, v) for k, v in best.items()}  # delta <= 1 always; FFT round-off can overshoot it
     upper = max(best.values())
     return DeltaResult(
