@@ -29,6 +29,12 @@ PhiOpt = Annotated[float, typer.Option("--phi", help="dp-zo perturbation scale."
 DirectionOpt = Annotated[str, typer.Option("--direction", help="dp-zo direction: gaussian or sphere (DPZero).")]
 TrainableOpt = Annotated[str, typer.Option("--trainable", help="full, lora or bias (DP-BiTFiT).")]
 Bf16Opt = Annotated[bool, typer.Option("--bf16", help="bf16 weights and activations, no loss scaling.")]
+PerSampleGradsOpt = Annotated[str, typer.Option(
+    "--per-sample-grads", help="dp-sgd: ghost (clipped sums without per-example gradients, about SGD's memory) "
+                               "or materialise (Opacus' per-example gradients; for comparison).")]
+MicroBatchOpt = Annotated[int, typer.Option(
+    "--micro-batch", help="At most this many examples per forward/backward; a larger Poisson batch is processed "
+                          "in chunks with the same noise and accounting (0: the whole batch at once).")]
 TrainSeedOpt = Annotated[int, typer.Option("--seed", help="Public seed (directions, adapters, canaries).")]
 SecretSeedOpt = Annotated[Optional[int], typer.Option(
     "--secret-seed", help="Seed for batches and noise (default: fresh OS entropy; set only for tests).")]
@@ -74,6 +80,7 @@ def train_cmd(
     mech: TrainMechOpt = "gaussian", clip: ClipOpt = None, lr: LrOpt = None, optimizer: OptimizerOpt = "adamw",
     steps: TrainStepsOpt = None, batch_size: TrainBatchOpt = 64, phi: PhiOpt = 1e-3,
     direction: DirectionOpt = "gaussian", trainable: TrainableOpt = "full", bf16: Bf16Opt = False,
+    per_sample_grads: PerSampleGradsOpt = "ghost", micro_batch: MicroBatchOpt = 0,
     seed: TrainSeedOpt = 0, secret_seed: SecretSeedOpt = None, accountant: AccountantTrainOpt = None,
     data_format: FormatOpt = None, field: FieldOpt = "text",
     save_every: Annotated[int, typer.Option("--save-every", help="Checkpoint every k steps (0: at the end).")] = 0,
@@ -94,7 +101,8 @@ def train_cmd(
 
     cfg = make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction,
                       trainable, bf16, seed, secret_seed, accountant, save_every=save_every, white_box=white_box,
-                      plant_bug=plant_bug, allow_overspend=allow_overspend)
+                      plant_bug=plant_bug, allow_overspend=allow_overspend, per_sample_grads=per_sample_grads,
+                      micro_batch=micro_batch)
     set_threads(threads)
     texts = read_texts(data, detect_format(data, data_format), field)
     result = train(model, texts, out, cfg, resume=resume, show_progress=not as_json)
@@ -114,6 +122,7 @@ def audit_run(
                                    "white box: 0, full batches.")] = None,
     phi: PhiOpt = 1e-3,
     direction: DirectionOpt = "gaussian", trainable: TrainableOpt = "full", bf16: Bf16Opt = False,
+    per_sample_grads: PerSampleGradsOpt = "ghost", micro_batch: MicroBatchOpt = 0,
     seed: TrainSeedOpt = 0, secret_seed: SecretSeedOpt = None, accountant: AccountantTrainOpt = None,
     model: Annotated[Optional[Path], typer.Option("--model", help="Local causal LM (default: embedded).")] = None,
     data: Annotated[Optional[Path], typer.Option("--data", "-d", help="Training data (default: synthetic).")] = None,
@@ -148,7 +157,7 @@ def audit_run(
         examples = 64 if white_box else 1000
     cfg = make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction,
                       trainable, bf16, seed, secret_seed, accountant, unsafe_disable_noise=unsafe_disable_noise,
-                      plant_bug=plant_bug)
+                      plant_bug=plant_bug, per_sample_grads=per_sample_grads, micro_batch=micro_batch)
     if white_box:
         cfg = dataclasses.replace(cfg, white_box=canaries or white_box_canaries(cfg))
     set_threads(threads)

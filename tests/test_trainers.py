@@ -36,13 +36,11 @@ def test_poisson_sampling_rate():
 
 
 def _summed_clipped_grad(model, params, batch, clip):
-    trainer = FirstOrderTrainer(model, params, lr=0.0, private=True, clip=clip, sigma=0.0, expected_batch_size=1)
-    trainer.model.train()
-    trainer.optimizer.zero_grad(set_to_none=True)
-    from dpaudit.training.data import per_example_loss
-    per_example_loss(trainer.model, batch).mean().backward()
-    trainer.optimizer.clip_and_accumulate()
-    out = torch.cat([p.summed_grad.flatten() for p in params]).clone()
+    """The clipped sum of one step (no noise, B = 1, lr 0), through the default (ghost) route."""
+    trainer = FirstOrderTrainer(model, params, lr=0.0, private=True, clip=clip, sigma=0.0, expected_batch_size=1,
+                                optimizer="sgd")
+    trainer.step(batch, batch["input_ids"].shape[0])
+    out = torch.cat([p.grad.flatten() for p in params]).clone()
     trainer.model._close()
     return out
 
@@ -69,9 +67,8 @@ def test_dp_sgd_noise_has_calibrated_scale(tiny_model_dir):
     sigma, clip, batch = 1.7, 0.3, 8
     trainer = FirstOrderTrainer(model, params, lr=0.0, private=True, clip=clip, sigma=sigma,
                                 expected_batch_size=batch, noise_generator=torch.Generator().manual_seed(0))
-    for p in params:
-        p.grad_sample = torch.zeros((0, *p.shape))
-    trainer.optimizer.pre_step()  # clip, add noise, scale: no example, so the gradient is pure noise
+    trainer.step({"input_ids": torch.zeros((0, 4), dtype=torch.long),
+                  "attention_mask": torch.zeros((0, 4), dtype=torch.long)})  # no example: pure noise
     noise = torch.cat([p.grad.flatten() for p in params]).double().numpy()
     assert noise.size > 500
     assert stats.kstest(noise / (sigma * clip / batch), "norm").pvalue > 1e-3

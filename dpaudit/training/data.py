@@ -29,8 +29,18 @@ def tokenize(tokenizer, texts: list[str], max_length: int = 64) -> TokenizedData
     return TokenizedDataset(enc["input_ids"], enc["attention_mask"])
 
 
-def per_example_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Mean next-token cross-entropy of each example (padding ignored), in float32."""
+def split(batch: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.Tensor]]:
+    """The batch in consecutive chunks of at most ``size`` examples (0: one chunk)."""
+    n = batch["input_ids"].shape[0]
+    size = size or max(1, n)
+    return [{k: v[i:i + size] for k, v in batch.items()} for i in range(0, n, size)] or [batch]
+
+
+def per_example_loss(model, batch: dict[str, torch.Tensor], micro_batch: int = 0) -> torch.Tensor:
+    """Mean next-token cross-entropy of each example (padding ignored), in float32; ``micro_batch``:
+    at most that many examples per forward pass."""
+    if micro_batch and batch["input_ids"].shape[0] > micro_batch:
+        return torch.cat([per_example_loss(model, chunk) for chunk in split(batch, micro_batch)])
     ids, mask = batch["input_ids"], batch["attention_mask"]
     logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
     target = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)

@@ -53,6 +53,8 @@ class TrainConfig:
     white_box: int = 0                   # m white-box canaries planted in the run (0: none)
     allow_overspend: bool = False        # a resume may spend more than planned (recorded); not part of the plan
     plant_bug: str | None = None         # a planted privacy bug (testing the audit; see training/bugs.py)
+    per_sample_grads: str = "ghost"      # dp-sgd: ghost (clipped sums without per-example gradients) or materialise
+    micro_batch: int = 0                 # at most this many examples per forward/backward (0: the whole batch)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -75,6 +77,10 @@ class TrainConfig:
         for name in ("steps", "max_length"):
             if getattr(self, name) < 1:
                 raise DPAuditError(f"{name.replace('_', ' ')} must be >= 1, got {getattr(self, name)}")
+        if self.per_sample_grads not in ("ghost", "materialise"):
+            raise DPAuditError(f"unknown --per-sample-grads {self.per_sample_grads!r}; use ghost or materialise")
+        if self.micro_batch < 0:
+            raise DPAuditError(f"micro batch must be >= 1 (or 0: the whole batch at once), got {self.micro_batch}")
         if self.optimizer not in ("adamw", "sgd"):
             raise DPAuditError(f"unknown optimizer {self.optimizer!r}; use adamw or sgd")
         if self.lr <= 0 or self.clip <= 0 or self.phi <= 0:
@@ -172,7 +178,7 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
         if cfg.trainable == "lora":
             raise DPAuditError("resuming a LoRA run is not supported; start it again")
         if (run_dir / "run_config.json").is_file():
-            if json.loads((run_dir / "run_config.json").read_text())["config"] != _config_for_state(cfg):
+            if _plan(json.loads((run_dir / "run_config.json").read_text())["config"]) != _plan(_config_for_state(cfg)):
                 raise DPAuditError(f"{run_dir} holds a run with another configuration; use a new folder")
         if (run_dir / "privacy_ledger.json").is_file():
             executed_before = int(json.loads((run_dir / "privacy_ledger.json").read_text())["steps_executed"])
@@ -247,7 +253,8 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
 
         zo = ZOSettings(lr=cfg.lr, phi=cfg.phi, clip=cfg.clip if cfg.private else None,
                         noise=cfg.mechanism if cfg.private and noise_sigma > 0 else None, sigma=noise_sigma,
-                        direction=cfg.direction, clip_examples=not cfg.bug.skip_clipping)
+                        direction=cfg.direction, clip_examples=not cfg.bug.skip_clipping,
+                        micro_batch=cfg.micro_batch)
         log_path = run_dir / "zo_steps.jsonl"
         if main:
             _truncate_log(log_path, start)
@@ -263,7 +270,8 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
                                     sigma=noise_sigma, expected_batch_size=batch_size,
                                     noise_generator=torch.Generator(world.device).manual_seed(int(secret) + start),
                                     optimizer=cfg.optimizer, world_size=world.size, hook=hook, bug=cfg.bug,
-                                    transcript=transcript)
+                                    transcript=transcript, per_sample_grads=cfg.per_sample_grads,
+                                    micro_batch=cfg.micro_batch)
         if start and (checkpoint / "optimizer.pt").is_file():
             trainer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=True))
 
@@ -316,6 +324,14 @@ def _config_for_state(cfg: TrainConfig) -> dict:
     d.pop("allow_overspend")  # a permission for this resume, not part of the run's plan
     d["target_epsilon"] = d["target_epsilon"] if math.isfinite(d["target_epsilon"]) else "inf"
     return d
+
+
+# How a step is computed, not what it computes: a resume may change them.
+EXECUTION_ONLY = ("per_sample_grads", "micro_batch")
+
+
+def _plan(config: dict) -> dict:
+    return {k: v for k, v in config.items() if k not in EXECUTION_ONLY}
 
 
 def _checkpoint(run_dir, model, tokenizer, cfg, step, trainer_state) -> None:

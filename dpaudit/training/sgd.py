@@ -1,12 +1,27 @@
-"""DP-SGD: Opacus per-sample gradients (GradSampleModule) and its DPOptimizer (per-example clipping
-to C, N(0, C^2 sigma^2 I) noise once per step, division by the expected batch size); the non-private
-baseline is the same loss and optimizer without either. bf16 runs without loss scaling."""
+"""DP-SGD: per-example clipping to C, N(0, C^2 sigma^2 I) noise once per step, division by the
+expected batch size; the non-private baseline is the same loss and optimizer without either. bf16
+runs without loss scaling.
+
+Two ways to the clipped sum sum_i min(1, C / ||g_i||) g_i, the same number up to float rounding:
+- ``ghost`` (default; Opacus' fast gradient clipping, Li et al. 2022 "ghost clipping"): a first
+  backward pass gives each example's gradient norm from the layer inputs and output gradients alone
+  (||a_i^T b_i||^2 = <a_i a_i^T, b_i b_i^T> for a linear layer), without forming g_i; a second
+  backward of sum_i c_i l_i gives the clipped sum directly. Cost: one more backward than SGD, memory
+  about SGD's. Parameters used by two layers (tied input/output embeddings) are not covered by the
+  ghost identity, so the layers holding them get Opacus' per-layer per-example gradients, summed over
+  both uses and freed as soon as their norm is taken.
+- ``materialise``: Opacus' GradSampleModule stores every example's gradient (B x parameters), then
+  DPOptimizer clips and sums. Kept for comparison (``--per-sample-grads materialise``).
+
+Micro-batches (``micro_batch``): one logical Poisson batch is processed in chunks whose clipped
+sums add up before the single noise draw, so accounting, noise and update are those of one batch.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from dpaudit.training.data import per_example_loss
+from dpaudit.training.data import per_example_loss, split
 
 
 def _audited(cls):
@@ -46,41 +61,142 @@ def _audited(cls):
     return Audited
 
 
+PER_SAMPLE_GRADS = ("ghost", "materialise")
+
+
+def _ghost_module(model, clip: float):
+    """Opacus' GradSampleModuleFastGradientClipping, with two changes.
+
+    Tied parameters: Opacus refuses ghost clipping for a parameter used by two layers, so the layers
+    holding one get its per-layer per-example gradients (accumulated over both uses, normed, freed)
+    instead, which gives the exact norm.
+
+    The norm pass: Opacus' hooks need only each layer's input and output gradient, but a plain
+    backward also forms every weight gradient (about half its cost), only to throw it away. Every
+    hooked layer's output gets + probe, a scalar zero; differentiating with respect to the probe alone
+    runs every hook while autograd skips the weight gradients. Values are unchanged (x + 0 = x).
+    """
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+
+    users: dict[int, int] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            if p.requires_grad:
+                users[id(p)] = users.get(id(p), 0) + 1
+    hooked = [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+    tied = {id(m) for m in hooked if any(users[id(p)] > 1 for p in m.parameters(recurse=False) if p.requires_grad)}
+
+    class GhostClipping(GradSampleModuleFastGradientClipping):
+        def __init__(self) -> None:
+            super().__init__(model, max_grad_norm=clip, loss_reduction="sum", use_ghost_clipping=True)
+            device = next(model.parameters()).device
+            self.probe = torch.zeros((), device=device, requires_grad=True)
+            self.all_probed = True
+            for m in hooked:  # removed with Opacus' own hooks
+                self.autograd_grad_sample_hooks.append(m.register_forward_hook(self._add_probe))
+
+        def _add_probe(self, module, _inputs, output):
+            if not (self.hooks_enabled and module.training and torch.is_grad_enabled()):
+                return None
+            if not (torch.is_tensor(output) and output.is_floating_point()):
+                self.all_probed = False  # this step's norm pass differentiates for the weights instead
+                return None
+            return output + self.probe
+
+        def norm_pass(self, loss, params) -> torch.Tensor:
+            """Runs the hooks (each example's gradient norm); returns the clipping factors."""
+            inputs = [self.probe] if self.all_probed else params
+            for p in self.trainable_parameters:
+                p._norm_sample = None
+            torch.autograd.grad(loss, inputs, retain_graph=True, allow_unused=True)
+            self.all_probed = True
+            if any(p._norm_sample is None for p in self.trainable_parameters):  # never a stale norm
+                raise RuntimeError("a trainable layer did not report its per-example gradient norms")
+            return self.get_clipping_coef()
+
+        def _per_layer(self, hook, module, *args, **kwargs):
+            ghost = self.use_ghost_clipping
+            self.use_ghost_clipping = ghost and id(module) not in tied
+            try:
+                return hook(module, *args, **kwargs)
+            finally:
+                self.use_ghost_clipping = ghost
+
+        def capture_activations_hook(self, module, *args, **kwargs):
+            return self._per_layer(super().capture_activations_hook, module, *args, **kwargs)
+
+        def capture_backprops_hook(self, module, *args, **kwargs):
+            return self._per_layer(super().capture_backprops_hook, module, *args, **kwargs)
+
+    return GhostClipping()
+
+
 class FirstOrderTrainer:
     """DP-SGD (or SGD) behind the trainers' common interface: ``run_step``, ``state_dict``, ``close``.
     White-box canaries enter through ``hook`` (a GradientCanaryHook), whose reading of each release goes
-    to ``transcript``; planted bugs through ``bug``."""
+    to ``transcript``; planted bugs through ``bug``. ``per_sample_grads``: ghost or materialise (see the
+    module's docstring); ``micro_batch``: at most this many examples per forward/backward (0: all)."""
 
     def __init__(self, model, params, *, lr: float, private: bool, clip: float = 1.0, sigma: float = 0.0,
                  expected_batch_size: int = 1, noise_generator: torch.Generator | None = None,
-                 optimizer: str = "adamw", world_size: int = 1, hook=None, bug=None, transcript=None) -> None:
+                 optimizer: str = "adamw", world_size: int = 1, hook=None, bug=None, transcript=None,
+                 per_sample_grads: str = "ghost", micro_batch: int = 0) -> None:
+        if per_sample_grads not in PER_SAMPLE_GRADS:
+            raise ValueError(f"unknown per-sample-grads mode {per_sample_grads!r}; use ghost or materialise")
         self.private = private
         self.world_size = world_size
         self.bug = bug
         self.hook, self.transcript = hook, transcript
+        self.ghost = private and per_sample_grads == "ghost"
+        self.micro_batch = micro_batch
         base = (torch.optim.AdamW(params, lr=lr, weight_decay=0.0) if optimizer == "adamw"
                 else torch.optim.SGD(params, lr=lr))
         if private:
             import warnings
 
             from opacus import GradSampleModule
-            from opacus.optimizers import DistributedDPOptimizer, DPOptimizer
+            from opacus import optimizers as dp
 
+            skip_clipping = bool(bug and bug.skip_clipping)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # Opacus warns about secure_mode; the noise seed is ours
-                self.model = GradSampleModule(model)
+                if self.ghost:  # "no-clip": a clip factor of 1 for every example
+                    self.model = _ghost_module(model, float("inf") if skip_clipping else clip)
+                else:
+                    self.model = GradSampleModule(model)
             # Opacus' hooks trip a torch notice when no input needs a gradient (token ids never do).
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             # Distributed: each rank scales by B / world and the ranks average, so the update is
             # (sum of clipped gradients + one noise draw, on rank 0) / B, as in one process.
-            cls = _audited(DistributedDPOptimizer if world_size > 1 else DPOptimizer)
-            self.optimizer = cls(base, noise_multiplier=sigma, max_grad_norm=clip,
-                                 expected_batch_size=expected_batch_size / world_size, generator=noise_generator)
+            if self.ghost:
+                cls = (dp.DistributedDPOptimizerFastGradientClipping if world_size > 1
+                       else dp.DPOptimizerFastGradientClipping)
+            else:
+                cls = dp.DistributedDPOptimizer if world_size > 1 else dp.DPOptimizer
+            self.optimizer = _audited(cls)(base, noise_multiplier=sigma, max_grad_norm=clip,
+                                           expected_batch_size=expected_batch_size / world_size,
+                                           generator=noise_generator)
             self.optimizer.hook = hook
-            self.optimizer.skip_clipping = bool(bug and bug.skip_clipping)
+            self.optimizer.skip_clipping = skip_clipping
         else:
             self.model, self.optimizer = model, base
         self.params = params
+
+    def _clipped_backward(self, batch) -> torch.Tensor:
+        """Adds this chunk's sum of clipped per-example gradients to ``p.grad``; returns its losses."""
+        losses = per_example_loss(self.model, batch)
+        if self.ghost:
+            # Pass 1: the hooks take each example's gradient norm (torch.autograd.grad leaves p.grad,
+            # which may hold earlier chunks, alone).
+            coef = self.model.norm_pass(losses.sum(), self.params).to(losses.dtype)
+            self.model.disable_hooks()
+            try:  # pass 2: the clipped sum, accumulated into p.grad
+                (coef.detach() * losses).sum().backward()
+            finally:
+                self.model.enable_hooks()
+        else:
+            losses.mean().backward()  # Opacus' loss_reduction="mean" matches this
+        return losses.detach()
 
     def step(self, batch, global_batch_size: int | None = None) -> float:
         """One update on ``batch`` (this rank's share; may be empty under Poisson sampling); returns its mean loss.
@@ -91,20 +207,45 @@ class FirstOrderTrainer:
             self.optimizer.realised_batch = global_batch_size
         if batch["input_ids"].shape[0] == 0:
             for p in self.params:  # no example: the step is noise only
-                p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
+                if self.ghost:
+                    p.grad = torch.zeros_like(p)
+                else:
+                    p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
             self.optimizer.step()
             return float("nan")
-        losses = per_example_loss(self.model, batch)
-        if self.private or self.world_size == 1:
-            losses.mean().backward()  # Opacus' loss_reduction="mean" matches this
-        else:  # non-private data parallel: the mean over the global batch, gradients summed
+        if not self.private:
+            losses = self._plain_backward(batch, global_batch_size)
+        else:
+            chunks = split(batch, self.micro_batch)
+            losses = []
+            for k, chunk in enumerate(chunks):
+                losses.append(self._clipped_backward(chunk))
+                if not self.ghost and k < len(chunks) - 1:
+                    # materialise: clip this chunk into p.summed_grad now and free its per-example
+                    # gradients; the last chunk is clipped by optimizer.step() as usual.
+                    self.optimizer.clip_and_accumulate()
+                    for p in self.params:
+                        p.grad_sample = None
+            losses = torch.cat(losses)
+        self.optimizer.step()
+        return float(losses.float().mean())
+
+    def _plain_backward(self, batch, global_batch_size) -> torch.Tensor:
+        """Non-private: the mean loss's gradient (over the global batch under data parallelism)."""
+        chunks = split(batch, self.micro_batch)
+        n = batch["input_ids"].shape[0]
+        total = n if self.world_size == 1 else global_batch_size
+        losses = []
+        for chunk in chunks:
+            chunk_losses = per_example_loss(self.model, chunk)
+            (chunk_losses.sum() / total).backward()
+            losses.append(chunk_losses.detach())
+        if self.world_size > 1:
             import torch.distributed as dist
 
-            (losses.sum() / global_batch_size).backward()
             for p in self.params:
                 dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-        self.optimizer.step()
-        return float(losses.detach().mean())
+        return torch.cat(losses)
 
     def run_step(self, step: int, batch, n_sampled: int, sampled_canaries) -> float:
         if self.hook is not None:

@@ -30,6 +30,7 @@ class ZOSettings:
     sigma: float = 0.0              # noise multiplier (Gaussian std / Laplace scale, in units of C)
     direction: str = "gaussian"
     clip_examples: bool = True      # False only for the planted bug "no-clip" (noise still scaled by C)
+    micro_batch: int = 0            # at most this many examples per forward pass (0: the whole batch)
 
     @property
     def example_clip(self) -> float | None:
@@ -62,13 +63,14 @@ def add_direction(params, seed: int, factor: float) -> None:
 
 
 @torch.no_grad()
-def perturbed_losses(model, params, batch, seed: int, phi: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def perturbed_losses(model, params, batch, seed: int, phi: float, scale: float,
+                     micro_batch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-example l(theta + phi z) and l(theta - phi z). Leaves theta at theta - phi z: the caller's
     update pass restores it (restore and update in one pass over the weights, three passes a step)."""
     add_direction(params, seed, phi * scale)
-    plus = per_example_loss(model, batch)
+    plus = per_example_loss(model, batch, micro_batch)
     add_direction(params, seed, -2 * phi * scale)
-    minus = per_example_loss(model, batch)
+    minus = per_example_loss(model, batch, micro_batch)
     return plus, minus
 
 
@@ -112,7 +114,7 @@ def zo_step(model, params, batch, seed: int, settings: ZOSettings, denominator: 
         plus = minus = torch.zeros(0)
         restore = 0.0
     else:
-        plus, minus = perturbed_losses(model, params, batch, seed, settings.phi, scale)
+        plus, minus = perturbed_losses(model, params, batch, seed, settings.phi, scale, settings.micro_batch)
         restore = settings.phi * scale
     total = all_sum(clipped_sum(plus - minus, settings.example_clip))
     if canary_diffs is not None:

@@ -1,0 +1,95 @@
+"""DP-SGD's two routes to the clipped sum agree: ghost clipping (the default; no per-example gradients)
+and Opacus' materialised per-example gradients give the same privatised gradient for a fixed batch and
+noise seed, on every trainable subset, with the tied embeddings of the embedded model, on empty Poisson
+batches, in micro-batches and in bf16; a white-box run writes the same transcript and ledger."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dpaudit.models.loading import load_causal_lm
+from dpaudit.training.data import tokenize
+from dpaudit.training.runner import TrainConfig, train
+from dpaudit.training.sgd import FirstOrderTrainer
+from dpaudit.training.trainable import select_trainable, trainable_parameters
+from dpaudit.training.whitebox import TRANSCRIPT
+
+TEXTS = [f"Alice number {i} lives in Paris and likes bread." for i in range(6)] + \
+        ["zq xv kj wp " * 6 + "!", "a", "the cat sat on the mat and looked at the dog for a while"]
+
+
+def privatised_gradient(model_dir, mode, subset="full", indices=range(len(TEXTS)), sigma=0.0, micro_batch=0,
+                        bf16=False, clip=0.5):
+    """The released gradient of one step (lr 0: the weights do not move), as one float64 vector."""
+    model, tok = load_causal_lm(model_dir, dtype=torch.bfloat16 if bf16 else None)
+    torch.manual_seed(0)  # LoRA adapters start the same in both modes
+    model = select_trainable(model, subset, 4)
+    params = trainable_parameters(model)
+    trainer = FirstOrderTrainer(model, params, lr=0.0, private=True, clip=clip, sigma=sigma, expected_batch_size=4,
+                                noise_generator=torch.Generator().manual_seed(1), optimizer="sgd",
+                                per_sample_grads=mode, micro_batch=micro_batch)
+    batch = tokenize(tok, TEXTS, 24).batch(list(indices))
+    trainer.step(batch, len(indices))
+    return torch.cat([p.grad.flatten().double() for p in params])
+
+
+def test_the_embedded_model_ties_its_embeddings(tiny_model_dir):
+    model, _ = load_causal_lm(tiny_model_dir)
+    assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
+
+
+@pytest.mark.parametrize("subset", ["full", "lora", "bias"])
+def test_ghost_clipping_equals_materialised_per_example_gradients(tiny_model_dir, subset):
+    ghost = privatised_gradient(tiny_model_dir, "ghost", subset)
+    materialised = privatised_gradient(tiny_model_dir, "materialise", subset)
+    scale = float(materialised.abs().max())
+    assert scale > 1e-4  # a real gradient, not zeros
+    assert float((ghost - materialised).abs().max()) <= 1e-5 * scale
+    # Several examples are clipped (clip 0.5 is below most of their norms): the check covers the factors.
+    unclipped = privatised_gradient(tiny_model_dir, "materialise", subset, clip=1e6)
+    assert float((unclipped - materialised).abs().max()) > 1e-2 * scale
+    # With noise from the same seed, the releases agree too.
+    noisy_ghost = privatised_gradient(tiny_model_dir, "ghost", subset, sigma=0.7)
+    noisy_materialised = privatised_gradient(tiny_model_dir, "materialise", subset, sigma=0.7)
+    assert float((noisy_ghost - noisy_materialised).abs().max()) <= 1e-5 * float(noisy_materialised.abs().max())
+
+
+def test_empty_poisson_batch_is_the_same_noise_in_both_modes(tiny_model_dir):
+    ghost = privatised_gradient(tiny_model_dir, "ghost", indices=[], sigma=1.3)
+    materialised = privatised_gradient(tiny_model_dir, "materialise", indices=[], sigma=1.3)
+    assert torch.equal(ghost, materialised)
+    assert abs(float(ghost.std()) - 1.3 * 0.5 / 4) < 0.01  # N(0, (C sigma)^2) / B, nothing else
+
+
+@pytest.mark.parametrize("mode", ["ghost", "materialise"])
+def test_micro_batches_give_the_single_batch_result(tiny_model_dir, mode):
+    whole = privatised_gradient(tiny_model_dir, mode, sigma=0.7)
+    for micro in (1, 4):
+        chunked = privatised_gradient(tiny_model_dir, mode, sigma=0.7, micro_batch=micro)
+        assert float((chunked - whole).abs().max()) <= 1e-5 * float(whole.abs().max())
+
+
+def test_bf16_ghost_clipping_is_close_to_materialised(tiny_model_dir):
+    ghost = privatised_gradient(tiny_model_dir, "ghost", bf16=True)
+    materialised = privatised_gradient(tiny_model_dir, "materialise", bf16=True)
+    scale = float(materialised.abs().max())
+    assert float((ghost - materialised).abs().max()) <= 2e-2 * scale  # bf16 rounding, not a different sum
+
+
+def test_white_box_transcript_and_ledger_do_not_depend_on_the_mode(tiny_model_dir, tmp_path):
+    from dpaudit.models.corpus import sentences
+
+    out = {}
+    for mode in ("ghost", "materialise"):
+        cfg = TrainConfig(method="dp-sgd", target_epsilon=4.0, steps=3, batch_size=0, white_box=50, secret_seed=5,
+                          per_sample_grads=mode, micro_batch=3 if mode == "ghost" else 0, optimizer="sgd")
+        train(tiny_model_dir, sentences(8, seed=3), tmp_path / mode, cfg, show_progress=False)
+        ledger = json.loads((tmp_path / mode / "privacy_ledger.json").read_text())
+        out[mode] = (np.fromfile(tmp_path / mode / TRANSCRIPT, dtype="<f4"),
+                     {k: v for k, v in ledger.items() if "time" not in k and "second" not in k})
+    (t_ghost, l_ghost), (t_mat, l_mat) = out["ghost"], out["materialise"]
+    assert t_ghost.size == 3 * 50
+    np.testing.assert_allclose(t_ghost, t_mat, rtol=1e-4, atol=1e-4 * float(np.abs(t_mat).max()))
+    assert l_ghost == l_mat
