@@ -93,3 +93,28 @@ def test_white_box_transcript_and_ledger_do_not_depend_on_the_mode(tiny_model_di
     assert t_ghost.size == 3 * 50
     np.testing.assert_allclose(t_ghost, t_mat, rtol=1e-4, atol=1e-4 * float(np.abs(t_mat).max()))
     assert l_ghost == l_mat
+
+
+def test_gradient_inner_products_match_explicit_per_example_gradients():
+    from dpaudit.training.sgd import _layer_gradient, gradient_inner_product
+
+    g = torch.Generator().manual_seed(0)
+    n, t, s, vocab, width = 3, 5, 4, 7, 6
+    emb = torch.nn.Embedding(vocab, width, padding_idx=2)
+    lin = torch.nn.Linear(width, vocab, bias=False)
+    ids = torch.randint(0, vocab, (n, t), generator=g)
+    ids[0, 1] = 2  # a padding token inside an example: torch gives its row no gradient
+    d = torch.randn(n, t, width, generator=g, dtype=torch.float64)
+    h = torch.randn(n, s, width, generator=g, dtype=torch.float64)
+    b = torch.randn(n, s, vocab, generator=g, dtype=torch.float64)
+    explicit_emb = torch.zeros(n, vocab, width, dtype=torch.float64)
+    for i in range(n):
+        for k in range(t):
+            if ids[i, k] != 2:
+                explicit_emb[i, ids[i, k]] += d[i, k]
+    explicit_lin = torch.einsum("nsv,nsh->nvh", b, h)
+    e, li = _layer_gradient(emb, ids, d), _layer_gradient(lin, h, b)
+    for u, v, gu, gv in [(e, e, explicit_emb, explicit_emb), (li, li, explicit_lin, explicit_lin),
+                         (e, li, explicit_emb, explicit_lin), (li, e, explicit_lin, explicit_emb)]:
+        expected = (gu * gv).sum((1, 2))
+        torch.testing.assert_close(gradient_inner_product(u, v), expected)

@@ -64,12 +64,48 @@ def _audited(cls):
 PER_SAMPLE_GRADS = ("ghost", "materialise")
 
 
-def _ghost_module(model, clip: float):
-    """Opacus' GradSampleModuleFastGradientClipping, with two changes.
+def _layer_gradient(module, inputs: torch.Tensor, output_grads: torch.Tensor):
+    """(kind, a, b) for a layer whose per-example weight gradient is sum_t b_t a_t^T: a linear layer's
+    inputs (n, T, in) and output gradients (n, T, out), or an embedding's token ids (n, T) and output
+    gradients (n, T, dim), with rows of its padding index zeroed (torch gives that row no gradient)."""
+    if isinstance(module, torch.nn.Embedding):
+        if module.padding_idx is not None:
+            output_grads = output_grads.masked_fill((inputs == module.padding_idx).unsqueeze(-1), 0)
+        return "embedding", inputs, output_grads
+    if inputs.dim() == 2:  # no sequence axis
+        inputs, output_grads = inputs.unsqueeze(1), output_grads.unsqueeze(1)
+    return "linear", inputs.to(output_grads.dtype), output_grads
 
-    Tied parameters: Opacus refuses ghost clipping for a parameter used by two layers, so the layers
-    holding one get its per-layer per-example gradients (accumulated over both uses, normed, freed)
-    instead, which gives the exact norm.
+
+def gradient_inner_product(u, v) -> torch.Tensor:
+    """<G_u, G_v> per example for two uses of one weight, from ``_layer_gradient`` triples, without
+    forming either gradient: every term is a T x T matrix per example (ghost clipping's identity,
+    extended to pairs of layers so that tied weights get their exact norm)."""
+    if u[0] == "linear" and v[0] == "embedding":
+        u, v = v, u
+    (ku, au, bu), (kv, av, bv) = u, v
+    if ku == kv:  # sum_{t,s} <b_t, b'_s> <a_t, a'_s>, where for embeddings <a_t, a'_s> = [x_t = x'_s]
+        grads = torch.einsum("ntk,nsk->nts", bu, bv)
+        inputs = (torch.einsum("ntk,nsk->nts", au, av) if ku == "linear"
+                  else (au.unsqueeze(2) == av.unsqueeze(1)).to(grads.dtype))
+        return torch.einsum("nts,nts->n", grads, inputs)
+    # embedding (ids x_t, grads d_t) with a linear layer (inputs h_s, output grads b_s): row x_t of
+    # the linear gradient is sum_s b_s[x_t] h_s, so the product is sum_{t,s} b_s[x_t] <d_t, h_s>.
+    picked = torch.gather(bv, 2, au.unsqueeze(1).expand(-1, bv.shape[1], -1))  # [n, s, t] = b_s[x_t]
+    return torch.einsum("nst,nts->n", picked, torch.einsum("ntk,nsk->nts", bu, av))
+
+
+def _ghost_module(model, clip: float):
+    """Opacus' GradSampleModuleFastGradientClipping, with three changes.
+
+    Tied weights (the input and output embedding of most small LMs): Opacus refuses ghost clipping for
+    a parameter two layers use. Here each use's (inputs, output gradients) is kept until the last one
+    has reported, and the norm comes from the pairwise products (``gradient_inner_product``): exact,
+    and never B x vocabulary x width. A tied parameter in a layer that is neither linear nor an
+    embedding gets Opacus' per-example gradients instead (summed over its uses, normed, freed).
+
+    Embeddings with a padding index: torch gives that row no gradient, so its part of the norm is
+    dropped too (Opacus counts it, which is not the norm of the gradient the second pass sums).
 
     The norm pass: Opacus' hooks need only each layer's input and output gradient, but a plain
     backward also forms every weight gradient (about half its cost), only to throw it away. Every
@@ -85,6 +121,12 @@ def _ghost_module(model, clip: float):
                 users[id(p)] = users.get(id(p), 0) + 1
     hooked = [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
     tied = {id(m) for m in hooked if any(users[id(p)] > 1 for p in m.parameters(recurse=False) if p.requires_grad)}
+    exact = {id(m) for m in hooked if id(m) in tied and (
+        type(m) is torch.nn.Linear or (type(m) is torch.nn.Embedding and m.max_norm is None
+                                       and not m.scale_grad_by_freq and not m.sparse))}
+    if any(type(m) is not torch.nn.Embedding for m in hooked if id(m) in tied and id(m) not in exact):
+        exact = set()  # a tied weight shared with an unsupported layer: Opacus' route for all its uses
+    padded = {id(m) for m in hooked if isinstance(m, torch.nn.Embedding) and m.padding_idx is not None}
 
     class GhostClipping(GradSampleModuleFastGradientClipping):
         def __init__(self) -> None:
@@ -92,6 +134,7 @@ def _ghost_module(model, clip: float):
             device = next(model.parameters()).device
             self.probe = torch.zeros((), device=device, requires_grad=True)
             self.all_probed = True
+            self.uses: dict[int, list] = {}  # tied weight -> its uses' gradient factors so far
             for m in hooked:  # removed with Opacus' own hooks
                 self.autograd_grad_sample_hooks.append(m.register_forward_hook(self._add_probe))
 
@@ -114,19 +157,50 @@ def _ghost_module(model, clip: float):
                 raise RuntimeError("a trainable layer did not report its per-example gradient norms")
             return self.get_clipping_coef()
 
-        def _per_layer(self, hook, module, *args, **kwargs):
-            ghost = self.use_ghost_clipping
+        def capture_activations_hook(self, module, *args, **kwargs):
+            ghost = self.use_ghost_clipping  # Opacus raises for tied weights under ghost clipping
             self.use_ghost_clipping = ghost and id(module) not in tied
             try:
-                return hook(module, *args, **kwargs)
+                return super().capture_activations_hook(module, *args, **kwargs)
             finally:
                 self.use_ghost_clipping = ghost
 
-        def capture_activations_hook(self, module, *args, **kwargs):
-            return self._per_layer(super().capture_activations_hook, module, *args, **kwargs)
+        def capture_backprops_hook(self, module, forward_input, forward_output, loss_reduction, batch_first):
+            if not self.hooks_enabled:
+                return None
+            if id(module) in exact:
+                return self._tied_backprops(module, forward_output, loss_reduction, batch_first)
+            if id(module) in padded:
+                ids = module.activations[-1][0]
+                forward_output = (forward_output[0].masked_fill((ids == module.padding_idx).unsqueeze(-1), 0),)
+            ghost = self.use_ghost_clipping
+            self.use_ghost_clipping = ghost and id(module) not in tied
+            try:
+                return super().capture_backprops_hook(module, forward_input, forward_output, loss_reduction,
+                                                      batch_first)
+            finally:
+                self.use_ghost_clipping = ghost
 
-        def capture_backprops_hook(self, module, *args, **kwargs):
-            return self._per_layer(super().capture_backprops_hook, module, *args, **kwargs)
+        def _tied_backprops(self, module, forward_output, loss_reduction, batch_first) -> None:
+            activations, backprops = self.rearrange_grad_samples(
+                module=module, backprops=forward_output[0].detach(), loss_reduction=loss_reduction,
+                batch_first=batch_first)
+            use = _layer_gradient(module, activations[0], backprops)
+            for p in module.parameters(recurse=False):
+                if not p.requires_grad:
+                    continue
+                if users[id(p)] > 1:
+                    self.uses.setdefault(id(p), []).append(use)
+                else:  # the bias of a linear layer whose weight is tied
+                    p._norm_sample = use[2].sum(1).flatten(1).norm(dim=1)
+                p._forward_counter -= 1
+                if p._forward_counter == 0 and id(p) in self.uses:
+                    parts = self.uses.pop(id(p))
+                    square = sum(gradient_inner_product(u, v) * (1 if i == j else 2)
+                                 for i, u in enumerate(parts) for j, v in enumerate(parts) if j >= i)
+                    p._norm_sample = square.clamp(min=0).sqrt()
+            if not module.activations and hasattr(module, "max_batch_len"):
+                del module.max_batch_len
 
     return GhostClipping()
 
