@@ -3,56 +3,9 @@
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
 
 from dpaudit.errors import DPAuditError
 from dpaudit.canaries.manifest import Manifest, TokenizerIdentity
-
-
-def require_transformers():
-    try:
-        import transformers
-    except ImportError:  # the base install is accounting-only
-        raise DPAuditError("this command needs the training extras: pip install 'dpaudit[train]'") from None
-    import warnings
-
-    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")  # deprecation chatter
-    transformers.logging.set_verbosity_error()  # library chatter would bury our one-line messages
-    transformers.utils.logging.disable_progress_bar()
-    return transformers
-
-
-REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json", "processor_config.json")
-
-
-def refuse_remote_code(folder: Path) -> None:
-    """A checkpoint that names its own code (``auto_map``) is refused before transformers reads it: loading
-    it would mean running files that came with the checkpoint. (Loads also pass trust_remote_code=False.)"""
-    import json
-
-    for name in REMOTE_CODE_FILES:
-        f = Path(folder) / name
-        try:
-            if not f.is_file() or f.stat().st_size > 16 << 20:
-                continue
-            data = json.loads(f.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict) and "auto_map" in data:
-            raise DPAuditError(f"{f} asks to run code shipped with the checkpoint (auto_map); dpaudit never runs "
-                               "checkpoint code")
-
-
-def load_tokenizer(path: str | Path):
-    transformers = require_transformers()
-    path = Path(path)
-    if not path.exists():
-        raise DPAuditError(f"tokenizer/model directory not found: {path}")
-    refuse_remote_code(path if path.is_dir() else path.parent)
-    try:
-        return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise DPAuditError(f"cannot load a tokenizer from {path}: {str(exc).splitlines()[0]}") from None
 
 
 def tokenizer_identity(tokenizer, name_or_path: str | None = None) -> TokenizerIdentity:
@@ -62,7 +15,6 @@ def tokenizer_identity(tokenizer, name_or_path: str | None = None) -> TokenizerI
     return TokenizerIdentity(name_or_path=str(name_or_path or tokenizer.name_or_path),
                              base_vocab_size=int(tokenizer.vocab_size), fingerprint=digest)
 
-
 def check_base_tokenizer(tokenizer, manifest: Manifest, where: str) -> None:
     """Refuse a tokenizer whose base vocabulary is not the one the manifest was made for."""
     ident = tokenizer_identity(tokenizer)
@@ -70,7 +22,6 @@ def check_base_tokenizer(tokenizer, manifest: Manifest, where: str) -> None:
         raise DPAuditError(
             f"the canary manifest was made for another tokenizer ({manifest.tokenizer.name_or_path}, "
             f"{manifest.tokenizer.base_vocab_size} tokens) than the one in {where} ({ident.base_vocab_size} tokens)")
-
 
 def check_tokenizer_matches(tokenizer, manifest: Manifest, where: str) -> None:
     """Refuse a tokenizer that is not the manifest's, or that lacks the canary tokens."""
@@ -81,12 +32,10 @@ def check_tokenizer_matches(tokenizer, manifest: Manifest, where: str) -> None:
         raise DPAuditError(f"{len(missing)} of {len(manifest.secrets)} canary tokens are absent from {where} "
                            f"(e.g. {missing[0]}); was the model extended with these canaries?")
 
-
 def extend_tokenizer(tokenizer, manifest: Manifest) -> list[int]:
     """Add each secret as one new token; returns their ids."""
     tokenizer.add_tokens([s for s in manifest.secrets if s not in tokenizer.get_vocab()])
     return tokenizer.convert_tokens_to_ids(manifest.secrets)
-
 
 def extend_model(model, tokenizer, manifest: Manifest) -> list[int]:
     """Add the canary tokens and resize the embeddings: new output rows start at zero, ties are kept."""

@@ -15,9 +15,7 @@ import numpy as np
 from dpaudit.atomic import atomic_write_text, guard_new_file
 from dpaudit.canaries.manifest import Manifest
 from dpaudit.errors import DPAuditError
-
-FORMATS = ("jsonl", "txt", "csv")
-
+from dpaudit.training.texts import detect_format, jsonl_text, physical_lines, read_file
 
 @dataclass(frozen=True)
 class InsertSummary:
@@ -27,61 +25,10 @@ class InsertSummary:
     repeats: int
 
 
-def detect_format(path: Path, fmt: str | None) -> str:
-    if fmt:
-        if fmt not in FORMATS:
-            raise DPAuditError(f"unknown dataset format {fmt!r}; use one of {', '.join(FORMATS)}")
-        return fmt
-    suffix = path.suffix.lower().lstrip(".")
-    if suffix in ("jsonl", "ndjson"):
-        return "jsonl"
-    if suffix in ("txt", "text"):
-        return "txt"
-    if suffix == "csv":
-        return "csv"
-    raise DPAuditError(f"cannot tell the format of {path} from its name; pass --format jsonl|txt|csv")
-
-
-def _lines(text: str) -> list[str]:
-    """Physical lines, split on "\n" only (never on form feed, NEL or U+2028, which may sit inside a text);
-    a carriage return stays on its line, so every line can be copied byte for byte."""
-    lines = text.split("\n")
-    return lines[:-1] if lines and lines[-1] == "" else lines
-
-
-def _jsonl_text(line: str, field: str, path: Path, n: int) -> str:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise DPAuditError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
-    if not isinstance(row, dict) or field not in row:
-        raise DPAuditError(f"{path}:{n}: no {field!r} field (choose it with --field)")
-    if not isinstance(row[field], str):
-        raise DPAuditError(f"{path}:{n}: field {field!r} is not text")
-    return row[field]
-
-
-def read_texts(path: Path, fmt: str, field: str = "text") -> list[str]:
-    """The training texts of a dataset file (used by the trainer too)."""
-    text = _read(path)
-    if fmt == "jsonl":
-        return [_jsonl_text(line, field, path, n) for n, line in enumerate(_lines(text), 1) if line.strip()]
-    if fmt == "txt":
-        return [line.rstrip("\r") for line in _lines(text) if line.strip()]
-    return [row[field] for row in _csv_reader(text, field, path)]
-
-
-def _csv_reader(text: str, field: str, path: Path) -> csv.DictReader:
-    reader = csv.DictReader(io.StringIO(text, newline=""))
-    if field not in (reader.fieldnames or []):
-        raise DPAuditError(f"{path}: no column {field!r}; choose it with --field")
-    return reader
-
-
 def _csv_records(text: str, field: str, path: Path) -> tuple[list[str], list[str], list[str]]:
     """(header lines, one raw chunk of lines per record, column names): records located by the csv parser
     (a quoted field may span lines), their bytes kept as they were."""
-    lines = _lines(text)
+    lines = physical_lines(text)
     reader = csv.reader(line + "\n" for line in lines)
     try:
         header = next(reader)
@@ -100,15 +47,6 @@ def _csv_records(text: str, field: str, path: Path) -> tuple[list[str], list[str
     return lines[:head_end], chunks, header
 
 
-def _read(path: Path) -> str:
-    if not path.is_file():
-        raise DPAuditError(f"dataset not found: {path}")
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DPAuditError(f"cannot read dataset {path}: {exc}") from None
-
-
 def insert_canaries(manifest: Manifest, data: Path, output: Path, *, fmt: str | None = None, field: str = "text",
                     repeats: int = 1, seed: int = 0, force: bool = False) -> InsertSummary:
     data, output = Path(data), Path(output)
@@ -122,7 +60,7 @@ def insert_canaries(manifest: Manifest, data: Path, output: Path, *, fmt: str | 
     if not members:
         raise DPAuditError("the manifest has no member canaries to insert")
     canary_texts = [c.text for c in members for _ in range(repeats)]
-    text = _read(data)
+    text = read_file(data)
     rng = np.random.default_rng(seed)
     # Every original line is copied byte for byte (parsed only to validate and find the text); the
     # canaries are new lines, shuffled in among the original records.
@@ -130,15 +68,15 @@ def insert_canaries(manifest: Manifest, data: Path, output: Path, *, fmt: str | 
     end = "\r" if crlf else ""
     header: list[str] = []
     if fmt == "jsonl":
-        records = _lines(text)
+        records = physical_lines(text)
         for n, line in enumerate(records, 1):
             if line.strip():
-                _jsonl_text(line, field, data, n)
+                jsonl_text(line, field, data, n)
         new = [json.dumps({field: t}, ensure_ascii=False) + end for t in canary_texts]
     elif fmt == "txt":
         if any(ch in t for t in canary_texts for ch in "\r\n"):
             raise DPAuditError("a canary spans several lines and cannot go into a one-example-per-line file")
-        records = _lines(text)
+        records = physical_lines(text)
         new = [t + end for t in canary_texts]
     else:
         header, records, columns = _csv_records(text, field, data)

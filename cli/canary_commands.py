@@ -28,7 +28,7 @@ def make(
 ) -> None:
     """Generate m canaries (secret = one new token), each a member with probability 1/2; write the manifest."""
     from dpaudit.canaries.generate import make_canaries
-    from dpaudit.canaries.hf import load_tokenizer
+    from dpaudit.models.hf import load_tokenizer
 
     guard_new_file(output, force)
     manifest = make_canaries(load_tokenizer(tokenizer), m, seed, prefix_length, template, name_or_path=str(tokenizer))

@@ -96,7 +96,7 @@ def train_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Fine-tune a local causal LM with DP-ZO or DP-SGD (sigma calibrated to --eps) or a non-private baseline."""
-    from dpaudit.canaries.insert import detect_format, read_texts
+    from dpaudit.training.texts import detect_format, read_texts
     from dpaudit.training.runner import train
 
     cfg = make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction,

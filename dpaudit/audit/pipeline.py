@@ -81,7 +81,8 @@ def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model
     from dpaudit.audit.scoring import score_checkpoint
     from dpaudit.canaries.generate import make_canaries
     from dpaudit.canaries.hf import extend_model
-    from dpaudit.canaries.insert import detect_format, insert_canaries, read_texts
+    from dpaudit.canaries.insert import insert_canaries
+    from dpaudit.training.texts import detect_format, read_texts
     from dpaudit.models.corpus import sentences
     from dpaudit.models.loading import load_causal_lm
 
@@ -117,7 +118,7 @@ def _white_box(out: Path, cfg: TrainConfig, settings: AuditRunSettings, base: Pa
                show_progress: bool):
     """Train with white-box canaries planted, then audit the transcript (no model scoring needed)."""
     from dpaudit.audit.whitebox import audit_run_folder
-    from dpaudit.canaries.insert import detect_format, read_texts
+    from dpaudit.training.texts import detect_format, read_texts
     from dpaudit.models.corpus import sentences
 
     if data is None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dpaudit.atomic import save_model_folder
-from dpaudit.canaries.hf import require_transformers
+from dpaudit.models.hf import require_transformers
 from dpaudit.models.corpus import sentences
 
 PAD, EOS, UNK = "<pad>", "</s>", "<unk>"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dpaudit.canaries.hf import load_tokenizer, refuse_remote_code, require_transformers
+from dpaudit.models.hf import load_tokenizer, refuse_remote_code, require_transformers
 from dpaudit.errors import DPAuditError
 
 

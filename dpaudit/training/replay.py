@@ -13,7 +13,7 @@ def replay_run(run_dir: Path, base_model: Path | None = None):
     import torch
 
     from dpaudit.models.loading import load_causal_lm
-    from dpaudit.training.trainable import select_trainable, trainable_parameters
+    from dpaudit.training.trainable import merged, select_trainable, trainable_parameters
     from dpaudit.training.zo import replay
 
     run_dir = Path(run_dir)
@@ -29,15 +29,13 @@ def replay_run(run_dir: Path, base_model: Path | None = None):
     base = Path(base_model or meta["base_model"])
     model, tokenizer = load_causal_lm(base, dtype=torch.bfloat16 if cfg["bf16"] else None)
     torch.manual_seed(cfg["seed"])
-    model = select_trainable(model, cfg["trainable"], cfg["lora_rank"])
+    model = select_trainable(model, cfg["trainable"], cfg["lora_rank"], meta.get("lora_new_token_rows", []))
     device = meta.get("direction_device", "cpu")  # the generator type that drew the directions
     if device == "cuda" and not torch.cuda.is_available():
         raise DPAuditError("this run drew its DP-ZO directions on a GPU (CUDA generator); replay it on a machine with one")
     model.to(device)
     replay(trainable_parameters(model), steps, cfg["lr"], cfg["direction"])
-    if hasattr(model, "merge_and_unload"):
-        model = model.merge_and_unload()
-    return model.to("cpu"), tokenizer
+    return merged(model).to("cpu"), tokenizer
 
 
 def max_weight_difference(model, reference) -> float:

@@ -197,7 +197,10 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
         raise DPAuditError("the training set needs at least 2 examples")
     model, tokenizer = load_causal_lm(model_dir, dtype=torch.bfloat16 if cfg.bf16 else None)
     torch.manual_seed(cfg.seed)
-    model = select_trainable(model, cfg.trainable, cfg.lora_rank).to(world.device)
+    from dpaudit.training.new_tokens import new_token_ids
+
+    rows = new_token_ids(tokenizer) if cfg.trainable == "lora" else []  # canary rows train with the adapters
+    model = select_trainable(model, cfg.trainable, cfg.lora_rank, rows).to(world.device)
     params = trainable_parameters(model)
     data = tokenize(tokenizer, texts, cfg.max_length)
     n_real = len(data)
@@ -242,7 +245,8 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
         atomic_write_json(run_dir / "run_config.json", {"config": _config_for_state(cfg), "base_model": str(model_dir),
                                                         "sigma": sigma, "sampling_rate": rate, "examples": n,
                                                         "expected_batch_size": batch_size,
-                                                        "direction_device": params[0].device.type})
+                                                        "direction_device": params[0].device.type,
+                                                        "lora_new_token_rows": rows})
         if canaries is not None:
             canaries.save(run_dir)
     rng = np.random.default_rng([int(secret), start])
@@ -342,9 +346,9 @@ def _checkpoint(run_dir, model, tokenizer, cfg, step, trainer_state) -> None:
 
 def _export(run_dir: Path, model, tokenizer) -> Path:
     """The fine-tuned model as a plain Hugging Face directory (LoRA merged), for auditing and use."""
-    if hasattr(model, "merge_and_unload"):
-        model = model.merge_and_unload()
-    return save_model_folder(run_dir / "model", model, tokenizer)
+    from dpaudit.training.trainable import merged
+
+    return save_model_folder(run_dir / "model", merged(model), tokenizer)
 
 
 def _truncate_log(path: Path, steps: int) -> None:

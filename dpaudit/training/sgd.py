@@ -64,17 +64,42 @@ def _audited(cls):
 PER_SAMPLE_GRADS = ("ghost", "materialise")
 
 
+def _mask_padding(module, ids: torch.Tensor, output_grads: torch.Tensor) -> torch.Tensor:
+    """An embedding's output gradients with the positions of its padding index zeroed: torch gives that
+    row no gradient, but Opacus' embedding samplers would count it (in the norm, and in the sum)."""
+    if not (isinstance(module, torch.nn.Embedding) and module.padding_idx is not None):
+        return output_grads
+    return output_grads.masked_fill((ids == module.padding_idx).unsqueeze(-1), 0)
+
+
+def _without_padding_rows(module, forward_output):
+    if not isinstance(module, torch.nn.Embedding):
+        return forward_output
+    return (_mask_padding(module, module.activations[-1][0], forward_output[0]), *forward_output[1:])
+
+
 def _layer_gradient(module, inputs: torch.Tensor, output_grads: torch.Tensor):
     """(kind, a, b) for a layer whose per-example weight gradient is sum_t b_t a_t^T: a linear layer's
     inputs (n, T, in) and output gradients (n, T, out), or an embedding's token ids (n, T) and output
     gradients (n, T, dim), with rows of its padding index zeroed (torch gives that row no gradient)."""
     if isinstance(module, torch.nn.Embedding):
-        if module.padding_idx is not None:
-            output_grads = output_grads.masked_fill((inputs == module.padding_idx).unsqueeze(-1), 0)
-        return "embedding", inputs, output_grads
+        return "embedding", inputs, _mask_padding(module, inputs, output_grads)
     if inputs.dim() == 2:  # no sequence axis
         inputs, output_grads = inputs.unsqueeze(1), output_grads.unsqueeze(1)
     return "linear", inputs.to(output_grads.dtype), output_grads
+
+
+def _materialising_module(model):
+    """Opacus' GradSampleModule (per-example gradients stored), padding rows excepted."""
+    from opacus import GradSampleModule
+
+    class Materialising(GradSampleModule):
+        def capture_backprops_hook(self, module, forward_input, forward_output, *args, **kwargs):
+            if self.hooks_enabled:
+                forward_output = _without_padding_rows(module, forward_output)
+            return super().capture_backprops_hook(module, forward_input, forward_output, *args, **kwargs)
+
+    return Materialising(model)
 
 
 def gradient_inner_product(u, v) -> torch.Tensor:
@@ -126,7 +151,6 @@ def _ghost_module(model, clip: float):
                                        and not m.scale_grad_by_freq and not m.sparse))}
     if any(type(m) is not torch.nn.Embedding for m in hooked if id(m) in tied and id(m) not in exact):
         exact = set()  # a tied weight shared with an unsupported layer: Opacus' route for all its uses
-    padded = {id(m) for m in hooked if isinstance(m, torch.nn.Embedding) and m.padding_idx is not None}
 
     class GhostClipping(GradSampleModuleFastGradientClipping):
         def __init__(self) -> None:
@@ -170,9 +194,7 @@ def _ghost_module(model, clip: float):
                 return None
             if id(module) in exact:
                 return self._tied_backprops(module, forward_output, loss_reduction, batch_first)
-            if id(module) in padded:
-                ids = module.activations[-1][0]
-                forward_output = (forward_output[0].masked_fill((ids == module.padding_idx).unsqueeze(-1), 0),)
+            forward_output = _without_padding_rows(module, forward_output)
             ghost = self.use_ghost_clipping
             self.use_ghost_clipping = ghost and id(module) not in tied
             try:
@@ -228,7 +250,6 @@ class FirstOrderTrainer:
         if private:
             import warnings
 
-            from opacus import GradSampleModule
             from opacus import optimizers as dp
 
             skip_clipping = bool(bug and bug.skip_clipping)
@@ -237,7 +258,7 @@ class FirstOrderTrainer:
                 if self.ghost:  # "no-clip": a clip factor of 1 for every example
                     self.model = _ghost_module(model, float("inf") if skip_clipping else clip)
                 else:
-                    self.model = GradSampleModule(model)
+                    self.model = _materialising_module(model)
             # Opacus' hooks trip a torch notice when no input needs a gradient (token ids never do).
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             # Distributed: each rank scales by B / world and the ranks average, so the update is

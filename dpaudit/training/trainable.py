@@ -7,8 +7,10 @@ from dpaudit.errors import DPAuditError
 SUBSETS = ("full", "lora", "bias")
 
 
-def select_trainable(model, subset: str, lora_rank: int = 8):
-    """Return the (possibly peft-wrapped) model with requires_grad set for the chosen subset."""
+def select_trainable(model, subset: str, lora_rank: int = 8, new_tokens: list[int] = ()):
+    """Return the (possibly peft-wrapped) model with requires_grad set for the chosen subset. With LoRA,
+    the rows of ``new_tokens`` (canaries) train too (training/new_tokens.py); full and bias training
+    reach them anyway (full) or never (bias: DP-BiTFiT's recipe trains biases only)."""
     if subset not in SUBSETS:
         raise DPAuditError(f"unknown trainable subset {subset!r}; use one of {', '.join(SUBSETS)}")
     if subset == "lora":
@@ -16,6 +18,9 @@ def select_trainable(model, subset: str, lora_rank: int = 8):
 
         model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0,
                                                  target_modules="all-linear", bias="none"))
+        from dpaudit.training.new_tokens import add_new_token_rows
+
+        add_new_token_rows(model.get_base_model(), list(new_tokens))  # after peft: no adapters on them
     for name, p in model.named_parameters():
         if subset == "full":
             p.requires_grad_(True)
@@ -34,3 +39,13 @@ def trainable_parameters(model) -> list:
             seen.add(id(p))
             out.append(p)
     return out
+
+
+def merged(model):
+    """The plain model to save: new-token rows and LoRA adapters merged into the base weights."""
+    if hasattr(model, "merge_and_unload"):
+        from dpaudit.training.new_tokens import merge
+
+        merge(model.get_base_model())
+        model = model.merge_and_unload()
+    return model

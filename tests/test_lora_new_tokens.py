@@ -1,0 +1,81 @@
+"""LoRA runs train the canaries' new-token rows (tied input/output embedding), with the same clipped
+sums by both DP-SGD routes; the exported model carries the rows; DP-ZO replays such a run."""
+
+import pytest
+import torch
+
+from dpaudit.atomic import save_model_folder
+from dpaudit.canaries.generate import make_canaries
+from dpaudit.canaries.hf import extend_model
+from dpaudit.models.loading import load_causal_lm
+from dpaudit.training.data import tokenize
+from dpaudit.training.new_tokens import new_token_ids
+from dpaudit.training.runner import TrainConfig, train
+from dpaudit.training.sgd import FirstOrderTrainer
+from dpaudit.training.trainable import select_trainable, trainable_parameters
+
+
+@pytest.fixture(scope="module")
+def extended(tiny_model_dir, tmp_path_factory):
+    model, tok = load_causal_lm(tiny_model_dir)
+    manifest = make_canaries(tok, 6, seed=0, prefix_length=3)
+    extend_model(model, tok, manifest)
+    folder = save_model_folder(tmp_path_factory.mktemp("ext") / "model", model, tok)
+    return folder, [c.text for c in manifest.canaries]
+
+
+def test_new_token_ids_are_the_canaries(extended):
+    folder, texts = extended
+    _, tok = load_causal_lm(folder)
+    ids = new_token_ids(tok)
+    assert len(ids) == 6 and min(ids) >= tok.vocab_size
+
+
+def _lora(folder):
+    model, tok = load_causal_lm(folder)
+    torch.manual_seed(0)
+    return select_trainable(model, "lora", 4, new_token_ids(tok)), tok
+
+
+def test_lora_step_reaches_the_new_rows_equally_by_both_routes(extended):
+    folder, texts = extended
+    grads = {}
+    for route in ("ghost", "materialise"):
+        model, tok = _lora(folder)
+        params = trainable_parameters(model)
+        rows = model.get_base_model().get_input_embeddings().rows.weight
+        assert any(p is rows for p in params)
+        assert model.get_base_model().get_output_embeddings().rows.weight is rows  # tied, like the base
+        trainer = FirstOrderTrainer(model, params, lr=0.0, private=True, clip=0.5, sigma=0.0,
+                                    expected_batch_size=4, optimizer="sgd", per_sample_grads=route)
+        trainer.step(tokenize(tok, texts, 16).batch(range(len(texts))), len(texts))
+        grads[route] = (rows.grad.clone(), torch.cat([p.grad.flatten() for p in params]))
+    assert grads["ghost"][0][1:].abs().sum() > 0 and torch.equal(grads["ghost"][0][0], torch.zeros_like(rows[0]))
+    torch.testing.assert_close(grads["ghost"][1], grads["materialise"][1], rtol=1e-4, atol=1e-6)
+
+
+def test_lora_run_exports_trained_canary_rows(extended, tmp_path):
+    folder, texts = extended
+    base, tok = load_causal_lm(folder)
+    ids = new_token_ids(tok)
+    assert float(base.get_input_embeddings().weight.detach()[ids].abs().sum()) == 0.0  # extend_model starts them at zero
+    cfg = TrainConfig(method="dp-sgd", target_epsilon=50.0, steps=4, batch_size=4, trainable="lora",
+                      secret_seed=0, lr=1e-2)
+    result = train(folder, texts * 3 + ["plain words here"] * 6, tmp_path / "run", cfg, show_progress=False)
+    tuned, _ = load_causal_lm(result.model_dir)
+    assert float(tuned.get_input_embeddings().weight.detach()[ids].abs().sum()) > 0
+    assert tuned.get_output_embeddings().weight is tuned.get_input_embeddings().weight
+    unchanged = [i for i in range(tok.vocab_size) if i not in ids][:50]
+    torch.testing.assert_close(tuned.get_input_embeddings().weight[unchanged],
+                               base.get_input_embeddings().weight[unchanged])
+
+
+def test_lora_dp_zo_run_with_new_rows_replays(extended, tmp_path):
+    from dpaudit.training.replay import max_weight_difference, replay_run
+
+    folder, texts = extended
+    cfg = TrainConfig(method="dp-zo", target_epsilon=8.0, steps=5, batch_size=4, trainable="lora", secret_seed=0)
+    result = train(folder, texts * 3, tmp_path / "run", cfg, show_progress=False)
+    rebuilt, _ = replay_run(tmp_path / "run")
+    tuned, _ = load_causal_lm(result.model_dir)
+    assert max_weight_difference(rebuilt, tuned) < 1e-6
