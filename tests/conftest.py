@@ -30,3 +30,15 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from dpaudit.models.embedded import build_embedded_default
 
     return build_embedded_default(tmp_path_factory.mktemp("tiny") / "model", seed=0, pretrain_steps=20)
+
+
+@pytest.fixture(scope="session")
+def llama_like_dir(tmp_path_factory) -> Path:
+    """A Llama-family-like checkpoint: no bias terms, tied embeddings, untrained (no downloads)."""
+    from dpaudit.atomic import save_model_folder
+    from dpaudit.models.corpus import sentences
+    from dpaudit.models.embedded import build_model, build_tokenizer
+
+    tok = build_tokenizer(sentences(500, seed=7))
+    model = build_model(tok, seed=1, attention_bias=False, mlp_bias=False)
+    return save_model_folder(tmp_path_factory.mktemp("llama") / "model", model, tok)

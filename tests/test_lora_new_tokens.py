@@ -79,3 +79,16 @@ def test_lora_dp_zo_run_with_new_rows_replays(extended, tmp_path):
     rebuilt, _ = replay_run(tmp_path / "run")
     tuned, _ = load_causal_lm(result.model_dir)
     assert max_weight_difference(rebuilt, tuned) < 1e-6
+
+
+def test_bias_training_on_a_bias_free_model_is_refused_before_any_folder(llama_like_dir, tmp_path):
+    from cli_helpers import assert_one_line_error, dpaudit
+
+    (tmp_path / "d.txt").write_text("some words\nmore words\n")
+    out = dpaudit("train", "--model", llama_like_dir, "-d", tmp_path / "d.txt", "-o", tmp_path / "run",
+                  "--trainable", "bias", "--eps", "1")
+    assert_one_line_error(out)
+    assert "no bias terms" in out.stderr and not (tmp_path / "run").exists()
+    out = dpaudit("audit", "run", "--model", llama_like_dir, "--trainable", "bias", "--out", tmp_path / "audit")
+    assert_one_line_error(out)
+    assert "no bias terms" in out.stderr and not (tmp_path / "audit").exists()

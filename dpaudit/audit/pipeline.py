@@ -15,7 +15,7 @@ from pathlib import Path
 from dpaudit.atomic import atomic_write_json, atomic_write_text, save_model_folder
 from dpaudit.audit.analysis import AuditResult, analyse
 from dpaudit.audit.report import prepare_folder, write_report
-from dpaudit.training.runner import TrainConfig, TrainResult, train
+from dpaudit.training.runner import TrainConfig, TrainResult, preflight, train
 
 
 @dataclass
@@ -70,6 +70,8 @@ def run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, force:
     the folder's lock so a second run into the same folder is refused."""
     from dpaudit.lock import folder_lock
 
+    if kwargs.get("model") is not None:
+        preflight(kwargs["model"], cfg)  # before the output folder exists
     out = prepare_folder(out, force)
     with folder_lock(out):
         return _run_audit(out, cfg, settings, **kwargs)

@@ -33,10 +33,11 @@ def build_model(tokenizer, seed: int = 0, **sizes):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(**{"vocab_size": len(tokenizer), **DEFAULT_SIZES, **sizes},  # a larger vocab: benchmarks
-                      max_position_embeddings=128, tie_word_embeddings=True,
-                      pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                      bos_token_id=None, attention_bias=True, mlp_bias=True)  # biases for DP-BiTFiT
+    # Biases for DP-BiTFiT; sizes may override anything (a larger vocabulary for benchmarks, no biases
+    # for a Llama-like test model).
+    cfg = LlamaConfig(**{"vocab_size": len(tokenizer), "attention_bias": True, "mlp_bias": True, **DEFAULT_SIZES,
+                         **sizes}, max_position_embeddings=128, tie_word_embeddings=True,
+                      pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg)
 

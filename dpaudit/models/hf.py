@@ -47,6 +47,8 @@ def load_tokenizer(path: str | Path):
     path = Path(path)
     if not path.exists():
         raise DPAuditError(f"tokenizer/model directory not found: {path}")
+    if path.is_dir() or path.suffix.lower() == ".gguf":
+        path = resolve_model_path(path)
     refuse_remote_code(path if path.is_dir() else path.parent)
     try:
         return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
@@ -55,9 +57,17 @@ def load_tokenizer(path: str | Path):
 
 
 def resolve_model_path(path: str | Path) -> Path:
-    """A model folder as given, or the snapshot inside a Hugging Face hub-cache folder
-    (``models--org--name/`` with ``refs/main`` and ``snapshots/<revision>/``)."""
+    """The Hugging Face folder a user's path stands for: the folder itself; the snapshot inside a
+    hub-cache folder (``models--org--name/`` with ``refs/main`` and ``snapshots/<revision>/``); or, for
+    a GGUF file (or a folder holding one and no config.json), its converted folder (models/gguf.py)."""
+    from dpaudit.models.gguf import as_hf_folder, gguf_file_in
+
     path = Path(path)
+    if not path.exists():
+        raise DPAuditError(f"model not found: {path}")
+    source = gguf_file_in(path)
+    if source is not None:
+        return as_hf_folder(source)
     snapshots = path / "snapshots"
     if not path.is_dir() or not snapshots.is_dir() or (path / "config.json").is_file():
         return path

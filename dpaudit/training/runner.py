@@ -146,10 +146,22 @@ def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *,
 
     from dpaudit.lock import folder_lock
 
+    preflight(model_dir, cfg)
     run_dir = Path(run_dir)
     main_process = int(os.environ.get("RANK", "0")) == 0
     with folder_lock(run_dir) if main_process else nullcontext():
         return _train(model_dir, texts, run_dir, cfg, resume=resume, show_progress=show_progress)
+
+
+def preflight(model_dir: Path, cfg: TrainConfig) -> None:
+    """Refusals that need only the model's config: made before any folder is created or weight read."""
+    from dpaudit.models.hf import parameter_names, resolve_model_path
+
+    folder = resolve_model_path(model_dir)
+    if cfg.trainable == "bias" and (folder / "config.json").is_file():
+        if not any(name.endswith(".bias") for name in parameter_names(folder)):
+            raise DPAuditError(f"the model in {model_dir} has no bias terms (Llama-family models have none), so "
+                               "--trainable bias (DP-BiTFiT) has nothing to train; use --trainable lora or full")
 
 
 def _has_content(folder: Path) -> bool:

@@ -1,0 +1,63 @@
+"""A GGUF checkpoint (written here with gguf's writer: Llama layout, Q8_0) goes through the whole
+workflow: canaries make -> extend -> insert -> train (2 steps, LoRA with the canary rows) -> audit;
+converted once to a plain folder beside the file, reused after; a broken file is named in one line."""
+
+import json
+
+import pytest
+import torch
+
+from cli_helpers import assert_one_line_error, dpaudit
+from gguf_writer import write_llama_gguf
+
+pytest.importorskip("gguf")
+
+
+@pytest.fixture(scope="module")
+def gguf_model(llama_like_dir, tmp_path_factory):
+    from dpaudit.models.loading import load_causal_lm
+
+    model, tok = load_causal_lm(llama_like_dir)
+    return write_llama_gguf(model, tok, tmp_path_factory.mktemp("gguf") / "tiny-q8_0.gguf"), model, tok
+
+
+def test_gguf_loads_as_the_model_it_was_written_from(gguf_model):
+    from dpaudit.models.loading import load_causal_lm
+
+    path, model, tok = gguf_model
+    loaded, loaded_tok = load_causal_lm(path)
+    text = "the quick brown fox jumps over the lazy dog"
+    ids = tok(text, return_tensors="pt")["input_ids"]
+    assert torch.equal(loaded_tok(text, return_tensors="pt")["input_ids"], ids)
+    with torch.no_grad():
+        a, b = model(ids).logits, loaded(ids).logits
+    assert float((a - b).abs().max()) < 0.05 * float(a.abs().max())  # Q8_0 rounding only
+    assert (path.parent / (path.name + ".hf") / "dpaudit_gguf.json").is_file()
+
+
+def test_gguf_workflow_end_to_end(gguf_model, tmp_path):
+    path, _, _ = gguf_model
+    out = dpaudit("canaries", "make", "-t", path, "-o", tmp_path / "c.json", "-m", "20", "--prefix-length", "3")
+    assert out.returncode == 0, out.stderr
+    out = dpaudit("canaries", "extend", "--model", path, "-c", tmp_path / "c.json", "-o", tmp_path / "ext")
+    assert out.returncode == 0, out.stderr
+    assert "converting" not in out.stderr  # the folder made by `make` is reused
+    (tmp_path / "d.txt").write_text("".join(f"plain sentence number {i} about bread\n" for i in range(30)))
+    out = dpaudit("canaries", "insert", "-c", tmp_path / "c.json", "-d", tmp_path / "d.txt", "-o", tmp_path / "t.txt")
+    assert out.returncode == 0, out.stderr
+    out = dpaudit("train", "--model", tmp_path / "ext", "-d", tmp_path / "t.txt", "-o", tmp_path / "run",
+                  "--method", "dp-sgd", "--eps", "8", "--steps", "2", "-B", "8", "--trainable", "lora",
+                  "--secret-seed", "0", "--json")
+    assert out.returncode == 0, out.stderr
+    out = dpaudit("audit", "checkpoint", "--model", tmp_path / "run" / "model", "-c", tmp_path / "c.json", "--json")
+    assert out.returncode in (0, 1), out.stderr
+    report = json.loads(out.stdout)
+    assert 0.0 <= report["auc"] <= 1.0 and report["claimed_epsilon"] is not None
+
+
+def test_a_broken_gguf_is_named_in_one_line(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    out = dpaudit("canaries", "make", "-t", bad, "-o", tmp_path / "c.json")
+    assert_one_line_error(out)
+    assert "broken.gguf" in out.stderr
