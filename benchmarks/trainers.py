@@ -94,8 +94,15 @@ def worker(method: str, args) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else peak_rss_bytes() - before_model
+    from dpaudit.training import memory
+
+    total = sum(p.numel() for p in model.parameters())
+    estimate = None if method == "forward" else memory.peak_bytes(
+        memory.ModelShape.of(model.config, total), trainable=sum(p.numel() for p in params),
+        method="dp-zo" if method == "dp-zo" else "dp-sgd", examples=args.batch, tokens=args.seq, optimizer="sgd",
+        per_sample_grads="materialise" if method.endswith("materialise") else "ghost", private=method != "sgd")
     return {"method": method, "seconds_per_step": statistics.median(times), "peak_bytes": peak,
-            "parameters": sum(p.numel() for p in model.parameters()), "device": device}
+            "parameters": total, "device": device, "estimate_bytes": estimate}
 
 
 def main() -> None:
@@ -136,12 +143,14 @@ def main() -> None:
           f"{fwd['device']}, {args.threads} threads, median of {args.steps} steps")
     memory = ["peak_bytes", "live_bytes"] if "live_bytes" in fwd else ["peak_bytes"]
     names = {"peak_bytes": "RSS MiB" if "live_bytes" in fwd else "peak MiB", "live_bytes": "live MiB"}
+    # "estimate": training/memory.py's count (what --max-memory is checked against), over the last peak
     print(f"{'method':<20}{'s/step':>9}{'x fwd':>7}{'x SGD':>7}"
-          + "".join(f"{names[k]:>10}{'x fwd':>7}{'x SGD':>7}" for k in memory))
+          + "".join(f"{names[k]:>10}{'x fwd':>7}{'x SGD':>7}" for k in memory) + f"{'estimate':>10}{'/ peak':>7}")
     for method, r in rows.items():
-        t = r["seconds_per_step"]
+        t, est = r["seconds_per_step"], r["estimate_bytes"]
         print(f"{method:<20}{t:>9.4f}{t / fwd['seconds_per_step']:>7.2f}{t / sgd['seconds_per_step']:>7.2f}"
-              + "".join(f"{r[k] / 2**20:>10.1f}{r[k] / fwd[k]:>7.2f}{r[k] / sgd[k]:>7.2f}" for k in memory))
+              + "".join(f"{r[k] / 2**20:>10.1f}{r[k] / fwd[k]:>7.2f}{r[k] / sgd[k]:>7.2f}" for k in memory)
+              + (f"{est / 2**20:>10.1f}{est / r[memory[-1]]:>7.2f}" if est else f"{'':>17}"))
     targets = []  # (what, method, key, baseline, factor)
     if "dp-sgd" in rows:
         targets += [("DP-SGD step <= 2x SGD", "dp-sgd", "seconds_per_step", sgd, 2.0)]

@@ -35,6 +35,9 @@ PerSampleGradsOpt = Annotated[str, typer.Option(
 MicroBatchOpt = Annotated[int, typer.Option(
     "--micro-batch", help="At most this many examples per forward/backward; a larger Poisson batch is processed "
                           "in chunks with the same noise and accounting (0: the whole batch at once).")]
+TrainMaxMemoryOpt = Annotated[Optional[str], typer.Option(
+    "--max-memory", help="Refuse to start when a step is estimated to need more (e.g. 8G); the refusal names the "
+                         "--micro-batch that fits. Without it, a step estimated above the free memory is a warning.")]
 TrainSeedOpt = Annotated[int, typer.Option("--seed", help="Public seed (directions, adapters, canaries).")]
 SecretSeedOpt = Annotated[Optional[int], typer.Option(
     "--secret-seed", help="Seed for batches and noise (default: fresh OS entropy; set only for tests).")]
@@ -62,14 +65,15 @@ PlantBugOpt = Annotated[Optional[str], typer.Option(
 
 
 def make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction, trainable,
-                bf16, seed, secret_seed, accountant, **extra):
+                bf16, seed, secret_seed, accountant, max_memory=None, **extra):
+    from dpaudit.accounting.budget import parse_memory
     from dpaudit.training.runner import TrainConfig
 
     return TrainConfig(method=method, target_epsilon=parse_eps(eps, sigma), sigma=sigma, delta=delta,
                        mechanism=mech, clip=clip, lr=lr, optimizer=optimizer,
                        steps=steps, batch_size=batch_size, phi=phi,
                        direction=direction, trainable=trainable, bf16=bf16, seed=seed, secret_seed=secret_seed,
-                       accountant=accountant, **extra)
+                       accountant=accountant, max_memory=parse_memory(max_memory) if max_memory else None, **extra)
 
 
 def train_cmd(
@@ -81,6 +85,7 @@ def train_cmd(
     steps: TrainStepsOpt = None, batch_size: TrainBatchOpt = 64, phi: PhiOpt = 1e-3,
     direction: DirectionOpt = "gaussian", trainable: TrainableOpt = "full", bf16: Bf16Opt = False,
     per_sample_grads: PerSampleGradsOpt = "ghost", micro_batch: MicroBatchOpt = 0,
+    max_memory: TrainMaxMemoryOpt = None,
     seed: TrainSeedOpt = 0, secret_seed: SecretSeedOpt = None, accountant: AccountantTrainOpt = None,
     data_format: FormatOpt = None, field: FieldOpt = "text",
     save_every: Annotated[int, typer.Option("--save-every", help="Checkpoint every k steps (0: at the end).")] = 0,
@@ -102,7 +107,7 @@ def train_cmd(
     cfg = make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction,
                       trainable, bf16, seed, secret_seed, accountant, save_every=save_every, white_box=white_box,
                       plant_bug=plant_bug, allow_overspend=allow_overspend, per_sample_grads=per_sample_grads,
-                      micro_batch=micro_batch)
+                      micro_batch=micro_batch, max_memory=max_memory)
     set_threads(threads)
     texts = read_texts(data, detect_format(data, data_format), field)
     result = train(model, texts, out, cfg, resume=resume, show_progress=not as_json)
@@ -123,6 +128,7 @@ def audit_run(
     phi: PhiOpt = 1e-3,
     direction: DirectionOpt = "gaussian", trainable: TrainableOpt = "full", bf16: Bf16Opt = False,
     per_sample_grads: PerSampleGradsOpt = "ghost", micro_batch: MicroBatchOpt = 0,
+    max_memory: TrainMaxMemoryOpt = None,
     seed: TrainSeedOpt = 0, secret_seed: SecretSeedOpt = None, accountant: AccountantTrainOpt = None,
     model: Annotated[Optional[Path], typer.Option("--model", help="Local causal LM (default: embedded).")] = None,
     data: Annotated[Optional[Path], typer.Option("--data", "-d", help="Training data (default: synthetic).")] = None,
@@ -157,7 +163,8 @@ def audit_run(
         examples = 64 if white_box else 1000
     cfg = make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction,
                       trainable, bf16, seed, secret_seed, accountant, unsafe_disable_noise=unsafe_disable_noise,
-                      plant_bug=plant_bug, per_sample_grads=per_sample_grads, micro_batch=micro_batch)
+                      plant_bug=plant_bug, per_sample_grads=per_sample_grads, micro_batch=micro_batch,
+                      max_memory=max_memory)
     if white_box:
         cfg = dataclasses.replace(cfg, white_box=canaries or white_box_canaries(cfg))
     set_threads(threads)

@@ -61,3 +61,23 @@ def test_a_broken_gguf_is_named_in_one_line(tmp_path):
     out = dpaudit("canaries", "make", "-t", bad, "-o", tmp_path / "c.json")
     assert_one_line_error(out)
     assert "broken.gguf" in out.stderr
+
+
+def test_hub_cache_folder_resolves_to_its_main_snapshot(tiny_model_dir, tmp_path):
+    import shutil
+
+    from dpaudit.models.hf import resolve_model_path
+    from dpaudit.models.loading import load_causal_lm
+
+    hub = tmp_path / "models--org--tiny"
+    shutil.copytree(tiny_model_dir, hub / "snapshots" / "abc123")
+    (hub / "snapshots" / "old999").mkdir()
+    (hub / "refs").mkdir()
+    (hub / "refs" / "main").write_text("abc123\n")
+    assert resolve_model_path(hub) == hub / "snapshots" / "abc123"
+    model, _ = load_causal_lm(hub)
+    assert sum(p.numel() for p in model.parameters()) > 0
+    (hub / "refs" / "main").unlink()
+    out = dpaudit("canaries", "make", "-t", hub, "-o", tmp_path / "c.json")
+    assert_one_line_error(out)
+    assert "2 snapshots" in out.stderr

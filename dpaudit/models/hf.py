@@ -83,8 +83,8 @@ def resolve_model_path(path: str | Path) -> Path:
                        "pass the snapshot folder itself")
 
 
-def parameter_names(path: str | Path) -> list[str]:
-    """The model's parameter names from its config alone (built on the meta device: no weights read)."""
+def meta_model(path: str | Path):
+    """The model built from its config on the meta device: names and shapes, no weights read."""
     import torch
 
     transformers = require_transformers()
@@ -96,4 +96,4 @@ def parameter_names(path: str | Path) -> list[str]:
             model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     except Exception as exc:  # a bad config: one line naming the file, never its content
         raise DPAuditError(f"cannot read the model config in {path}: {type(exc).__name__}") from None
-    return [name for name, _ in model.named_parameters()]
+    return model

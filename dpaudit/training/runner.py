@@ -55,6 +55,7 @@ class TrainConfig:
     plant_bug: str | None = None         # a planted privacy bug (testing the audit; see training/bugs.py)
     per_sample_grads: str = "ghost"      # dp-sgd: ghost (clipped sums without per-example gradients) or materialise
     micro_batch: int = 0                 # at most this many examples per forward/backward (0: the whole batch)
+    max_memory: int | None = None        # refuse a step estimated above this many bytes (training/memory.py)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -146,22 +147,61 @@ def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *,
 
     from dpaudit.lock import folder_lock
 
-    preflight(model_dir, cfg)
+    estimate = preflight(model_dir, cfg, len(texts)) if int(os.environ.get("RANK", "0")) == 0 else None
     run_dir = Path(run_dir)
     main_process = int(os.environ.get("RANK", "0")) == 0
     with folder_lock(run_dir) if main_process else nullcontext():
-        return _train(model_dir, texts, run_dir, cfg, resume=resume, show_progress=show_progress)
+        return _train(model_dir, texts, run_dir, cfg, resume=resume, show_progress=show_progress,
+                      estimate=estimate)
 
 
-def preflight(model_dir: Path, cfg: TrainConfig) -> None:
-    """Refusals that need only the model's config: made before any folder is created or weight read."""
-    from dpaudit.models.hf import parameter_names, resolve_model_path
+def preflight(model_dir: Path, cfg: TrainConfig, examples: int) -> int | None:
+    """Refusals that need only the model's config, made before any folder is created or weight read:
+    a trainable subset the model lacks, and (``cfg.max_memory``) a step estimated not to fit. Returns
+    the estimated peak bytes of a step (None when the folder has no config to read)."""
+    import torch
+
+    from dpaudit.accounting.budget import human_bytes
+    from dpaudit.models.hf import meta_model, resolve_model_path
+    from dpaudit.training import memory
 
     folder = resolve_model_path(model_dir)
-    if cfg.trainable == "bias" and (folder / "config.json").is_file():
-        if not any(name.endswith(".bias") for name in parameter_names(folder)):
-            raise DPAuditError(f"the model in {model_dir} has no bias terms (Llama-family models have none), so "
-                               "--trainable bias (DP-BiTFiT) has nothing to train; use --trainable lora or full")
+    if not (folder / "config.json").is_file():
+        return None
+    model = meta_model(folder)
+    names = [name for name, _ in model.named_parameters()]
+    if cfg.trainable == "bias" and not any(name.endswith(".bias") for name in names):
+        raise DPAuditError(f"the model in {model_dir} has no bias terms (Llama-family models have none), so "
+                           "--trainable bias (DP-BiTFiT) has nothing to train; use --trainable lora or full")
+    total = sum(p.numel() for p in model.parameters())
+    if cfg.trainable == "full":
+        trainable = total
+    elif cfg.trainable == "bias":
+        trainable = sum(p.numel() for name, p in model.named_parameters() if name.endswith(".bias"))
+    else:  # LoRA on every linear layer
+        trainable = sum(cfg.lora_rank * (m.in_features + m.out_features) for m in model.modules()
+                        if isinstance(m, torch.nn.Linear))
+    settings = dict(shape=memory.ModelShape.of(model.config, total), trainable=trainable, method=cfg.method,
+                    tokens=cfg.max_length, bf16=cfg.bf16, optimizer=cfg.optimizer,
+                    per_sample_grads=cfg.per_sample_grads, private=cfg.private)
+    at_once = cfg.micro_batch or memory.largest_batch(cfg.batch_size or examples)
+    estimate = memory.peak_bytes(examples=at_once, **settings)
+    if cfg.max_memory and estimate > cfg.max_memory:
+        fits = memory.examples_that_fit(cfg.max_memory, **settings)
+        hint = (f"--micro-batch {fits} fits (same batches, noise and accounting)" if fits else
+                "not even one example fits: try --trainable lora, --bf16 or --method dp-zo")
+        raise DPAuditError(f"a step of {cfg.method} on {at_once} examples x {cfg.max_length} tokens needs about "
+                           f"{human_bytes(estimate)}, over --max-memory {human_bytes(cfg.max_memory)}; {hint}")
+    available = memory.available_bytes()
+    if not cfg.max_memory and available is not None and estimate > available:
+        import sys
+
+        fits = memory.examples_that_fit(available, **settings)
+        print(f"warning: a step of {cfg.method} on {at_once} examples x {cfg.max_length} tokens needs about "
+              f"{human_bytes(estimate)}, more than the {human_bytes(available)} available; "
+              + (f"--micro-batch {fits} would fit" if fits else "not even one example would fit"),
+              file=sys.stderr, flush=True)
+    return estimate
 
 
 def _has_content(folder: Path) -> bool:
@@ -171,7 +211,7 @@ def _has_content(folder: Path) -> bool:
 
 
 def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *, resume: bool,
-           show_progress: bool) -> TrainResult:
+           show_progress: bool, estimate: int | None = None) -> TrainResult:
     import torch
 
     from dpaudit.models.loading import load_causal_lm
@@ -258,7 +298,8 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
                                                         "sigma": sigma, "sampling_rate": rate, "examples": n,
                                                         "expected_batch_size": batch_size,
                                                         "direction_device": params[0].device.type,
-                                                        "lora_new_token_rows": rows})
+                                                        "lora_new_token_rows": rows,
+                                                        "estimated_peak_bytes": estimate})
         if canaries is not None:
             canaries.save(run_dir)
     rng = np.random.default_rng([int(secret), start])
@@ -343,7 +384,7 @@ def _config_for_state(cfg: TrainConfig) -> dict:
 
 
 # How a step is computed, not what it computes: a resume may change them.
-EXECUTION_ONLY = ("per_sample_grads", "micro_batch")
+EXECUTION_ONLY = ("per_sample_grads", "micro_batch", "max_memory")
 
 
 def _plan(config: dict) -> dict:

@@ -126,8 +126,9 @@ def _ghost_module(model, clip: float):
     Tied weights (the input and output embedding of most small LMs): Opacus refuses ghost clipping for
     a parameter two layers use. Here each use's (inputs, output gradients) is kept until the last one
     has reported, and the norm comes from the pairwise products (``gradient_inner_product``): exact,
-    and never B x vocabulary x width. A tied parameter in a layer that is neither linear nor an
-    embedding gets Opacus' per-example gradients instead (summed over its uses, normed, freed).
+    and never B x vocabulary x width. If a tied parameter sits in a layer that is neither linear nor a
+    plain embedding, every tied use gets Opacus' per-example gradients instead (summed over the uses,
+    normed, freed).
 
     Embeddings with a padding index: torch gives that row no gradient, so its part of the norm is
     dropped too (Opacus counts it, which is not the norm of the gradient the second pass sums).
@@ -149,8 +150,8 @@ def _ghost_module(model, clip: float):
     exact = {id(m) for m in hooked if id(m) in tied and (
         type(m) is torch.nn.Linear or (type(m) is torch.nn.Embedding and m.max_norm is None
                                        and not m.scale_grad_by_freq and not m.sparse))}
-    if any(type(m) is not torch.nn.Embedding for m in hooked if id(m) in tied and id(m) not in exact):
-        exact = set()  # a tied weight shared with an unsupported layer: Opacus' route for all its uses
+    if tied - exact:
+        exact = set()  # a tied weight in another kind of layer: Opacus' per-example route for every tied use
 
     class GhostClipping(GradSampleModuleFastGradientClipping):
         def __init__(self) -> None:

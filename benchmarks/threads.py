@@ -1,0 +1,85 @@
+"""torch CPU threads for a training step: dpaudit's default (the cores this process may use, capped by
+its CPU quota) against 1, and against more threads than cores (what torch picks on a box whose core
+count exceeds the process's share), on a quiet machine and with competing busy processes.
+
+    .venv/bin/python benchmarks/threads.py [--busy 1] [--threads 1,2,4,8]
+Each setting runs in its own subprocess (a DP-SGD step, ghost clipping, 17.1M-parameter model,
+B = 8 x 64 tokens, median of 5 steps); ratios are against the default in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import statistics
+import subprocess
+import sys
+import time
+
+
+def worker(threads: int) -> float:
+    import torch
+
+    from dpaudit.models.corpus import sentences
+    from dpaudit.models.embedded import build_model, build_tokenizer
+    from dpaudit.training.data import tokenize
+    from dpaudit.training.sgd import FirstOrderTrainer
+    from dpaudit.training.trainable import trainable_parameters
+
+    torch.set_num_threads(threads)
+    corpus = sentences(500, seed=0)
+    tok = build_tokenizer(corpus)
+    model = build_model(tok, hidden_size=512, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=8,
+                        num_key_value_heads=8)
+    params = trainable_parameters(model)
+    batch = tokenize(tok, [" ".join(corpus[i:i + 6]) for i in range(8)], 64).batch(range(8))
+    trainer = FirstOrderTrainer(model, params, lr=1e-4, private=True, clip=1.0, sigma=1.0, expected_batch_size=8)
+    trainer.step(batch)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        trainer.step(batch)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", default="1,2,4,8")
+    ap.add_argument("--busy", type=int, default=0, help="busy-loop processes competing for the cores")
+    ap.add_argument("--worker", type=int)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker)))
+        return
+    from dpaudit.threads import default_threads
+
+    default = default_threads()
+    counts = sorted({default, *(int(t) for t in args.threads.split(","))})
+    spinners = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(args.busy)]
+    for p in spinners:
+        p.start()
+    try:
+        seconds = {}
+        for n in counts:
+            out = subprocess.run([sys.executable, __file__, "--worker", str(n)], capture_output=True, text=True,
+                                 check=True)
+            seconds[n] = json.loads(out.stdout.strip().splitlines()[-1])
+    finally:
+        for p in spinners:
+            p.terminate()
+    print(f"DP-SGD step (ghost), 17.1M parameters, B = 8 x 64 tokens; {args.busy} busy processes; "
+          f"default threads here: {default}")
+    print(f"{'threads':>8}{'s/step':>10}{'x default':>11}")
+    for n, s in seconds.items():
+        print(f"{n:>8}{s:>10.3f}{s / seconds[default]:>11.2f}{'  (default)' if n == default else ''}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Peak memory of a training step, estimated from the model's config before any weight is loaded.
+
+A count of what a step keeps alive, not a measurement: weights, gradients and optimizer state of the
+trainable parameters, plus the activations autograd saves for a Llama-style block (about 10 hidden-
+and 4 intermediate-sized vectors, and the attention scores, per token and layer) and the logits (three
+vocabulary-sized float32 copies per token: the logits, their float32 cast and their gradient), which
+the backward pass frees as the gradients form (so only half of the smaller of the two is counted on
+top of the larger). DP-SGD with ghost clipping adds the output gradients alive during its norm pass
+(~15 %) and a second gradient-sized buffer; with materialised per-example gradients, one copy of the
+trainable parameters per example; DP-ZO keeps no activations beyond one forward; every process adds ~160 MB of its own. Checked against the live peaks that
+benchmarks/trainers.py measured (tests/test_memory.py holds them): 0-40 % above, the side to err on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+OVERHEAD = 160 * 2**20  # torch's own allocations, the tokenizer and the data (as accounting/budget.py)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    parameters: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    vocab: int
+
+    @classmethod
+    def of(cls, config, parameters: int) -> "ModelShape":
+        hidden = int(getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0) or 0)
+        return cls(parameters=parameters, hidden=hidden,
+                   intermediate=int(getattr(config, "intermediate_size", 0) or 4 * hidden),
+                   layers=int(getattr(config, "num_hidden_layers", 0) or getattr(config, "n_layer", 0) or 0),
+                   heads=int(getattr(config, "num_attention_heads", 0) or getattr(config, "n_head", 0) or 1),
+                   vocab=int(getattr(config, "vocab_size", 0) or 0))
+
+
+def peak_bytes(shape: ModelShape, *, trainable: int, method: str, examples: int, tokens: int, bf16: bool = False,
+               optimizer: str = "adamw", per_sample_grads: str = "ghost", private: bool = True) -> int:
+    """Estimated peak bytes of one step over ``examples`` sequences of ``tokens`` tokens at once."""
+    width = 2 if bf16 else 4
+    weights = shape.parameters * width
+    n = examples * tokens
+    logits = 3 * n * shape.vocab * 4
+    if method == "dp-zo":
+        return int(OVERHEAD + weights + logits + n * (8 * shape.hidden + 4 * shape.intermediate) * width)
+    moments = trainable * width * (2 if optimizer == "adamw" else 0)
+    grads = trainable * width
+    per_token_layer = 10 * shape.hidden + 4 * shape.intermediate + shape.heads * tokens
+    activations = n * shape.layers * per_token_layer * width + logits
+    extra = examples * trainable * width if private and per_sample_grads == "materialise" else 0
+    if private and per_sample_grads != "materialise":
+        activations *= 1.15  # output gradients alive during the norm pass
+        grads *= 2  # the clipped sum and its noisy copy
+    # Activations are freed as gradients form during the backward pass: the two overlap only in part.
+    return int(OVERHEAD + weights + moments + max(activations, grads) + min(activations, grads) / 2 + extra)
+
+
+def examples_that_fit(budget: int, **kwargs) -> int:
+    """The most examples per forward/backward whose estimate is within ``budget`` (0 if even one is not)."""
+    low, high = 0, 1
+    while high < 1 << 20 and peak_bytes(examples=high, **kwargs) <= budget:
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if peak_bytes(examples=mid, **kwargs) <= budget else (low, mid)
+    return low
+
+
+def largest_batch(expected: int) -> int:
+    """A Poisson batch of expected size B exceeds B + 4 sqrt(B) + 4 with probability below ~1e-4."""
+    return int(expected + 4 * math.sqrt(expected) + 4)
+
+
+def available_bytes() -> int | None:
+    """Memory this process may still use: MemAvailable, or less under a cgroup (v2) limit."""
+    found = []
+    try:
+        for line in open("/proc/meminfo", encoding="ascii"):
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError):
+        pass
+    try:
+        limit = open("/sys/fs/cgroup/memory.max", encoding="ascii").read().strip()
+        used = int(open("/sys/fs/cgroup/memory.current", encoding="ascii").read())
+        if limit != "max":
+            found.append(int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None

@@ -1,0 +1,58 @@
+"""The step-memory estimate behind `train --max-memory`: ordered as the methods' measured peaks are,
+monotone in the batch, and the refusal names a micro-batch that then passes; no folder is left."""
+
+import re
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from cli_helpers import assert_one_line_error, dpaudit
+from dpaudit.training import memory
+
+SHAPE = memory.ModelShape(parameters=17_100_000, hidden=512, intermediate=2048, layers=4, heads=8, vocab=512)
+COMMON = dict(trainable=17_100_000, tokens=64, optimizer="sgd")
+
+
+SMOL = memory.ModelShape(parameters=134_700_000, hidden=576, intermediate=1536, layers=30, heads=9, vocab=49152)
+# Live peaks (MiB) measured by benchmarks/trainers.py on 2026-11-23 (2 CPU cores, 64 tokens, SGD optimizer):
+MEASURED = [(SHAPE, 64, {"sgd": 1151, "ghost": 1304, "materialise": 4668, "dp-zo": 431}),
+            (SHAPE, 16, {"sgd": 471, "ghost": 528, "materialise": 1450, "dp-zo": 285}),
+            (SMOL, 8, {"sgd": 1646, "ghost": 1981, "materialise": 6230, "dp-zo": 984})]
+
+
+def _estimates(shape, examples):
+    c = dict(trainable=shape.parameters, tokens=64, optimizer="sgd", examples=examples)
+    return {"sgd": memory.peak_bytes(shape, method="dp-sgd", private=False, **c),
+            "ghost": memory.peak_bytes(shape, method="dp-sgd", **c),
+            "materialise": memory.peak_bytes(shape, method="dp-sgd", per_sample_grads="materialise", **c),
+            "dp-zo": memory.peak_bytes(shape, method="dp-zo", **c)}
+
+
+@pytest.mark.parametrize("shape,examples,measured", MEASURED)
+def test_estimates_are_at_or_a_little_above_the_measured_peaks(shape, examples, measured):
+    estimates = _estimates(shape, examples)
+    assert estimates["dp-zo"] < estimates["sgd"] < estimates["ghost"] < estimates["materialise"]
+    for method, mib in measured.items():
+        assert 0.95 * mib <= estimates[method] / 2**20 <= 1.45 * mib, method
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(min_value=300 * 2**20, max_value=64 * 2**30))
+def test_examples_that_fit_is_the_largest_within_budget(budget):
+    kwargs = dict(shape=SHAPE, method="dp-sgd", **COMMON)
+    k = memory.examples_that_fit(budget, **kwargs)
+    assert k == 0 or memory.peak_bytes(examples=k, **kwargs) <= budget
+    assert memory.peak_bytes(examples=k + 1, **kwargs) > budget
+
+
+def test_train_refuses_over_max_memory_and_names_the_micro_batch_that_fits(tiny_model_dir, tmp_path):
+    (tmp_path / "d.txt").write_text("".join(f"line {i} of plain text here\n" for i in range(400)))
+    args = ["train", "--model", tiny_model_dir, "-d", tmp_path / "d.txt", "--method", "dp-sgd", "--eps", "8",
+            "--steps", "1", "-B", "400", "--secret-seed", "0"]
+    out = dpaudit(*args, "-o", tmp_path / "run", "--max-memory", "300M")
+    assert_one_line_error(out)
+    assert not (tmp_path / "run").exists()
+    fits = int(re.search(r"--micro-batch (\d+) fits", out.stderr).group(1))
+    assert 0 < fits < 400
+    out = dpaudit(*args, "-o", tmp_path / "run2", "--max-memory", "300M", "--micro-batch", str(fits), "--json")
+    assert out.returncode == 0, out.stderr
