@@ -60,12 +60,13 @@ def main() -> None:
         return
     from dpaudit.threads import default_threads
 
-    default = default_threads()
-    counts = sorted({default, *(int(t) for t in args.threads.split(","))})
     spinners = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(args.busy)]
     for p in spinners:
         p.start()
     try:
+        time.sleep(0.5)
+        default = default_threads()  # what dpaudit would pick now, with the competing load running
+        counts = sorted({default, *(int(t) for t in args.threads.split(","))})
         seconds = {}
         for n in counts:
             out = subprocess.run([sys.executable, __file__, "--worker", str(n)], capture_output=True, text=True,

@@ -1,6 +1,7 @@
 """How many CPU threads torch may use: the cores this process may run on and its CPU quota allow, never
-more (torch's default of every core on the box thrashes a shared 2-core machine: a step took 40-60 s
-instead of about 4 s in issue 13's measurement)."""
+more, less the cores other processes are keeping busy right now (torch's threads wait for each other
+at every parallel region, so one thread on a taken core stalls them all: on a shared 2-core machine a
+step took 40-60 s instead of about 4 s in issue 13's measurement; benchmarks/threads.py)."""
 
 from __future__ import annotations
 
@@ -20,12 +21,42 @@ def cpu_quota() -> float | None:
         return None
 
 
+def _cpu_times(cpus: set[int]) -> dict[int, tuple[int, int]]:
+    """(busy, total) jiffies of each CPU in ``cpus``, from /proc/stat."""
+    out = {}
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+            ticks = [int(x) for x in fields[:8]]
+            out[int(name[3:])] = (sum(ticks) - ticks[3] - ticks[4], sum(ticks))  # idle and iowait are not busy
+    return out
+
+
+def busy_cores(cpus: set[int], interval: float = 0.1) -> float:
+    """How many of ``cpus`` other processes keep busy, sampled over ``interval`` seconds (0 if unknown)."""
+    import time
+
+    try:
+        before = _cpu_times(cpus)
+        time.sleep(interval)
+        after = _cpu_times(cpus)
+    except (OSError, ValueError):
+        return 0.0
+    busy = 0.0
+    for cpu, (b1, t1) in after.items():
+        b0, t0 = before.get(cpu, (b1, t1))
+        if t1 > t0:
+            busy += (b1 - b0) / (t1 - t0)
+    return busy
+
+
 def default_threads() -> int:
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    usable = len(cpus)
     quota = cpu_quota()
     if quota is not None:
         usable = min(usable, max(1, math.floor(quota)))
-    return max(1, usable)
+    return max(1, min(usable, round(len(cpus) - busy_cores(set(cpus)))))
 
 
 def set_threads(threads: int | None) -> int:
