@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import csv
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.markup import escape
 
 from dpaudit.cli.common import ForceOpt, JsonOpt, ThreadsOpt, console, emit_json
 from dpaudit.errors import DPAuditError
+
+if TYPE_CHECKING:
+    from dpaudit.audit.analysis import AuditResult
 
 app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Membership-inference audits against a claimed eps.")
 

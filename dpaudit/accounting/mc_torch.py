@@ -4,8 +4,6 @@ torch is imported only when this backend runs: importing the accounting core nev
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from dpaudit.accounting.mechanism import Mechanism

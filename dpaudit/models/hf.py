@@ -74,7 +74,7 @@ def resolve_model_path(path: str | Path) -> Path:
     ref = path / "refs" / "main"
     if ref.is_file():
         revision = ref.read_text(encoding="utf-8", errors="replace").strip()[:200]
-        if revision and (snapshots / revision).is_dir():
+        if revision not in ("", ".", "..") and Path(revision).name == revision and (snapshots / revision).is_dir():
             return snapshots / revision
     found = sorted(p for p in snapshots.iterdir() if p.is_dir())
     if len(found) == 1:

@@ -147,9 +147,9 @@ def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *,
 
     from dpaudit.lock import folder_lock
 
-    estimate = preflight(model_dir, cfg, len(texts)) if int(os.environ.get("RANK", "0")) == 0 else None
-    run_dir = Path(run_dir)
     main_process = int(os.environ.get("RANK", "0")) == 0
+    estimate = preflight(model_dir, cfg, len(texts)) if main_process else None
+    run_dir = Path(run_dir)
     with folder_lock(run_dir) if main_process else nullcontext():
         return _train(model_dir, texts, run_dir, cfg, resume=resume, show_progress=show_progress,
                       estimate=estimate)
@@ -218,6 +218,7 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
     from dpaudit.training.data import tokenize
     from dpaudit.training.distributed import setup_world
     from dpaudit.training.ledger import PrivacyLedger
+    from dpaudit.training.new_tokens import new_token_ids
     from dpaudit.training.sampling import poisson_batch, shuffled_batches
     from dpaudit.training.trainable import select_trainable, trainable_parameters
     from dpaudit.training.whitebox import TRANSCRIPT, GradientCanaryHook, TranscriptWriter, WhiteBoxCanaries
@@ -249,8 +250,6 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
         raise DPAuditError("the training set needs at least 2 examples")
     model, tokenizer = load_causal_lm(model_dir, dtype=torch.bfloat16 if cfg.bf16 else None)
     torch.manual_seed(cfg.seed)
-    from dpaudit.training.new_tokens import new_token_ids
-
     rows = new_token_ids(tokenizer) if cfg.trainable == "lora" else []  # canary rows train with the adapters
     model = select_trainable(model, cfg.trainable, cfg.lora_rank, rows).to(world.device)
     params = trainable_parameters(model)

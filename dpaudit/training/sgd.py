@@ -6,10 +6,9 @@ Two ways to the clipped sum sum_i min(1, C / ||g_i||) g_i, the same number up to
 - ``ghost`` (default; Opacus' fast gradient clipping, Li et al. 2022 "ghost clipping"): a first
   backward pass gives each example's gradient norm from the layer inputs and output gradients alone
   (||a_i^T b_i||^2 = <a_i a_i^T, b_i b_i^T> for a linear layer), without forming g_i; a second
-  backward of sum_i c_i l_i gives the clipped sum directly. Cost: one more backward than SGD, memory
-  about SGD's. Parameters used by two layers (tied input/output embeddings) are not covered by the
-  ghost identity, so the layers holding them get Opacus' per-layer per-example gradients, summed over
-  both uses and freed as soon as their norm is taken.
+  backward of sum_i c_i l_i gives the clipped sum directly. Cost: one more backward than SGD (the
+  first without weight gradients), memory about SGD's. A weight two layers use (tied input/output
+  embeddings) gets its exact norm from the pairwise products of the two layers' factors.
 - ``materialise``: Opacus' GradSampleModule stores every example's gradient (B x parameters), then
   DPOptimizer clips and sums. Kept for comparison (``--per-sample-grads materialise``).
 
