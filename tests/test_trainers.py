@@ -215,3 +215,14 @@ def test_bf16_dp_sgd_runs(tiny_model_dir, tmp_path):
     result = train(tiny_model_dir, TEXTS, tmp_path / "run", cfg, show_progress=False)
     tuned, _ = load_causal_lm(result.model_dir)
     assert next(tuned.parameters()).dtype == torch.bfloat16
+
+
+def test_dp_zo_micro_batches_give_the_same_losses(tiny_model_dir):
+    model, tok = load_causal_lm(tiny_model_dir)
+    params = trainable_parameters(select_trainable(model, "full"))
+    batch = tokenize(tok, TEXTS, 32).batch(range(len(TEXTS)))
+    whole = zo.perturbed_losses(model, params, batch, seed=3, phi=1e-3, scale=1.0)
+    zo.add_direction(params, 3, 1e-3)  # back to theta
+    chunked = zo.perturbed_losses(model, params, batch, seed=3, phi=1e-3, scale=1.0, micro_batch=5)
+    for a, b in zip(whole, chunked):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
