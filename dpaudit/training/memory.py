@@ -6,9 +6,10 @@ and 4 intermediate-sized vectors, and the attention scores, per token and layer)
 vocabulary-sized float32 copies per token: the logits, their float32 cast and their gradient), which
 the backward pass frees as the gradients form (so only half of the smaller of the two is counted on
 top of the larger). DP-SGD with ghost clipping adds the output gradients alive during its norm pass
-(~15 %) and a second gradient-sized buffer; with materialised per-example gradients, one copy of the
-trainable parameters per example; DP-ZO keeps no activations beyond one forward; every process adds ~160 MB of its own. Checked against the live peaks that
-benchmarks/trainers.py measured (tests/test_memory.py holds them): 0-40 % above, the side to err on.
+(~15 %); with materialised per-example gradients, one copy of the trainable parameters per example;
+DP-ZO keeps no activations beyond one forward; every process adds ~160 MB of its own. Checked
+against the live peaks benchmarks/trainers.py measured (tests/test_memory.py holds them): 0-45 %
+above (the side to err on), never more than 5 % below.
 """
 
 from __future__ import annotations
@@ -53,8 +54,7 @@ def peak_bytes(shape: ModelShape, *, trainable: int, method: str, examples: int,
     activations = n * shape.layers * per_token_layer * width + logits
     extra = examples * trainable * width if private and per_sample_grads == "materialise" else 0
     if private and per_sample_grads != "materialise":
-        activations *= 1.15  # output gradients alive during the norm pass
-        grads *= 2  # the clipped sum and its noisy copy
+        activations *= 1.15  # output gradients alive during the norm pass (noise is added in place)
     # Activations are freed as gradients form during the backward pass: the two overlap only in part.
     return int(OVERHEAD + weights + moments + max(activations, grads) + min(activations, grads) / 2 + extra)
 

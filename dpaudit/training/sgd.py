@@ -63,6 +63,30 @@ def _audited(cls):
 PER_SAMPLE_GRADS = ("ghost", "materialise")
 
 
+def _in_place(cls):
+    """Opacus' fast-gradient-clipping optimizer without its two extra gradient-sized buffers: p.grad
+    already holds the clipped sum, which Opacus copies to p.summed_grad and then adds the noise into a
+    third tensor. Here the sum is p.grad itself and the noise is added in place: the same draws, in
+    the same order, from the same generator."""
+    from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, _mark_as_processed
+
+    class InPlace(cls):
+        def accumulate(self):
+            for p in self.params:
+                p.summed_grad = p.grad
+
+        def add_noise(self):
+            for p in self.params:
+                _check_processed_flag(p.summed_grad)
+                p.summed_grad.add_(_generate_noise(std=self.noise_multiplier * self.max_grad_norm,
+                                                   reference=p.summed_grad, generator=self.generator,
+                                                   secure_mode=self.secure_mode))
+                _mark_as_processed(p.summed_grad)
+
+    InPlace.__name__ = f"InPlace{cls.__name__}"
+    return InPlace
+
+
 def _mask_padding(module, ids: torch.Tensor, output_grads: torch.Tensor) -> torch.Tensor:
     """An embedding's output gradients with the positions of its padding index zeroed: torch gives that
     row no gradient, but Opacus' embedding samplers would count it (in the norm, and in the sum)."""
@@ -265,7 +289,7 @@ class FirstOrderTrainer:
             # (sum of clipped gradients + one noise draw, on rank 0) / B, as in one process.
             if self.ghost:
                 cls = (dp.DistributedDPOptimizerFastGradientClipping if world_size > 1
-                       else dp.DPOptimizerFastGradientClipping)
+                       else _in_place(dp.DPOptimizerFastGradientClipping))
             else:
                 cls = dp.DistributedDPOptimizer if world_size > 1 else dp.DPOptimizer
             self.optimizer = _audited(cls)(base, noise_multiplier=sigma, max_grad_norm=clip,
