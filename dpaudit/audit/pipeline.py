@@ -71,7 +71,7 @@ def run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, force:
     from dpaudit.lock import folder_lock
 
     if kwargs.get("model") is not None:
-        preflight(kwargs["model"], cfg, settings.examples)  # before the output folder exists
+        preflight(kwargs["model"], cfg, settings.examples, warn=False)  # refusals before the folder exists
     out = prepare_folder(out, force)
     with folder_lock(out):
         return _run_audit(out, cfg, settings, **kwargs)

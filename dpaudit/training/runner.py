@@ -155,10 +155,11 @@ def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *,
                       estimate=estimate)
 
 
-def preflight(model_dir: Path, cfg: TrainConfig, examples: int) -> int | None:
+def preflight(model_dir: Path, cfg: TrainConfig, examples: int, warn: bool = True) -> int | None:
     """Refusals that need only the model's config, made before any folder is created or weight read:
     a trainable subset the model lacks, and (``cfg.max_memory``) a step estimated not to fit. Returns
-    the estimated peak bytes of a step (None when the folder has no config to read)."""
+    the estimated peak bytes of a step (None when the folder has no config to read). ``warn``: say when
+    the estimate is above the free memory (once per run: ``train`` says it, callers checking early don't)."""
     import torch
 
     from dpaudit.accounting.budget import human_bytes
@@ -192,7 +193,7 @@ def preflight(model_dir: Path, cfg: TrainConfig, examples: int) -> int | None:
                 "not even one example fits: try --trainable lora, --bf16 or --method dp-zo")
         raise DPAuditError(f"a step of {cfg.method} on {at_once} examples x {cfg.max_length} tokens needs about "
                            f"{human_bytes(estimate)}, over --max-memory {human_bytes(cfg.max_memory)}; {hint}")
-    available = memory.available_bytes()
+    available = memory.available_bytes() if warn else None
     if not cfg.max_memory and available is not None and estimate > available:
         import sys
 
