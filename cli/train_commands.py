@@ -38,6 +38,9 @@ MicroBatchOpt = Annotated[int, typer.Option(
 TrainMaxMemoryOpt = Annotated[Optional[str], typer.Option(
     "--max-memory", help="Refuse to start when a step is estimated to need more (e.g. 8G); the refusal names the "
                          "--micro-batch that fits. Without it, a step estimated above the free memory is a warning.")]
+ShardOpt = Annotated[bool, typer.Option(
+    "--shard", help="Under torchrun: shard weights, gradients and optimizer state over the processes (ZeRO-3, "
+                    "PyTorch FSDP2); same updates, log and accounting as one process.")]
 TrainSeedOpt = Annotated[int, typer.Option("--seed", help="Public seed (directions, adapters, canaries).")]
 SecretSeedOpt = Annotated[Optional[int], typer.Option(
     "--secret-seed", help="Seed for batches and noise (default: fresh OS entropy; set only for tests).")]
@@ -85,7 +88,7 @@ def train_cmd(
     steps: TrainStepsOpt = None, batch_size: TrainBatchOpt = 64, phi: PhiOpt = 1e-3,
     direction: DirectionOpt = "gaussian", trainable: TrainableOpt = "full", bf16: Bf16Opt = False,
     per_sample_grads: PerSampleGradsOpt = "ghost", micro_batch: MicroBatchOpt = 0,
-    max_memory: TrainMaxMemoryOpt = None,
+    max_memory: TrainMaxMemoryOpt = None, shard: ShardOpt = False,
     seed: TrainSeedOpt = 0, secret_seed: SecretSeedOpt = None, accountant: AccountantTrainOpt = None,
     data_format: FormatOpt = None, field: FieldOpt = "text",
     save_every: Annotated[int, typer.Option("--save-every", help="Checkpoint every k steps (0: at the end).")] = 0,
@@ -107,7 +110,7 @@ def train_cmd(
     cfg = make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction,
                       trainable, bf16, seed, secret_seed, accountant, save_every=save_every, white_box=white_box,
                       plant_bug=plant_bug, allow_overspend=allow_overspend, per_sample_grads=per_sample_grads,
-                      micro_batch=micro_batch, max_memory=max_memory)
+                      micro_batch=micro_batch, max_memory=max_memory, shard=shard)
     set_threads(threads)
     texts = read_texts(data, detect_format(data, data_format), field)
     result = train(model, texts, out, cfg, resume=resume, show_progress=not as_json)
@@ -128,7 +131,7 @@ def audit_run(
     phi: PhiOpt = 1e-3,
     direction: DirectionOpt = "gaussian", trainable: TrainableOpt = "full", bf16: Bf16Opt = False,
     per_sample_grads: PerSampleGradsOpt = "ghost", micro_batch: MicroBatchOpt = 0,
-    max_memory: TrainMaxMemoryOpt = None,
+    max_memory: TrainMaxMemoryOpt = None, shard: ShardOpt = False,
     seed: TrainSeedOpt = 0, secret_seed: SecretSeedOpt = None, accountant: AccountantTrainOpt = None,
     model: Annotated[Optional[Path], typer.Option("--model", help="Local causal LM (default: embedded).")] = None,
     data: Annotated[Optional[Path], typer.Option("--data", "-d", help="Training data (default: synthetic).")] = None,
@@ -164,7 +167,7 @@ def audit_run(
     cfg = make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction,
                       trainable, bf16, seed, secret_seed, accountant, unsafe_disable_noise=unsafe_disable_noise,
                       plant_bug=plant_bug, per_sample_grads=per_sample_grads, micro_batch=micro_batch,
-                      max_memory=max_memory)
+                      max_memory=max_memory, shard=shard)
     if white_box:
         cfg = dataclasses.replace(cfg, white_box=canaries or white_box_canaries(cfg))
     set_threads(threads)

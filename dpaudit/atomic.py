@@ -104,13 +104,13 @@ def atomic_folder(path: Path):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def save_model_folder(path: Path, model, tokenizer, extra_json: dict | None = None) -> Path:
+def save_model_folder(path: Path, model, tokenizer, extra_json: dict | None = None, state_dict=None) -> Path:
     """A Hugging Face model folder (safetensors, plus ``extra_json`` files), written whole or not at all,
-    marked as dpaudit's."""
+    marked as dpaudit's. ``state_dict``: the weights to write instead of the model's own."""
     from dpaudit.lock import mark
 
     with atomic_folder(path) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
         tokenizer.save_pretrained(tmp)
         for name, data in (extra_json or {}).items():
             atomic_write_json(tmp / name, data)

@@ -1,4 +1,5 @@
-"""Launched by tests/test_distributed.py under torchrun: one short training run, same seeds on every rank."""
+"""Launched by tests/test_distributed.py under torchrun: one short training run, same seeds on every rank.
+argv: model run method [options: shard, sphere, bf16, micro, save, resume, stop=K (exit at step K)]."""
 
 import sys
 from pathlib import Path
@@ -7,8 +8,30 @@ from dpaudit.training.runner import TrainConfig, train
 
 TEXTS = [f"Carol number {i} sells {'maps' if i % 2 else 'tea'} in Oslo." for i in range(40)]
 
+
+def stop_after(steps: int) -> None:
+    """Every rank exits as the step after ``steps`` begins, as a killed run would (batches are drawn once a step)."""
+    import dpaudit.training.sampling as sampling
+
+    draw, calls = sampling.poisson_batch, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > steps:
+            raise SystemExit(3)
+        return draw(*args, **kwargs)
+
+    sampling.poisson_batch = counted
+
+
 if __name__ == "__main__":
-    model, run, method = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    model, run, method, *options = Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:]
+    stop = next((int(o[5:]) for o in options if o.startswith("stop=")), 0)
+    if stop:
+        stop_after(stop)
     lr = 1e-3 if method == "dp-zo" else 1e-2
-    cfg = TrainConfig(method=method, target_epsilon=4.0, steps=6, batch_size=12, lr=lr, secret_seed=11)
-    train(model, TEXTS, run, cfg, show_progress=False)
+    cfg = TrainConfig(method=method, target_epsilon=4.0, steps=6, batch_size=12, lr=lr, secret_seed=11,
+                      shard="shard" in options, direction="sphere" if "sphere" in options else "gaussian",
+                      bf16="bf16" in options, micro_batch=3 if "micro" in options else 0,
+                      save_every=2 if "save" in options else 0, allow_overspend="resume" in options)
+    train(model, TEXTS, run, cfg, resume="resume" in options, show_progress=False)

@@ -1,5 +1,6 @@
 """A 2-process gloo run (torchrun) gives the same weights as one process with the same seeds,
-for DP-ZO and DP-SGD: data parallelism changes neither the released quantities nor the accounting."""
+for DP-ZO and DP-SGD, data parallel or sharded (--shard, FSDP2): neither changes the released
+quantities nor the accounting."""
 
 import json
 import os
@@ -15,12 +16,24 @@ from dpaudit.training.replay import max_weight_difference
 WORKER = Path(__file__).with_name("distributed_worker.py")
 
 
-def launch(model, run, method, procs):
+def launch(model, run, method, procs, *options):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}",
-           str(WORKER), str(model), str(run), method]
+           str(WORKER), str(model), str(run), method, *options]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})  # gloo, on CPU
-    assert out.returncode == 0, out.stderr[-3000:]
+    stopped = any(o.startswith("stop=") for o in options)
+    assert (out.returncode != 0) if stopped else (out.returncode == 0), out.stderr[-3000:]
+
+
+def weights_gap(run_a, run_b, base):
+    """(largest weight change of run a, largest difference between the two runs' models)."""
+    a, _ = load_causal_lm(run_a / "model")
+    b, _ = load_causal_lm(run_b / "model")
+    return max_weight_difference(a, load_causal_lm(base)[0]), max_weight_difference(b, a)
+
+
+def zo_log(run):
+    return [json.loads(x) for x in (run / "zo_steps.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize("method", ["dp-zo", "dp-sgd"])
@@ -42,6 +55,85 @@ def test_two_gloo_processes_match_one(tiny_model_dir, tmp_path, method):
                 for d in ("one", "two")]
         assert [r["seed"] for r in logs[0]] == [r["seed"] for r in logs[1]]
         assert [r["scalar"] for r in logs[0]] == pytest.approx([r["scalar"] for r in logs[1]], rel=1e-5, abs=1e-7)
+
+
+@pytest.fixture(scope="module")
+def sharded_zo(tiny_model_dir, tmp_path_factory):
+    """DPZero directions (the sphere scale needs the ranks' partial sums) and micro-batches of 3, so the
+    ranks' shares need different numbers of passes and the smaller one pads."""
+    root = tmp_path_factory.mktemp("sharded_zo")
+    launch(tiny_model_dir, root / "one", "dp-zo", 1, "sphere", "micro")
+    launch(tiny_model_dir, root / "two", "dp-zo", 2, "sphere", "micro", "shard")
+    return root
+
+
+def test_sharded_dp_zo_matches_one_process(sharded_zo, tiny_model_dir):
+    moved, gap = weights_gap(sharded_zo / "one", sharded_zo / "two", tiny_model_dir)
+    assert moved > 1e-4, "the run did not train"
+    assert gap <= 1e-5 * max(1.0, moved), (gap, moved)
+    logs = [zo_log(sharded_zo / d) for d in ("one", "two")]
+    assert [r["seed"] for r in logs[0]] == [r["seed"] for r in logs[1]]
+    assert [r["scalar"] for r in logs[0]] == pytest.approx([r["scalar"] for r in logs[1]], rel=1e-5, abs=1e-7)
+    ledgers = [json.loads((sharded_zo / d / "privacy_ledger.json").read_text()) for d in ("one", "two")]
+    assert ledgers[0]["epsilon_spent"] == ledgers[1]["epsilon_spent"]
+    meta = json.loads((sharded_zo / "two" / "run_config.json").read_text())
+    assert meta["sharded"] is True and meta["config"]["shard"] is True
+
+
+def test_a_sharded_dp_zo_run_replays_on_one_process(sharded_zo):
+    from dpaudit.training.replay import replay_run
+
+    replayed, _ = replay_run(sharded_zo / "two")
+    trained, _ = load_causal_lm(sharded_zo / "two" / "model")
+    assert max_weight_difference(replayed, trained) < 1e-5
+
+
+def test_sharded_dp_sgd_matches_one_process(tiny_model_dir, tmp_path):
+    launch(tiny_model_dir, tmp_path / "one", "dp-sgd", 1, "micro")
+    launch(tiny_model_dir, tmp_path / "two", "dp-sgd", 2, "micro", "shard")
+    moved, gap = weights_gap(tmp_path / "one", tmp_path / "two", tiny_model_dir)
+    assert moved > 1e-3, "the run did not train"
+    assert gap <= 1e-5 * max(1.0, moved), (gap, moved)
+    ledgers = [json.loads((tmp_path / d / "privacy_ledger.json").read_text()) for d in ("one", "two")]
+    assert ledgers[0]["epsilon_spent"] == ledgers[1]["epsilon_spent"]
+
+
+def test_a_sharded_dp_sgd_run_checkpoints_and_resumes_as_one_process_does(tiny_model_dir, tmp_path):
+    """Killed after step 5 with checkpoints every 2 steps, then resumed: the checkpoint holds whole
+    weights and optimizer state, gathered from the shards, and a resumed sharded run ends where a resumed
+    single-process run does. A sharded checkpoint is not resumed without --shard."""
+    for procs, name, extra in ((1, "one", ()), (2, "two", ("shard",))):
+        launch(tiny_model_dir, tmp_path / name, "dp-sgd", procs, "save", "stop=5", *extra)
+        state = json.loads((tmp_path / name / "checkpoint" / "trainer_state.json").read_text())
+        assert state["step"] == 4 and state["sharded"] is (procs == 2)
+        assert (tmp_path / name / "checkpoint" / "optimizer.pt").is_file()
+    from cli_helpers import dpaudit
+
+    data = tmp_path / "texts.txt"
+    data.write_text("\n".join(f"line {i}" for i in range(40)) + "\n")
+    refused = dpaudit("train", "--model", tiny_model_dir, "--data", data, "-o", tmp_path / "two", "--resume",
+                      "--eps", "4", "-T", "6", "-B", "12", "--lr", "1e-2", "--save-every", "2", "--allow-overspend")
+    assert refused.returncode == 2 and "--shard" in refused.stderr and "Traceback" not in refused.stderr
+    for procs, name, extra in ((1, "one", ()), (2, "two", ("shard",))):
+        launch(tiny_model_dir, tmp_path / name, "dp-sgd", procs, "save", "resume", *extra)
+    moved, gap = weights_gap(tmp_path / "one", tmp_path / "two", tiny_model_dir)
+    assert moved > 1e-3 and gap <= 1e-5 * max(1.0, moved), (gap, moved)
+
+
+def test_sharded_bf16_keeps_float32_master_weights(tiny_model_dir, tmp_path):
+    """--bf16 --shard: computed in bf16, but the shards the optimizer updates stay float32, so the saved
+    model is float32 (a single-process --bf16 run holds and saves bf16 weights)."""
+    from safetensors import safe_open
+
+    launch(tiny_model_dir, tmp_path / "two", "dp-sgd", 2, "bf16", "shard")
+    saved = set()
+    for f in (tmp_path / "two" / "model").glob("*.safetensors"):
+        with safe_open(f, "pt") as h:
+            saved |= {h.get_slice(k).get_dtype() for k in h.keys()}
+    assert saved == {"F32"}
+    model, _ = load_causal_lm(tmp_path / "two" / "model")
+    moved = max_weight_difference(model, load_causal_lm(tiny_model_dir)[0])
+    assert 1e-3 < moved < 1.0
 
 
 def test_a_rank_without_its_own_gpu_is_refused(monkeypatch):

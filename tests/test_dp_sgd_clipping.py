@@ -28,7 +28,7 @@ def privatised_gradient(model_dir, mode, subset="full", indices=range(len(TEXTS)
     model = select_trainable(model, subset, 4)
     params = trainable_parameters(model)
     trainer = FirstOrderTrainer(model, params, lr=0.0, private=True, clip=clip, sigma=sigma, expected_batch_size=4,
-                                noise_generator=torch.Generator().manual_seed(1), optimizer="sgd",
+                                noise_seed=1, optimizer="sgd",
                                 per_sample_grads=mode, micro_batch=micro_batch)
     batch = tokenize(tok, TEXTS, 24).batch(list(indices))
     trainer.step(batch, len(indices))

@@ -66,7 +66,7 @@ def test_dp_sgd_noise_has_calibrated_scale(tiny_model_dir):
     params = trainable_parameters(select_trainable(model, "bias"))
     sigma, clip, batch = 1.7, 0.3, 8
     trainer = FirstOrderTrainer(model, params, lr=0.0, private=True, clip=clip, sigma=sigma,
-                                expected_batch_size=batch, noise_generator=torch.Generator().manual_seed(0))
+                                expected_batch_size=batch, noise_seed=0)
     trainer.step({"input_ids": torch.zeros((0, 4), dtype=torch.long),
                   "attention_mask": torch.zeros((0, 4), dtype=torch.long)})  # no example: pure noise
     noise = torch.cat([p.grad.flatten() for p in params]).double().numpy()
@@ -117,6 +117,37 @@ def test_dp_zo_replay_reproduces_weights(zo_run, tiny_model_dir):
     assert len(log) == 25 and set(json.loads(log[0])) == {"step", "seed", "scalar"}
 
 
+def test_runs_before_the_block_stream_replay_with_the_sequential_one(zo_run, tiny_model_dir, tmp_path):
+    """A run folder without ``direction_stream`` (made before streams.py) drew z from one generator over
+    the parameters in order; replay must use that stream for it, and refuse streams it does not know."""
+    import shutil
+
+    from dpaudit.errors import DPAuditError
+    from dpaudit.training.replay import replay_run
+    from dpaudit.training.streams import LEGACY, STREAM
+    from dpaudit.training.trainable import trainable_parameters
+
+    meta = json.loads((zo_run.run_dir / "run_config.json").read_text())
+    assert meta["direction_stream"] == STREAM
+    old = tmp_path / "old_run"
+    shutil.copytree(zo_run.run_dir, old)
+    meta.pop("direction_stream")
+    (old / "run_config.json").write_text(json.dumps(meta))
+    replayed, _ = replay_run(old)
+    expected, _ = load_causal_lm(tiny_model_dir)
+    params = trainable_parameters(expected)
+    steps = [json.loads(line) for line in (old / "zo_steps.jsonl").read_text().splitlines()]
+    with torch.no_grad():
+        for r in steps:  # the sequential stream, written out
+            gen = torch.Generator().manual_seed(r["seed"])
+            for p in params:
+                p.add_(torch.randn(p.shape, generator=gen), alpha=-meta["config"]["lr"] * r["scalar"])
+    assert max_weight_difference(replayed, expected) < 1e-6
+    assert max_weight_difference(replayed, load_causal_lm(zo_run.model_dir)[0]) > 1e-4  # another stream
+    (old / "run_config.json").write_text(json.dumps({**meta, "direction_stream": "blocks-v9"}))
+    with pytest.raises(DPAuditError, match="blocks-v9"):
+        replay_run(old)
+    assert LEGACY != STREAM
 
 
 def test_replay_command_rebuilds_the_run_model(zo_run, tiny_model_dir, tmp_path):

@@ -36,6 +36,21 @@ def split(batch: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.Ten
     return [{k: v[i:i + size] for k, v in batch.items()} for i in range(0, n, size)] or [batch]
 
 
+def padded_chunks(batch: dict[str, torch.Tensor], size: int, passes: int) -> list[tuple[dict, bool]]:
+    """(chunk, real) pairs: the batch's chunks of at most ``size`` examples, then placeholder chunks (one
+    example, no target token, its result ignored) up to ``passes`` in all. Ranks of a sharded model
+    gather weights in every pass, so each runs the same number of passes whatever its share."""
+    n, width = batch["input_ids"].shape
+    chunks = [(chunk, True) for chunk in split(batch, size)] if n else []
+    if len(chunks) > passes:
+        raise ValueError(f"{len(chunks)} chunks exceed the {passes} passes every rank runs")
+    ids = torch.zeros((1, width), dtype=batch["input_ids"].dtype, device=batch["input_ids"].device)
+    mask = torch.zeros_like(ids)
+    mask[:, 0] = 1
+    placeholder = {"input_ids": ids, "attention_mask": mask}
+    return chunks + [(placeholder, False)] * (passes - len(chunks))
+
+
 def per_example_loss(model, batch: dict[str, torch.Tensor], micro_batch: int = 0) -> torch.Tensor:
     """Mean next-token cross-entropy of each example (padding ignored), in float32; ``micro_batch``:
     at most that many examples per forward pass."""

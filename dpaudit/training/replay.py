@@ -13,6 +13,7 @@ def replay_run(run_dir: Path, base_model: Path | None = None):
     import torch
 
     from dpaudit.models.loading import load_causal_lm
+    from dpaudit.training.streams import LEGACY, STREAM
     from dpaudit.training.trainable import merged, select_trainable, trainable_parameters
     from dpaudit.training.zo import replay
 
@@ -34,7 +35,11 @@ def replay_run(run_dir: Path, base_model: Path | None = None):
     if device == "cuda" and not torch.cuda.is_available():
         raise DPAuditError("this run drew its DP-ZO directions on a GPU (CUDA generator); replay it on a machine with one")
     model.to(device)
-    replay(trainable_parameters(model), steps, cfg["lr"], cfg["direction"])
+    # Runs made before the position-addressable stream drew z from one generator in sequence.
+    stream = meta.get("direction_stream", LEGACY)
+    if stream not in (LEGACY, STREAM):
+        raise DPAuditError(f"this run drew its directions with stream {stream!r}, unknown to this dpaudit; upgrade it")
+    replay(trainable_parameters(model), steps, cfg["lr"], cfg["direction"], stream)
     return merged(model).to("cpu"), tokenizer
 
 

@@ -56,6 +56,7 @@ class TrainConfig:
     per_sample_grads: str = "ghost"      # dp-sgd: ghost (clipped sums without per-example gradients) or materialise
     micro_batch: int = 0                 # at most this many examples per forward/backward (0: the whole batch)
     max_memory: int | None = None        # refuse a step estimated above this many bytes (training/memory.py)
+    shard: bool = False                  # under torchrun: weights, gradients, optimizer state sharded (FSDP2)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -91,6 +92,13 @@ class TrainConfig:
         self.bug = planted_bug(self.plant_bug, self.method)
         if self.white_box and not self.private:
             raise DPAuditError("a white-box audit needs a private run (give --eps or --sigma)")
+        if self.shard:
+            why = ("LoRA (its adapters are small; plain torchrun data parallelism suits it)" if self.trainable == "lora"
+                   else "--per-sample-grads materialise (sharded DP-SGD uses ghost clipping)"
+                   if self.method == "dp-sgd" and self.per_sample_grads == "materialise"
+                   else "white-box canaries" if self.white_box else "planted bugs" if self.plant_bug else None)
+            if why:
+                raise DPAuditError(f"--shard does not run with {why}")
 
     @property
     def private(self) -> bool:
@@ -123,13 +131,14 @@ class TrainResult:
         return d
 
 
-def _save_checkpoint(run_dir: Path, model, tokenizer, state: dict, trainer_state=None) -> None:
-    """Write the checkpoint beside the old one, then swap, so a crash leaves one intact copy."""
+def _save_checkpoint(run_dir: Path, model, tokenizer, state: dict, trainer_state=None, weights=None) -> None:
+    """Write the checkpoint beside the old one, then swap, so a crash leaves one intact copy.
+    ``weights``: the gathered state of a sharded model (saved in the same plain format)."""
     import torch
 
     tmp, final, old = run_dir / ".checkpoint.tmp", run_dir / "checkpoint", run_dir / ".checkpoint.old"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, safe_serialization=True, state_dict=weights)
     tokenizer.save_pretrained(tmp)
     if trainer_state is not None:
         torch.save(trainer_state, tmp / "optimizer.pt")
@@ -221,6 +230,7 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
     from dpaudit.training.ledger import PrivacyLedger
     from dpaudit.training.new_tokens import new_token_ids
     from dpaudit.training.sampling import poisson_batch, shuffled_batches
+    from dpaudit.training.streams import STREAM
     from dpaudit.training.trainable import select_trainable, trainable_parameters
     from dpaudit.training.whitebox import TRANSCRIPT, GradientCanaryHook, TranscriptWriter, WhiteBoxCanaries
 
@@ -249,10 +259,18 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
 
     if len(texts) < 2:
         raise DPAuditError("the training set needs at least 2 examples")
-    model, tokenizer = load_causal_lm(model_dir, dtype=torch.bfloat16 if cfg.bf16 else None)
+    sharded = cfg.shard and world.size > 1
+    # Sharded bf16: float32 shards (the optimizer's master copy), gathered and computed in bf16.
+    model, tokenizer = load_causal_lm(model_dir, dtype=torch.bfloat16 if cfg.bf16 and not sharded else None)
     torch.manual_seed(cfg.seed)
     rows = new_token_ids(tokenizer) if cfg.trainable == "lora" else []  # canary rows train with the adapters
     model = select_trainable(model, cfg.trainable, cfg.lora_rank, rows).to(world.device)
+    sharding = None
+    if sharded:
+        from dpaudit.training.shard import Sharding, shard_model
+
+        shard_model(model, world.device, world.size, cfg.bf16, cfg.method == "dp-zo")
+        sharding = Sharding(world.size, world.sum)
     params = trainable_parameters(model)
     data = tokenize(tokenizer, texts, cfg.max_length)
     n_real = len(data)
@@ -299,6 +317,7 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
                                                         "expected_batch_size": batch_size,
                                                         "direction_device": params[0].device.type,
                                                         "lora_new_token_rows": rows,
+                                                        "direction_stream": STREAM, "sharded": sharded,
                                                         "estimated_peak_bytes": estimate})
         if canaries is not None:
             canaries.save(run_dir)
@@ -311,13 +330,13 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
         zo = ZOSettings(lr=cfg.lr, phi=cfg.phi, clip=cfg.clip if cfg.private else None,
                         noise=cfg.mechanism if cfg.private and noise_sigma > 0 else None, sigma=noise_sigma,
                         direction=cfg.direction, clip_examples=not cfg.bug.skip_clipping,
-                        micro_batch=cfg.micro_batch)
+                        micro_batch=cfg.micro_batch, stream=STREAM)
         log_path = run_dir / "zo_steps.jsonl"
         if main:
             _truncate_log(log_path, start)
         trainer = ZOTrainer(model, params, zo, run_seed=cfg.seed, expected_batch=batch_size, private=cfg.private,
                             rng=rng, log_path=log_path if main else None, bug=cfg.bug, canaries=canaries,
-                            clip=cfg.clip, all_sum=world.sum)
+                            clip=cfg.clip, all_sum=world.sum, sharding=sharding)
     else:
         from dpaudit.training.sgd import FirstOrderTrainer
 
@@ -325,11 +344,15 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
         transcript = TranscriptWriter(run_dir / TRANSCRIPT, start, canaries.m) if hook and main else None
         trainer = FirstOrderTrainer(model, params, lr=cfg.lr, private=cfg.private, clip=cfg.clip,
                                     sigma=noise_sigma, expected_batch_size=batch_size,
-                                    noise_generator=torch.Generator(world.device).manual_seed(int(secret) + start),
+                                    noise_seed=int(secret),
                                     optimizer=cfg.optimizer, world_size=world.size, hook=hook, bug=cfg.bug,
                                     transcript=transcript, per_sample_grads=cfg.per_sample_grads,
-                                    micro_batch=cfg.micro_batch)
+                                    micro_batch=cfg.micro_batch, sharding=sharding)
         if start and (checkpoint / "optimizer.pt").is_file():
+            saved = json.loads((checkpoint / "trainer_state.json").read_text()).get("sharded", False)
+            if saved != sharded:
+                raise DPAuditError(f"the checkpoint in {run_dir} was saved {'with' if saved else 'without'} --shard "
+                                   "over several processes; resume it the same way")
             trainer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=True))
 
     last_loss = None
@@ -346,14 +369,19 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
                 if main:
                     ledger.record(step + 1 + discarded, steps_in_model=step + 1)
                 advance(1, f"step {step + 1}, loss {last_loss:.4g}, eps spent {ledger.spent(step + 1 + discarded):.4g}")
-                if main and cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
-                    _checkpoint(run_dir, model, tokenizer, cfg, step + 1, trainer.state_dict())
+                if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps and cfg.trainable != "lora":
+                    weights = full_state_dict(model) if sharded else None  # every rank takes part
+                    state = trainer.state_dict() if main or sharded else None
+                    if main:
+                        _save_checkpoint(run_dir, model, tokenizer, {"step": step + 1, "config": _config_for_state(cfg),
+                                                                     "sharded": sharded}, state, weights)
     finally:
         trainer.close()
     seconds = time.perf_counter() - began
     final = run_dir / "model"
+    weights = full_state_dict(model) if sharded else None  # every rank takes part
     if main:  # the finished model replaces the resume checkpoint (no second copy of the weights)
-        final = _export(run_dir, model, tokenizer)
+        final = _export(run_dir, model, tokenizer, weights)
         shutil.rmtree(checkpoint, ignore_errors=True)
     world.barrier()
     return TrainResult(run_dir=run_dir, model_dir=final, private=plan.private, sigma=sigma,
@@ -384,24 +412,25 @@ def _config_for_state(cfg: TrainConfig) -> dict:
 
 
 # How a step is computed, not what it computes: a resume may change them.
-EXECUTION_ONLY = ("per_sample_grads", "micro_batch", "max_memory")
+EXECUTION_ONLY = ("per_sample_grads", "micro_batch", "max_memory", "shard")
 
 
 def _plan(config: dict) -> dict:
     return {k: v for k, v in config.items() if k not in EXECUTION_ONLY}
 
 
-def _checkpoint(run_dir, model, tokenizer, cfg, step, trainer_state) -> None:
-    if cfg.trainable == "lora":
-        return  # adapters are merged once, at export
-    _save_checkpoint(run_dir, model, tokenizer, {"step": step, "config": _config_for_state(cfg)}, trainer_state)
+def full_state_dict(model) -> dict:
+    from dpaudit.training.shard import full_state_dict as gather
+
+    return gather(model)
 
 
-def _export(run_dir: Path, model, tokenizer) -> Path:
-    """The fine-tuned model as a plain Hugging Face directory (LoRA merged), for auditing and use."""
+def _export(run_dir: Path, model, tokenizer, weights: dict | None = None) -> Path:
+    """The fine-tuned model as a plain Hugging Face directory (LoRA merged), for auditing and use.
+    ``weights``: the whole state of a sharded model, gathered on this rank."""
     from dpaudit.training.trainable import merged
 
-    return save_model_folder(run_dir / "model", merged(model), tokenizer)
+    return save_model_folder(run_dir / "model", merged(model), tokenizer, state_dict=weights)
 
 
 def _truncate_log(path: Path, steps: int) -> None:

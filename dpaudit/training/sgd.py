@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from dpaudit.training.data import per_example_loss, split
+from dpaudit.training.data import padded_chunks, per_example_loss, split
+from dpaudit.training.streams import add_normal_, step_key
 
 
 def _audited(cls):
@@ -32,6 +33,7 @@ def _audited(cls):
         hook = None                 # GradientCanaryHook or None
         skip_clipping = False
         realised_batch: int | None = None   # set per step when the "actual-batch" bug is planted
+        noise_key: int = 0                  # the step's noise stream (streams.step_key), set per step
 
         def clip_and_accumulate(self):
             if not self.skip_clipping:
@@ -43,9 +45,21 @@ def _audited(cls):
                 self.max_grad_norm = kept
 
         def add_noise(self):
+            """The clipped sum plus N(0, (sigma C)^2 I) drawn from the step's position-addressable stream
+            (streams.py; the same numbers a sharded run draws slice by slice), added in place; under
+            data parallelism on rank 0 only, before the ranks' sums are added."""
+            from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
+
             if self.hook is not None:
                 self.hook.add_to_sum(self.params, float("inf") if self.skip_clipping else self.max_grad_norm)
-            super().add_noise()
+            std = self.noise_multiplier * self.max_grad_norm
+            adds = getattr(self, "rank", 0) == 0
+            for i, p in enumerate(self.params):
+                _check_processed_flag(p.summed_grad)
+                if adds and std > 0:
+                    add_normal_(p.summed_grad, self.noise_key, i, std)
+                p.grad = p.summed_grad.view_as(p)
+                _mark_as_processed(p.summed_grad)
 
         def scale_grad(self):
             if self.realised_batch is None:
@@ -64,27 +78,45 @@ PER_SAMPLE_GRADS = ("ghost", "materialise")
 
 
 def _in_place(cls):
-    """Opacus' fast-gradient-clipping optimizer without its two extra gradient-sized buffers: p.grad
-    already holds the clipped sum, which Opacus copies to p.summed_grad and then adds the noise into a
-    third tensor. Here the sum is p.grad itself and the noise is added in place: the same draws, in
-    the same order, from the same generator."""
-    from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, _mark_as_processed
+    """Opacus' fast-gradient-clipping optimizer without its gradient-sized copy: p.grad already holds
+    the clipped sum, which Opacus copies to p.summed_grad before adding the noise; here the sum is
+    p.grad itself (add_noise then adds in place)."""
 
     class InPlace(cls):
         def accumulate(self):
             for p in self.params:
                 p.summed_grad = p.grad
 
-        def add_noise(self):
-            for p in self.params:
-                _check_processed_flag(p.summed_grad)
-                p.summed_grad.add_(_generate_noise(std=self.noise_multiplier * self.max_grad_norm,
-                                                   reference=p.summed_grad, generator=self.generator,
-                                                   secure_mode=self.secure_mode))
-                _mark_as_processed(p.summed_grad)
-
     InPlace.__name__ = f"InPlace{cls.__name__}"
     return InPlace
+
+
+class _NoisyShards:
+    """DP-SGD's release on sharded weights (DP-ZeRO, shard.py): after the reduce-scatter, each rank's
+    p.grad holds its slice of the clipped sum over all ranks' examples; the rank adds its slice of the
+    step's noise stream (the numbers one process adds to the whole sum), divides by the expected batch
+    size, and the base optimizer updates its shards. No copy of a gradient is made."""
+
+    def __init__(self, base, params, std: float, expected_batch_size: float) -> None:
+        self.original_optimizer, self.params = base, params
+        self.std, self.expected_batch_size = std, expected_batch_size
+        self.noise_key = 0
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.original_optimizer.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        from dpaudit.training.shard import local_slices
+
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for i, (grad, at, total) in enumerate(local_slices([p.grad for p in self.params])):
+            if self.std > 0:
+                add_normal_(grad, self.noise_key, i, self.std, at, total)
+            grad.div_(self.expected_batch_size)
+        self.original_optimizer.step()
 
 
 def _mask_padding(module, ids: torch.Tensor, output_grads: torch.Tensor) -> torch.Tensor:
@@ -163,13 +195,22 @@ def _ghost_module(model, clip: float):
     """
     from opacus.grad_sample import GradSampleModuleFastGradientClipping
 
-    users: dict[int, int] = {}
-    for m in model.modules():
-        for p in m.parameters(recurse=False):
-            if p.requires_grad:
-                users[id(p)] = users.get(id(p), 0) + 1
-    hooked = [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
-    tied = {id(m) for m in hooked if any(users[id(p)] > 1 for p in m.parameters(recurse=False) if p.requires_grad)}
+    # Parameters are named, not held: under FSDP2 a layer's hooks see gathered copies of its weights,
+    # not the sharded parameters, so norms are kept by (layer, attribute) -> first name.
+    name_of: dict[tuple[int, str], str] = {}
+    first: dict[int, str] = {}
+    users: dict[str, int] = {}
+    hooked = []
+    for prefix, m in model.named_modules():
+        mine = [(attr, p) for attr, p in m.named_parameters(recurse=False) if p.requires_grad]
+        for attr, p in mine:
+            name = first.setdefault(id(p), f"{prefix}.{attr}" if prefix else attr)
+            name_of[(id(m), attr)] = name
+            users[name] = users.get(name, 0) + 1
+        if mine:
+            hooked.append(m)
+    tied = {id(m) for m in hooked if any(users[name_of[(id(m), a)]] > 1 for a, p in m.named_parameters(recurse=False)
+                                         if p.requires_grad)}
     exact = {id(m) for m in hooked if id(m) in tied and (
         type(m) is torch.nn.Linear or (type(m) is torch.nn.Embedding and m.max_norm is None
                                        and not m.scale_grad_by_freq and not m.sparse))}
@@ -182,7 +223,8 @@ def _ghost_module(model, clip: float):
             device = next(model.parameters()).device
             self.probe = torch.zeros((), device=device, requires_grad=True)
             self.all_probed = True
-            self.uses: dict[int, list] = {}  # tied weight -> its uses' gradient factors so far
+            self.uses: dict[str, list] = {}  # tied weight -> its uses' gradient factors so far
+            self.norms: dict[str, torch.Tensor] = {}  # parameter name -> per-example gradient norms
             for m in hooked:  # removed with Opacus' own hooks
                 self.autograd_grad_sample_hooks.append(m.register_forward_hook(self._add_probe))
 
@@ -197,15 +239,30 @@ def _ghost_module(model, clip: float):
         def norm_pass(self, loss, params) -> torch.Tensor:
             """Runs the hooks (each example's gradient norm); returns the clipping factors."""
             inputs = [self.probe] if self.all_probed else params
-            for p in self.trainable_parameters:
-                p._norm_sample = None
+            self.norms = {}
             torch.autograd.grad(loss, inputs, retain_graph=True, allow_unused=True)
             self.all_probed = True
-            if any(p._norm_sample is None for p in self.trainable_parameters):  # never a stale norm
+            if set(users) - set(self.norms):  # never a stale norm
                 raise RuntimeError("a trainable layer did not report its per-example gradient norms")
             return self.get_clipping_coef()
 
+        def get_norm_sample(self) -> torch.Tensor:
+            norms = list(self.norms.values())
+            norm_sample = torch.stack([n.to(norms[0].device) for n in norms]).norm(2, dim=0)
+            self.per_sample_gradient_norms = norm_sample
+            return norm_sample
+
+        def _collect(self, module) -> None:
+            """Moves the norms Opacus left on the layer's (possibly gathered) parameters to ``norms``."""
+            for attr, p in module.named_parameters(recurse=False):
+                if p.requires_grad and getattr(p, "_norm_sample", None) is not None:
+                    self.norms[name_of[(id(module), attr)]] = p._norm_sample
+                    p._norm_sample = None
+
         def capture_activations_hook(self, module, *args, **kwargs):
+            for p in module.parameters(recurse=False):  # FSDP2's gathered copies lack Opacus' fields
+                if not hasattr(p, "_forward_counter"):
+                    p._forward_counter, p.grad_sample = 0, None
             ghost = self.use_ghost_clipping  # Opacus raises for tied weights under ghost clipping
             self.use_ghost_clipping = ghost and id(module) not in tied
             try:
@@ -217,31 +274,33 @@ def _ghost_module(model, clip: float):
             if not self.hooks_enabled:
                 return None
             if id(module) in exact:
-                return self._tied_backprops(module, forward_output, loss_reduction, batch_first)
+                self._tied_backprops(module, forward_output, loss_reduction, batch_first)
+                return self._collect(module)
             forward_output = _without_padding_rows(module, forward_output)
             ghost = self.use_ghost_clipping
             self.use_ghost_clipping = ghost and id(module) not in tied
             try:
-                return super().capture_backprops_hook(module, forward_input, forward_output, loss_reduction,
-                                                      batch_first)
+                super().capture_backprops_hook(module, forward_input, forward_output, loss_reduction, batch_first)
             finally:
                 self.use_ghost_clipping = ghost
+            return self._collect(module)
 
         def _tied_backprops(self, module, forward_output, loss_reduction, batch_first) -> None:
             activations, backprops = self.rearrange_grad_samples(
                 module=module, backprops=forward_output[0].detach(), loss_reduction=loss_reduction,
                 batch_first=batch_first)
             use = _layer_gradient(module, activations[0], backprops)
-            for p in module.parameters(recurse=False):
+            for attr, p in module.named_parameters(recurse=False):
                 if not p.requires_grad:
                     continue
-                if users[id(p)] > 1:
-                    self.uses.setdefault(id(p), []).append(use)
+                name = name_of[(id(module), attr)]
+                if users[name] > 1:
+                    self.uses.setdefault(name, []).append(use)
                 else:  # the bias of a linear layer whose weight is tied
                     p._norm_sample = use[2].sum(1).flatten(1).norm(dim=1)
                 p._forward_counter -= 1
-                if p._forward_counter == 0 and id(p) in self.uses:
-                    parts = self.uses.pop(id(p))
+                if p._forward_counter == 0 and name in self.uses:
+                    parts = self.uses.pop(name)
                     square = sum(gradient_inner_product(u, v) * (1 if i == j else 2)
                                  for i, u in enumerate(parts) for j, v in enumerate(parts) if j >= i)
                     p._norm_sample = square.clamp(min=0).sqrt()
@@ -255,22 +314,29 @@ class FirstOrderTrainer:
     """DP-SGD (or SGD) behind the trainers' common interface: ``run_step``, ``state_dict``, ``close``.
     White-box canaries enter through ``hook`` (a GradientCanaryHook), whose reading of each release goes
     to ``transcript``; planted bugs through ``bug``. ``per_sample_grads``: ghost or materialise (see the
-    module's docstring); ``micro_batch``: at most this many examples per forward/backward (0: all)."""
+    module's docstring); ``micro_batch``: at most this many examples per forward/backward (0: all).
+    ``noise_seed``: the secret key of the noise (streams.step_key(noise_seed, step) per step).
+    ``sharding``: the model is sharded with FSDP2 over the ranks (shard.py; ghost clipping only)."""
 
     def __init__(self, model, params, *, lr: float, private: bool, clip: float = 1.0, sigma: float = 0.0,
-                 expected_batch_size: int = 1, noise_generator: torch.Generator | None = None,
-                 optimizer: str = "adamw", world_size: int = 1, hook=None, bug=None, transcript=None,
-                 per_sample_grads: str = "ghost", micro_batch: int = 0) -> None:
+                 expected_batch_size: int = 1, noise_seed: int = 0, optimizer: str = "adamw",
+                 world_size: int = 1, hook=None, bug=None, transcript=None, per_sample_grads: str = "ghost",
+                 micro_batch: int = 0, sharding=None) -> None:
         if per_sample_grads not in PER_SAMPLE_GRADS:
             raise ValueError(f"unknown per-sample-grads mode {per_sample_grads!r}; use ghost or materialise")
-        self.private = private
+        if sharding is not None and (per_sample_grads != "ghost" or hook is not None or (bug and bug.name != "none")):
+            raise ValueError("sharded DP-SGD runs ghost clipping, without white-box canaries or planted bugs")
+        self.private, self.params = private, params
         self.world_size = world_size
         self.bug = bug
         self.hook, self.transcript = hook, transcript
         self.ghost = private and per_sample_grads == "ghost"
         self.micro_batch = micro_batch
+        self.sharding, self.inner = sharding, model
+        self.noise_seed, self.step_index = noise_seed, 0
         base = (torch.optim.AdamW(params, lr=lr, weight_decay=0.0) if optimizer == "adamw"
                 else torch.optim.SGD(params, lr=lr))
+        self.base_optimizer = base
         if private:
             import warnings
 
@@ -278,13 +344,16 @@ class FirstOrderTrainer:
 
             skip_clipping = bool(bug and bug.skip_clipping)
             with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # Opacus warns about secure_mode; the noise seed is ours
+                warnings.simplefilter("ignore")  # Opacus warns about secure_mode; the noise is ours
                 if self.ghost:  # "no-clip": a clip factor of 1 for every example
                     self.model = _ghost_module(model, float("inf") if skip_clipping else clip)
                 else:
                     self.model = _materialising_module(model)
             # Opacus' hooks trip a torch notice when no input needs a gradient (token ids never do).
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            if sharding is not None:
+                self.optimizer = _NoisyShards(base, params, sigma * clip, expected_batch_size)
+                return
             # Distributed: each rank scales by B / world and the ranks average, so the update is
             # (sum of clipped gradients + one noise draw, on rank 0) / B, as in one process.
             if self.ghost:
@@ -293,21 +362,22 @@ class FirstOrderTrainer:
             else:
                 cls = dp.DistributedDPOptimizer if world_size > 1 else dp.DPOptimizer
             self.optimizer = _audited(cls)(base, noise_multiplier=sigma, max_grad_norm=clip,
-                                           expected_batch_size=expected_batch_size / world_size,
-                                           generator=noise_generator)
+                                           expected_batch_size=expected_batch_size / world_size)
             self.optimizer.hook = hook
             self.optimizer.skip_clipping = skip_clipping
         else:
             self.model, self.optimizer = model, base
-        self.params = params
 
-    def _clipped_backward(self, batch) -> torch.Tensor:
-        """Adds this chunk's sum of clipped per-example gradients to ``p.grad``; returns its losses."""
+    def _clipped_backward(self, batch, real: bool = True) -> torch.Tensor:
+        """Adds this chunk's sum of clipped per-example gradients to ``p.grad``; returns its losses.
+        ``real`` False: a placeholder pass of a sharded model (weight 0: it adds nothing)."""
         losses = per_example_loss(self.model, batch)
         if self.ghost:
             # Pass 1: the hooks take each example's gradient norm (torch.autograd.grad leaves p.grad,
             # which may hold earlier chunks, alone).
             coef = self.model.norm_pass(losses.sum(), self.params).to(losses.dtype)
+            if not real:
+                coef = torch.zeros_like(coef)
             self.model.disable_hooks()
             try:  # pass 2: the clipped sum, accumulated into p.grad
                 (coef.detach() * losses).sum().backward()
@@ -317,14 +387,23 @@ class FirstOrderTrainer:
             losses.mean().backward()  # Opacus' loss_reduction="mean" matches this
         return losses.detach()
 
+    def _chunks(self, batch, global_batch_size) -> list[tuple[dict, bool]]:
+        if self.sharding is not None:
+            return padded_chunks(batch, self.micro_batch,
+                                 self.sharding.passes(global_batch_size or 0, self.micro_batch))
+        return [(chunk, True) for chunk in split(batch, self.micro_batch)]
+
     def step(self, batch, global_batch_size: int | None = None) -> float:
         """One update on ``batch`` (this rank's share; may be empty under Poisson sampling); returns its mean loss.
         ``global_batch_size`` counts every sampled example (white-box canaries included)."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.private:
+            self.optimizer.noise_key = step_key(self.noise_seed, self.step_index)
+        self.step_index += 1
         if self.private and self.bug is not None and self.bug.actual_batch:
             self.optimizer.realised_batch = global_batch_size
-        if batch["input_ids"].shape[0] == 0:
+        if batch["input_ids"].shape[0] == 0 and self.sharding is None:
             for p in self.params:  # no example: the step is noise only
                 if self.ghost:
                     p.grad = torch.zeros_like(p)
@@ -335,38 +414,41 @@ class FirstOrderTrainer:
         if not self.private:
             losses = self._plain_backward(batch, global_batch_size)
         else:
-            chunks = split(batch, self.micro_batch)
+            chunks = self._chunks(batch, global_batch_size)
             losses = []
-            for k, chunk in enumerate(chunks):
-                losses.append(self._clipped_backward(chunk))
+            for k, (chunk, real) in enumerate(chunks):
+                chunk_losses = self._clipped_backward(chunk, real)
+                if real:
+                    losses.append(chunk_losses)
                 if not self.ghost and k < len(chunks) - 1:
                     # materialise: clip this chunk into p.summed_grad now and free its per-example
                     # gradients; the last chunk is clipped by optimizer.step() as usual.
                     self.optimizer.clip_and_accumulate()
                     for p in self.params:
                         p.grad_sample = None
-            losses = torch.cat(losses)
+            losses = torch.cat(losses) if losses else torch.zeros(0)
         self.optimizer.step()
-        return float(losses.float().mean())
+        return float(losses.float().mean()) if losses.numel() else float("nan")
 
     def _plain_backward(self, batch, global_batch_size) -> torch.Tensor:
         """Non-private: the mean loss's gradient (over the global batch under data parallelism)."""
-        chunks = split(batch, self.micro_batch)
         n = batch["input_ids"].shape[0]
         total = n if self.world_size == 1 else global_batch_size
         losses = []
-        for chunk in chunks:
+        for chunk, real in self._chunks(batch, global_batch_size):
             chunk_losses = per_example_loss(self.model, chunk)
-            (chunk_losses.sum() / total).backward()
-            losses.append(chunk_losses.detach())
-        if self.world_size > 1:
+            (chunk_losses.sum() * (1.0 if real else 0.0) / max(1, total)).backward()
+            if real:
+                losses.append(chunk_losses.detach())
+        if self.world_size > 1 and self.sharding is None:
             import torch.distributed as dist
 
             for p in self.params:
                 dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-        return torch.cat(losses)
+        return torch.cat(losses) if losses else torch.zeros(0)
 
     def run_step(self, step: int, batch, n_sampled: int, sampled_canaries) -> float:
+        self.step_index = step
         if self.hook is not None:
             self.hook.begin_step(step, sampled_canaries)
         loss = self.step(batch, n_sampled)
@@ -379,7 +461,16 @@ class FirstOrderTrainer:
             self.transcript.close()
 
     def state_dict(self) -> dict:
+        """The optimizer's state; sharded: whole tensors by parameter name, on rank 0 (every rank calls)."""
+        if self.sharding is not None:
+            from dpaudit.training.shard import full_optimizer_state
+
+            return full_optimizer_state(self.inner, self.base_optimizer)
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
+        if self.sharding is not None:
+            from dpaudit.training.shard import load_optimizer_state
+
+            return load_optimizer_state(self.inner, self.base_optimizer, state)
         self.optimizer.load_state_dict(state)

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dpaudit.training.data import per_example_loss
+from dpaudit.training.data import padded_chunks, per_example_loss
+from dpaudit.training.shard import local_slices
+from dpaudit.training.streams import LEGACY, STREAM, add_normal_, square_sum
 
 DIRECTIONS = ("gaussian", "sphere")
 
@@ -31,46 +33,68 @@ class ZOSettings:
     direction: str = "gaussian"
     clip_examples: bool = True      # False only for the planted bug "no-clip" (noise still scaled by C)
     micro_batch: int = 0            # at most this many examples per forward pass (0: the whole batch)
+    stream: str = STREAM            # how z is drawn from its seed (streams.py; LEGACY: runs before it)
 
     @property
     def example_clip(self) -> float | None:
         return self.clip if self.clip_examples else None
 
 
-def _chunks(params, seed: int):
-    """The direction z, one tensor per parameter, regenerated from ``seed`` (float32)."""
+def _legacy_chunks(params, seed: int):
+    """Runs before streams.STREAM (replay only): z from one generator over the parameters in order."""
     gen = torch.Generator(device=params[0].device).manual_seed(int(seed))
     for p in params:
         yield p, torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32)
 
 
-def direction_scale(params, seed: int, direction: str) -> float:
-    """1 for Gaussian z; sqrt(d) / ||g|| to put z on the sqrt(d)-sphere (one extra regeneration pass)."""
+def direction_scale(params, seed: int, direction: str, stream: str = STREAM, shard_sum=lambda x: x) -> float:
+    """1 for Gaussian z; sqrt(d) / ||g|| to put z on the sqrt(d)-sphere (one extra regeneration pass).
+    ``shard_sum`` adds the ranks' partial sums when each holds a shard of the weights."""
     if direction == "gaussian":
         return 1.0
     if direction != "sphere":
         raise ValueError(f"unknown direction {direction!r}; use gaussian or sphere")
-    sq = sum(float(g.square().sum()) for _, g in _chunks(params, seed))
-    d = sum(p.numel() for p in params)
+    if stream == LEGACY:
+        sq = sum(float(g.square().sum()) for _, g in _legacy_chunks(params, seed))
+        d = sum(p.numel() for p in params)
+    else:
+        pieces = list(local_slices(params))
+        sq = shard_sum(sum(square_sum(seed, i, local.numel(), at, total, local.device)
+                           for i, (local, at, total) in enumerate(pieces)))
+        d = sum(total for _, _, total in pieces)
     return math.sqrt(d / sq)
 
 
 @torch.no_grad()
-def add_direction(params, seed: int, factor: float) -> None:
-    """theta <- theta + factor * z, in place."""
-    for p, g in _chunks(params, seed):
-        p.add_(g.to(p.dtype), alpha=factor)
+def add_direction(params, seed: int, factor: float, stream: str = STREAM) -> None:
+    """theta <- theta + factor * z, in place (on this process's shard of each weight, when sharded)."""
+    if stream == LEGACY:
+        for p, g in _legacy_chunks(params, seed):
+            p.add_(g.to(p.dtype), alpha=factor)
+        return
+    if stream != STREAM:
+        raise ValueError(f"unknown direction stream {stream!r}")
+    for i, (local, at, total) in enumerate(local_slices(params)):
+        add_normal_(local, seed, i, factor, at, total)
 
 
 @torch.no_grad()
-def perturbed_losses(model, params, batch, seed: int, phi: float, scale: float,
-                     micro_batch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def perturbed_losses(model, params, batch, seed: int, phi: float, scale: float, micro_batch: int = 0,
+                     stream: str = STREAM, passes: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-example l(theta + phi z) and l(theta - phi z). Leaves theta at theta - phi z: the caller's
-    update pass restores it (restore and update in one pass over the weights, three passes a step)."""
-    add_direction(params, seed, phi * scale)
-    plus = per_example_loss(model, batch, micro_batch)
-    add_direction(params, seed, -2 * phi * scale)
-    minus = per_example_loss(model, batch, micro_batch)
+    update pass restores it (restore and update in one pass over the weights, three passes a step).
+    ``passes``: sharded weights are gathered in every forward, so every rank runs exactly this many
+    forwards each way (padded_chunks), whatever its share of the batch."""
+    def losses():
+        if not passes:
+            return per_example_loss(model, batch, micro_batch)
+        out = [(per_example_loss(model, chunk), real) for chunk, real in padded_chunks(batch, micro_batch, passes)]
+        return torch.cat([x for x, real in out if real] or [torch.zeros(0)])
+
+    add_direction(params, seed, phi * scale, stream)
+    plus = losses()
+    add_direction(params, seed, -2 * phi * scale, stream)
+    minus = losses()
     return plus, minus
 
 
@@ -96,31 +120,35 @@ def noisy_scalar(diffs: torch.Tensor, settings: ZOSettings, denominator: float, 
     return privatize(clipped_sum(diffs, settings.example_clip), settings, denominator, rng)
 
 
-def apply_update(params, seed: int, scalar: float, lr: float, scale: float) -> None:
-    add_direction(params, seed, -lr * scalar * scale)
+def apply_update(params, seed: int, scalar: float, lr: float, scale: float, stream: str = STREAM) -> None:
+    add_direction(params, seed, -lr * scalar * scale, stream)
 
 
 def zo_step(model, params, batch, seed: int, settings: ZOSettings, denominator: float,
-            rng: np.random.Generator, all_sum=lambda x: x, canary_diffs: torch.Tensor | None = None) -> tuple[float, float]:
+            rng: np.random.Generator, all_sum=lambda x: x, canary_diffs: torch.Tensor | None = None,
+            shard_sum=None, passes: int = 0) -> tuple[float, float]:
     """One step; returns (s, mean loss around theta on this process's examples: NaN if it had none).
 
     ``all_sum`` adds the clipped sums of all data-parallel ranks (a few bytes); every rank draws the
     same noise from the same generator, so every rank applies the same update. ``canary_diffs`` are
     the loss differences of the sampled white-box canaries (the same on every rank, so added once),
-    clipped like every example's.
+    clipped like every example's. Sharded weights (``shard_sum`` adds over the ranks, ``passes`` forwards
+    each way on every rank): each rank perturbs and updates its own shard with its slice of z.
     """
-    scale = direction_scale(params, seed, settings.direction)
-    if batch["input_ids"].shape[0] == 0:
+    stream = settings.stream
+    scale = direction_scale(params, seed, settings.direction, stream, shard_sum or (lambda x: x))
+    if batch["input_ids"].shape[0] == 0 and not passes:
         plus = minus = torch.zeros(0)
         restore = 0.0
     else:
-        plus, minus = perturbed_losses(model, params, batch, seed, settings.phi, scale, settings.micro_batch)
+        plus, minus = perturbed_losses(model, params, batch, seed, settings.phi, scale, settings.micro_batch,
+                                       stream, passes)
         restore = settings.phi * scale
     total = all_sum(clipped_sum(plus - minus, settings.example_clip))
     if canary_diffs is not None:
         total += clipped_sum(canary_diffs, settings.example_clip)
     s = privatize(total, settings, denominator, rng)
-    add_direction(params, seed, restore - settings.lr * s * scale)
+    add_direction(params, seed, restore - settings.lr * s * scale, stream)
     return s, float((plus + minus).mean() / 2) if plus.numel() else float("nan")
 
 
@@ -138,8 +166,9 @@ class ZOTrainer:
 
     def __init__(self, model, params, settings: ZOSettings, *, run_seed: int, expected_batch: int, private: bool,
                  rng: np.random.Generator, log_path=None, bug=None, canaries=None, clip: float = 1.0,
-                 all_sum=lambda x: x):
+                 all_sum=lambda x: x, sharding=None):
         self.model, self.params, self.settings = model, params, settings
+        self.sharding = sharding  # shard.Sharding when the weights are sharded over the ranks
         self.run_seed, self.expected_batch, self.private = run_seed, expected_batch, private
         self.rng, self.bug, self.canaries, self.clip, self.all_sum = rng, bug, canaries, clip, all_sum
         self.log = open(log_path, "a", encoding="utf-8") if log_path is not None else None
@@ -156,8 +185,10 @@ class ZOTrainer:
             c = self.canaries
             diffs = torch.as_tensor(c.gain * self.clip * c.signs(step)[sampled_canaries])
         noise_rng = np.random.default_rng(seed) if self.bug is not None and self.bug.public_noise else self.rng
+        sharded = self.sharding is not None
         scalar, loss = zo_step(self.model, self.params, batch, seed, self.settings, denom, noise_rng, self.all_sum,
-                               canary_diffs=diffs)
+                               canary_diffs=diffs, shard_sum=self.sharding.sum if sharded else None,
+                               passes=self.sharding.passes(n_sampled, self.settings.micro_batch) if sharded else 0)
         if self.log is not None:
             self.log.write(json.dumps({"step": step, "seed": seed, "scalar": scalar}) + "\n")
             self.log.flush()
@@ -171,7 +202,7 @@ class ZOTrainer:
             self.log.close()
 
 
-def replay(params, steps, lr: float, direction: str) -> None:
+def replay(params, steps, lr: float, direction: str, stream: str = STREAM) -> None:
     """Re-apply logged (seed, s) pairs to the base weights: the fine-tuned model, without the data."""
     for seed, s in steps:
-        apply_update(params, seed, s, lr, direction_scale(params, seed, direction))
+        apply_update(params, seed, s, lr, direction_scale(params, seed, direction, stream), stream)
