@@ -10,6 +10,11 @@ top of the larger). DP-SGD with ghost clipping adds the output gradients alive d
 DP-ZO keeps no activations beyond one forward; every process adds ~160 MB of its own. Checked
 against the live peaks benchmarks/trainers.py measured (tests/test_memory.py holds them): 0-45 %
 above (the side to err on), never more than 5 % below.
+
+Sharded over W ranks (``shards``, shard.py): a rank keeps 1/W of the weights (float32 master copies
+under bf16), gradients and optimizer state, plus two gathered units in the computing precision (the
+one running and the one prefetched; a unit is a block, or the embeddings with the rest) and, in the
+backward pass, one unit's unsharded gradient. ``examples`` is then the rank's share.
 """
 
 from __future__ import annotations
@@ -40,16 +45,21 @@ class ModelShape:
 
 
 def peak_bytes(shape: ModelShape, *, trainable: int, method: str, examples: int, tokens: int, bf16: bool = False,
-               optimizer: str = "adamw", per_sample_grads: str = "ghost", private: bool = True) -> int:
-    """Estimated peak bytes of one step over ``examples`` sequences of ``tokens`` tokens at once."""
+               optimizer: str = "adamw", per_sample_grads: str = "ghost", private: bool = True,
+               shards: int = 1) -> int:
+    """Estimated peak bytes of one step over ``examples`` sequences of ``tokens`` tokens at once (per
+    rank, when the model is sharded over ``shards`` ranks)."""
     width = 2 if bf16 else 4
-    weights = shape.parameters * width
+    state = 4 if shards > 1 else width  # sharded bf16 keeps float32 master shards
+    unit = max(shape.vocab * shape.hidden, (shape.parameters - shape.vocab * shape.hidden) // max(1, shape.layers))
+    gathered = 2 * unit * width if shards > 1 else 0
+    weights = shape.parameters * state // shards + gathered
     n = examples * tokens
     logits = 3 * n * shape.vocab * 4
     if method == "dp-zo":
         return int(OVERHEAD + weights + logits + n * (8 * shape.hidden + 4 * shape.intermediate) * width)
-    moments = trainable * width * (2 if optimizer == "adamw" else 0)
-    grads = trainable * width
+    moments = trainable * state * (2 if optimizer == "adamw" else 0) // shards
+    grads = trainable * state // shards + (unit * 4 if shards > 1 else 0)
     per_token_layer = 10 * shape.hidden + 4 * shape.intermediate + shape.heads * tokens
     activations = n * shape.layers * per_token_layer * width + logits
     extra = examples * trainable * width if private and per_sample_grads == "materialise" else 0

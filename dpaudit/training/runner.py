@@ -191,10 +191,12 @@ def preflight(model_dir: Path, cfg: TrainConfig, examples: int, warn: bool = Tru
     else:  # LoRA on every linear layer
         trainable = sum(cfg.lora_rank * (m.in_features + m.out_features) for m in model.modules()
                         if isinstance(m, torch.nn.Linear))
+    shards = int(os.environ.get("WORLD_SIZE", "1")) if cfg.shard else 1
     settings = dict(shape=memory.ModelShape.of(model.config, total), trainable=trainable, method=cfg.method,
                     tokens=cfg.max_length, bf16=cfg.bf16, optimizer=cfg.optimizer,
-                    per_sample_grads=cfg.per_sample_grads, private=cfg.private)
-    at_once = cfg.micro_batch or memory.largest_batch(cfg.batch_size or examples)
+                    per_sample_grads=cfg.per_sample_grads, private=cfg.private, shards=shards)
+    share = math.ceil(memory.largest_batch(cfg.batch_size or examples) / shards)  # this rank's
+    at_once = min(cfg.micro_batch, share) if cfg.micro_batch else share
     estimate = memory.peak_bytes(examples=at_once, **settings)
     if cfg.max_memory and estimate > cfg.max_memory:
         fits = memory.examples_that_fit(cfg.max_memory, **settings)
@@ -264,9 +266,11 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
     model, tokenizer = load_causal_lm(model_dir, dtype=torch.bfloat16 if cfg.bf16 and not sharded else None)
     torch.manual_seed(cfg.seed)
     rows = new_token_ids(tokenizer) if cfg.trainable == "lora" else []  # canary rows train with the adapters
-    model = select_trainable(model, cfg.trainable, cfg.lora_rank, rows).to(world.device)
+    model = select_trainable(model, cfg.trainable, cfg.lora_rank, rows)
     sharding = None
-    if sharded:
+    if not sharded:
+        model = model.to(world.device)
+    else:  # fully_shard moves one unit at a time to the device, so the whole model never sits there
         from dpaudit.training.shard import Sharding, shard_model
 
         shard_model(model, world.device, world.size, cfg.bf16, cfg.method == "dp-zo")

@@ -375,7 +375,13 @@ class FirstOrderTrainer:
         if self.ghost:
             # Pass 1: the hooks take each example's gradient norm (torch.autograd.grad leaves p.grad,
             # which may hold earlier chunks, alone).
-            coef = self.model.norm_pass(losses.sum(), self.params).to(losses.dtype)
+            if self.sharding is not None:  # the root unit (embeddings) stays gathered for pass 2
+                self.inner.set_reshard_after_backward(False, recurse=False)
+            try:
+                coef = self.model.norm_pass(losses.sum(), self.params).to(losses.dtype)
+            finally:
+                if self.sharding is not None:
+                    self.inner.set_reshard_after_backward(True, recurse=False)
             if not real:
                 coef = torch.zeros_like(coef)
             self.model.disable_hooks()
