@@ -36,6 +36,20 @@ def test_estimates_are_at_or_a_little_above_the_measured_peaks(shape, examples, 
         assert 0.95 * mib <= estimates[method] / 2**20 <= 1.45 * mib, method
 
 
+# Sharded over 2 ranks (benchmarks/sharded.py, 2026-11-23, AdamW, 64 tokens): live step peak per rank (MiB)
+# for the rank's share of the batch.
+MEASURED_SHARDED = [(SHAPE, 8, {"dp-sgd": 420, "dp-zo": 219}), (SMOL, 4, {"dp-sgd": 1617, "dp-zo": 640})]
+
+
+@pytest.mark.parametrize("shape,examples,measured", MEASURED_SHARDED)
+def test_sharded_estimates_are_at_or_a_little_above_the_measured_peaks(shape, examples, measured):
+    for method, mib in measured.items():
+        c = dict(trainable=shape.parameters, tokens=64, optimizer="adamw", examples=examples, method=method)
+        sharded, whole = memory.peak_bytes(shape, shards=2, **c), memory.peak_bytes(shape, **c)
+        assert 0.95 * mib <= sharded / 2**20 <= 1.45 * mib, method
+        assert sharded < whole
+
+
 @settings(max_examples=50, deadline=None)
 @given(st.integers(min_value=300 * 2**20, max_value=64 * 2**30))
 def test_examples_that_fit_is_the_largest_within_budget(budget):

@@ -13,8 +13,9 @@ above (the side to err on), never more than 5 % below.
 
 Sharded over W ranks (``shards``, shard.py): a rank keeps 1/W of the weights (float32 master copies
 under bf16), gradients and optimizer state, plus two gathered units in the computing precision (the
-one running and the one prefetched; a unit is a block, or the embeddings with the rest) and, in the
-backward pass, one unit's unsharded gradient. ``examples`` is then the rank's share.
+one running and the one prefetched, each also in its all-gather buffer; DP-ZO, forward only: one; a
+unit is a block, or the embeddings with the rest) and, in the backward pass, one unit's unsharded gradient and its
+reduce-scatter buffer. ``examples`` is then the rank's share.
 """
 
 from __future__ import annotations
@@ -52,14 +53,15 @@ def peak_bytes(shape: ModelShape, *, trainable: int, method: str, examples: int,
     width = 2 if bf16 else 4
     state = 4 if shards > 1 else width  # sharded bf16 keeps float32 master shards
     unit = max(shape.vocab * shape.hidden, (shape.parameters - shape.vocab * shape.hidden) // max(1, shape.layers))
-    gathered = 2 * unit * width if shards > 1 else 0
+    # Two units gathered, each also in its all-gather buffer (DP-ZO, forward only: one and its buffer).
+    gathered = (2 if method == "dp-zo" else 4) * unit * width if shards > 1 else 0
     weights = shape.parameters * state // shards + gathered
     n = examples * tokens
     logits = 3 * n * shape.vocab * 4
     if method == "dp-zo":
         return int(OVERHEAD + weights + logits + n * (8 * shape.hidden + 4 * shape.intermediate) * width)
     moments = trainable * state * (2 if optimizer == "adamw" else 0) // shards
-    grads = trainable * state // shards + (unit * 4 if shards > 1 else 0)
+    grads = trainable * state // shards + (2 * unit * 4 if shards > 1 else 0)  # + reduce-scatter buffer
     per_token_layer = 10 * shape.hidden + 4 * shape.intermediate + shape.heads * tokens
     activations = n * shape.layers * per_token_layer * width + logits
     extra = examples * trainable * width if private and per_sample_grads == "materialise" else 0

@@ -463,8 +463,14 @@ class FirstOrderTrainer:
         return loss
 
     def close(self) -> None:
+        """Ends the run: the transcript is closed, and gradients and optimizer state are freed before the
+        model is exported (a sharded export gathers the whole model on rank 0)."""
         if self.transcript is not None:
             self.transcript.close()
+        self.base_optimizer.zero_grad(set_to_none=True)
+        self.base_optimizer.state.clear()
+        for p in self.params:  # Opacus' references to the last clipped sum
+            p.summed_grad = p.grad_sample = None
 
     def state_dict(self) -> dict:
         """The optimizer's state; sharded: whole tensors by parameter name, on rank 0 (every rank calls)."""
