@@ -226,6 +226,37 @@ def test_killed_run_keeps_ledger_and_resumes(tiny_model_dir, tmp_path, monkeypat
         train(tiny_model_dir, TEXTS, run, cfg, resume=True, show_progress=False)
 
 
+def test_a_dp_sgd_step_redone_after_resume_draws_fresh_noise(tiny_model_dir, tmp_path, monkeypatch):
+    """Killed after step 3 (checkpoint at step 2) and resumed: step 3 runs again with another batch. Its
+    noise must be new; the same noise on another clipped sum would release their difference unprotected."""
+    import dpaudit.training.sampling as sampling
+    from dpaudit.training import sgd
+
+    keys = []
+    add = sgd.add_normal_
+    monkeypatch.setattr(sgd, "add_normal_", lambda out, key, *a, **k: (keys.append(key), add(out, key, *a, **k)))
+    draw, calls = sampling.poisson_batch, []
+
+    def killed_at_step_4(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return draw(*args, **kwargs)
+
+    cfg = TrainConfig(method="dp-sgd", target_epsilon=8.0, steps=4, batch_size=8, save_every=2, secret_seed=5,
+                      allow_overspend=True)
+    monkeypatch.setattr(sampling, "poisson_batch", killed_at_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_model_dir, TEXTS, tmp_path / "run", cfg, show_progress=False)
+    first = list(dict.fromkeys(keys))  # one key a step, in order
+    monkeypatch.setattr(sampling, "poisson_batch", draw)
+    keys.clear()
+    train(tiny_model_dir, TEXTS, tmp_path / "run", cfg, resume=True, show_progress=False)
+    again = list(dict.fromkeys(keys))
+    assert len(first) == 3 and len(again) == 2  # steps 0-2, then 2-3
+    assert again[0] != first[2] and not set(first) & set(again)
+
+
 @pytest.mark.parametrize("subset", ["lora", "bias"])
 def test_trainable_subsets_train_only_their_parameters(tiny_model_dir, tmp_path, subset):
     cfg = TrainConfig(method="dp-sgd", target_epsilon=8.0, steps=3, batch_size=8, trainable=subset, secret_seed=0)

@@ -232,7 +232,7 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
     from dpaudit.training.ledger import PrivacyLedger
     from dpaudit.training.new_tokens import new_token_ids
     from dpaudit.training.sampling import poisson_batch, shuffled_batches
-    from dpaudit.training.streams import STREAM
+    from dpaudit.training.streams import STREAM, step_key
     from dpaudit.training.trainable import select_trainable, trainable_parameters
     from dpaudit.training.whitebox import TRANSCRIPT, GradientCanaryHook, TranscriptWriter, WhiteBoxCanaries
 
@@ -348,7 +348,9 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
         transcript = TranscriptWriter(run_dir / TRANSCRIPT, start, canaries.m) if hook and main else None
         trainer = FirstOrderTrainer(model, params, lr=cfg.lr, private=cfg.private, clip=cfg.clip,
                                     sigma=noise_sigma, expected_batch_size=batch_size,
-                                    noise_seed=int(secret),
+                                    # fresh for each (re)start: a step redone after --resume must not
+                                    # reuse the noise its first attempt released with another batch
+                                    noise_seed=step_key(int(secret), start),
                                     optimizer=cfg.optimizer, world_size=world.size, hook=hook, bug=cfg.bug,
                                     transcript=transcript, per_sample_grads=cfg.per_sample_grads,
                                     micro_batch=cfg.micro_batch, sharding=sharding)
