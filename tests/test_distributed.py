@@ -148,3 +148,17 @@ def test_a_rank_without_its_own_gpu_is_refused(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     with pytest.raises(DPAuditError, match="no GPU of its own"):
         setup_world()
+
+
+@pytest.mark.parametrize("extra,named", [(["--trainable", "lora"], "LoRA"),
+                                         (["--per-sample-grads", "materialise"], "materialise"),
+                                         (["--white-box", "8"], "white-box")])
+def test_what_shard_does_not_run_with_is_refused_in_one_line(tiny_model_dir, tmp_path, extra, named):
+    from cli_helpers import assert_one_line_error, dpaudit
+
+    data = tmp_path / "d.txt"
+    data.write_text("".join(f"line {i}\n" for i in range(20)))
+    out = dpaudit("train", "--shard", "--model", tiny_model_dir, "-d", data, "-o", tmp_path / "run", "--eps", "4",
+                  *extra)
+    assert_one_line_error(out)
+    assert named in out.stderr and not (tmp_path / "run").exists()
