@@ -14,7 +14,8 @@ model, the same B examples a step (B / W per rank) and the same seeds. Per rank 
 Ratios are sharded / DDP from the same run. Targets (issue 16): state per rank <= 1.1 / W of DDP's,
 step time <= 1.2x DDP.
 
-    .venv/bin/python benchmarks/sharded.py [--procs 2 --hidden 512 --layers 8 --batch 16 --steps 4]
+    .venv/bin/python benchmarks/sharded.py [--procs 2 --hidden 512 --layers 4 --batch 16 --steps 4]
+    # SmolLM-135M shape: --hidden 576 --layers 30 --heads 9 --kv-heads 3 --intermediate 1536 --vocab 49152 --batch 8
 CPU ranks get one thread each (--threads); on a shared 2-core machine compare ratios, not seconds.
 """
 
@@ -29,6 +30,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from trainers import SHAPE_FLAGS, shape_arguments  # noqa: E402  (the benchmark next to this one)
 
 MODES = ("ddp", "shard")
 METHODS = ("dp-sgd", "dp-zo")
@@ -64,17 +68,13 @@ def worker(mode: str, method: str, args) -> dict:
     import numpy as np
     import torch
 
-    from dpaudit.models.corpus import sentences
-    from dpaudit.models.embedded import build_model, build_tokenizer
-    from dpaudit.training.data import tokenize
     from dpaudit.training.distributed import setup_world
     from dpaudit.training.sgd import FirstOrderTrainer
     from dpaudit.training.shard import Sharding, shard_model
     from dpaudit.training.trainable import trainable_parameters
     from dpaudit.training.zo import ZOSettings, zo_step
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    from trainers import rss_bytes
+    from trainers import bench_model, rss_bytes
 
     import torch.distributed.checkpoint.state_dict  # noqa: F401  (both modes pay for FSDP's code before
     import torch.distributed.fsdp  # noqa: F401                     the baseline, so it is not counted)
@@ -82,19 +82,15 @@ def worker(mode: str, method: str, args) -> dict:
     torch.set_num_threads(args.threads)
     world = setup_world()
     before_model = rss_bytes()
-    corpus = sentences(2000, seed=0)
-    tok = build_tokenizer(corpus)
-    torch.manual_seed(0)
-    model = build_model(tok, hidden_size=args.hidden, intermediate_size=args.intermediate or 4 * args.hidden,
-                        num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                        num_key_value_heads=args.kv_heads, vocab_size=args.vocab or len(tok)).to(world.device)
+    model, data = bench_model(args)  # the same weights on every rank (seeded)
+    if mode != "shard":
+        model = model.to(world.device)
     parameters = sum(p.numel() for p in model.parameters())
     sharding = None
     if mode == "shard":
         shard_model(model, world.device, world.size, False, method == "dp-zo")
         sharding = Sharding(world.size, world.sum)
     params = trainable_parameters(model)
-    data = tokenize(tok, [" ".join(corpus[i:i + 6]) for i in range(args.batch)], args.seq)
     mine = world.shard(np.arange(args.batch))
     batch = {k: v.to(world.device) for k, v in data.batch(mine).items()}
     batch["attention_mask"][:] = 1
@@ -148,16 +144,7 @@ def launch(args, mode, method, tmp, options, env) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--procs", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--intermediate", type=int, default=0)  # 0: 4 x hidden
-    ap.add_argument("--vocab", type=int, default=0)  # 0: the embedded tokenizer's (512)
+    shape_arguments(ap, layers=4, batch=16, steps=4, threads=1)
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--worker", nargs=3, metavar=("MODE", "METHOD", "OUT"))
     args = ap.parse_args()
@@ -166,8 +153,7 @@ def main() -> None:
         row = worker(mode, method, args)
         Path(out, f"{mode}-{method}-{row['rank']}.json").write_text(json.dumps(row))
         return
-    common = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
-        "hidden", "layers", "batch", "seq", "threads", "heads", "kv_heads", "intermediate", "vocab")]
+    common = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in SHAPE_FLAGS]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:

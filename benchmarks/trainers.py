@@ -40,13 +40,44 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def shape_arguments(ap, *, layers: int, batch: int, steps: int, threads: int) -> None:
+    """The model, batch and timing flags the training benchmarks share."""
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=layers)
+    ap.add_argument("--batch", type=int, default=batch)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--threads", type=int, default=threads)
+    # A SmolLM-135M-shaped model (random weights, tied 49k vocabulary): --hidden 576 --layers 30
+    # --heads 9 --kv-heads 3 --intermediate 1536 --vocab 49152 --batch 8
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--intermediate", type=int, default=0)  # 0: 4 x hidden
+    ap.add_argument("--vocab", type=int, default=0)  # 0: the embedded tokenizer's (512)
+
+
+SHAPE_FLAGS = ("hidden", "layers", "batch", "seq", "threads", "heads", "kv_heads", "intermediate", "vocab")
+
+
+def bench_model(args):
+    """(model on CPU, tokenized data of --batch examples): the embedded architecture at the given shape."""
+    from dpaudit.models.corpus import sentences
+    from dpaudit.models.embedded import build_model, build_tokenizer
+    from dpaudit.training.data import tokenize
+
+    corpus = sentences(2000, seed=0)
+    tok = build_tokenizer(corpus)
+    model = build_model(tok, hidden_size=args.hidden, intermediate_size=args.intermediate or 4 * args.hidden,
+                        num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                        num_key_value_heads=args.kv_heads, vocab_size=args.vocab or len(tok))
+    return model, tokenize(tok, [" ".join(corpus[i:i + 6]) for i in range(args.batch)], args.seq)
+
+
 def worker(method: str, args) -> dict:
     import numpy as np
     import torch
 
-    from dpaudit.models.corpus import sentences
-    from dpaudit.models.embedded import build_model, build_tokenizer
-    from dpaudit.training.data import per_example_loss, tokenize
+    from dpaudit.training.data import per_example_loss
     from dpaudit.training.sgd import FirstOrderTrainer
     from dpaudit.training.trainable import trainable_parameters
     from dpaudit.training.zo import ZOSettings, zo_step
@@ -54,13 +85,9 @@ def worker(method: str, args) -> dict:
     torch.set_num_threads(args.threads)
     before_model = rss_bytes()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    corpus = sentences(2000, seed=0)
-    tok = build_tokenizer(corpus)
-    model = build_model(tok, hidden_size=args.hidden, intermediate_size=args.intermediate or 4 * args.hidden,
-                        num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                        num_key_value_heads=args.kv_heads, vocab_size=args.vocab or len(tok)).to(device)
+    model, data = bench_model(args)
+    model = model.to(device)
     params = trainable_parameters(model)
-    data = tokenize(tok, [" ".join(corpus[i:i + 6]) for i in range(args.batch)], args.seq)
     batch = {k: v.to(device) for k, v in data.batch(range(args.batch)).items()}
     batch["attention_mask"][:] = 1
     rng = np.random.default_rng(0)
@@ -107,18 +134,7 @@ def worker(method: str, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=64)  # the DP-ZO paper's batch size; try --batch 16 too
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=2)
-    # A SmolLM-135M-shaped model (random weights, tied 49k vocabulary): --hidden 576 --layers 30
-    # --heads 9 --kv-heads 3 --intermediate 1536 --vocab 49152 --batch 8
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--intermediate", type=int, default=0)  # 0: 4 x hidden
-    ap.add_argument("--vocab", type=int, default=0)  # 0: the embedded tokenizer's (512)
+    shape_arguments(ap, layers=4, batch=64, steps=5, threads=2)  # B = 64: the DP-ZO paper's; try 16 too
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--worker", choices=METHODS)
     args = ap.parse_args()
@@ -126,8 +142,7 @@ def main() -> None:
         print(json.dumps(worker(args.worker, args)))
         return
     rows = {}
-    common = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
-        "hidden", "layers", "batch", "seq", "threads", "heads", "kv_heads", "intermediate", "vocab")]
+    common = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in SHAPE_FLAGS]
     methods = [m for m in METHODS if m in set(args.methods.split(",")) | {"forward", "sgd"}]  # the baselines
     for method in methods:
         out = subprocess.run([sys.executable, __file__, "--worker", method, f"--steps={args.steps}", *common],

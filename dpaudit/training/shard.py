@@ -38,8 +38,6 @@ class Sharding:
 def local_slices(params):
     """(local tensor, position of its first element in the flattened parameter, parameter's size)
     for each parameter: the whole tensor when it is not sharded."""
-    import torch
-
     for p in params:
         if not _is_dtensor(p):
             yield p, 0, p.numel()
