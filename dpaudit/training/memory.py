@@ -14,8 +14,8 @@ above (the side to err on), never more than 5 % below.
 Sharded over W ranks (``shards``, shard.py): a rank keeps 1/W of the weights (float32 master copies
 under bf16), gradients and optimizer state, plus two gathered units in the computing precision (the
 one running and the one prefetched, each also in its all-gather buffer; DP-ZO, forward only: one; a
-unit is a block, or the embeddings with the rest) and, in the backward pass, one unit's unsharded gradient and its
-reduce-scatter buffer. ``examples`` is then the rank's share.
+unit is a block, or the embeddings with the rest) and, in the backward pass, one unit's unsharded
+gradient and its reduce-scatter buffer. ``examples`` is then the rank's share.
 """
 
 from __future__ import annotations

@@ -232,6 +232,7 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
     from dpaudit.training.ledger import PrivacyLedger
     from dpaudit.training.new_tokens import new_token_ids
     from dpaudit.training.sampling import poisson_batch, shuffled_batches
+    from dpaudit.training.shard import Sharding, full_state_dict, shard_model
     from dpaudit.training.streams import STREAM, step_key
     from dpaudit.training.trainable import select_trainable, trainable_parameters
     from dpaudit.training.whitebox import TRANSCRIPT, GradientCanaryHook, TranscriptWriter, WhiteBoxCanaries
@@ -271,8 +272,6 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
     if not sharded:
         model = model.to(world.device)
     else:  # fully_shard moves one unit at a time to the device, so the whole model never sits there
-        from dpaudit.training.shard import Sharding, shard_model
-
         shard_model(model, world.device, world.size, cfg.bf16, cfg.method == "dp-zo")
         sharding = Sharding(world.size, world.sum)
     params = trainable_parameters(model)
@@ -375,7 +374,8 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
                 if main:
                     ledger.record(step + 1 + discarded, steps_in_model=step + 1)
                 advance(1, f"step {step + 1}, loss {last_loss:.4g}, eps spent {ledger.spent(step + 1 + discarded):.4g}")
-                if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps and cfg.trainable != "lora":
+                due = cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps
+                if due and cfg.trainable != "lora":  # LoRA adapters are merged once, at export
                     weights = full_state_dict(model) if sharded else None  # every rank takes part
                     state = trainer.state_dict() if main or sharded else None
                     if main:
@@ -423,12 +423,6 @@ EXECUTION_ONLY = ("per_sample_grads", "micro_batch", "max_memory", "shard")
 
 def _plan(config: dict) -> dict:
     return {k: v for k, v in config.items() if k not in EXECUTION_ONLY}
-
-
-def full_state_dict(model) -> dict:
-    from dpaudit.training.shard import full_state_dict as gather
-
-    return gather(model)
 
 
 def _export(run_dir: Path, model, tokenizer, weights: dict | None = None) -> Path:
