@@ -59,3 +59,19 @@ def test_step_keys_depend_on_seed_and_step():
 
 def test_the_stream_version_is_recorded_apart_from_the_legacy_one():
     assert streams.STREAM != streams.LEGACY
+
+
+def test_drawing_over_threads_gives_the_single_thread_numbers():
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out = torch.nn.Parameter(torch.ones(5 * BLOCK + 123))
+            with torch.no_grad():
+                add_normal_(out, 9, 4, 0.25, offset=BLOCK // 3, total=7 * BLOCK)
+            results.append(out.detach().clone())
+        assert torch.equal(results[0], results[1])
+        assert not torch.equal(results[0], torch.ones_like(results[0]))
+    finally:
+        torch.set_num_threads(before)

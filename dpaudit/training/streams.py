@@ -15,6 +15,9 @@ seekable Gaussian stream on torch tensors (torch's CPU generator cannot skip ahe
 
 from __future__ import annotations
 
+import os
+import threading
+
 import torch
 
 BLOCK = 1 << 16
@@ -35,28 +38,84 @@ def block_seed(key: int, index: int, block: int) -> int:
     return _mix(_mix(_mix(int(key) & _MASK) ^ index) ^ block)
 
 
-def _blocks(key: int, index: int, offset: int, length: int, total: int, device):
-    """(position in the slice, block values for it) covering elements [offset, offset + length)."""
+def _spans(offset: int, length: int, total: int):
+    """(block j, its size, first and last+1 element of the slice inside the block) covering elements
+    [offset, offset + length) of a parameter of ``total`` elements."""
     pos, end = offset, offset + length
     while pos < end:
         j = pos // BLOCK
         first = j * BLOCK
         size = min(BLOCK, total - first)
-        gen = torch.Generator(device=device).manual_seed(block_seed(key, index, j))
-        values = torch.randn(size, generator=gen, device=device, dtype=torch.float32)
         stop = min(first + size, end)
-        yield pos - offset, values[pos - first:stop - first]
+        yield j, size, pos - first, stop - first
         pos = stop
+
+
+def _draw(key: int, index: int, j: int, size: int, device, out: torch.Tensor | None = None) -> torch.Tensor:
+    gen = torch.Generator(device=device).manual_seed(block_seed(key, index, j))
+    if out is None:
+        return torch.randn(size, generator=gen, device=device, dtype=torch.float32)
+    return torch.randn(size, generator=gen, device=device, dtype=torch.float32, out=out[:size])
+
+
+def _blocks(key: int, index: int, offset: int, length: int, total: int, device):
+    """(position in the slice, block values for it) covering elements [offset, offset + length)."""
+    for j, size, lo, hi in _spans(offset, length, total):
+        yield j * BLOCK + lo - offset, _draw(key, index, j, size, device)[lo:hi]
+
+
+# Drawing is the cost of a DP-ZO pass on CPU (torch's Mersenne twister: ~5 ns a number, against ~1 ns
+# for the add), and the blocks are independent, so a CPU tensor of several blocks is split between
+# torch's intra-op threads: each draws its own blocks into its own buffer and adds them to its own
+# elements. The numbers and the result are those of one thread. A pool thread works in pieces below
+# ATen's intra-op grain size (32,768 elements), so it never opens an OpenMP team of its own: a team per
+# pool thread oversubscribes the cores (that made an earlier threaded version slower than this one).
+_PIECE = 1 << 14
+_pool = None
+_local = threading.local()
+
+
+def _workers(device, blocks: int) -> int:
+    return min(torch.get_num_threads(), blocks) if torch.device(device).type == "cpu" else 1
+
+
+def _add_spans(flat: torch.Tensor, key: int, index: int, alpha: float, offset: int, total: int, spans) -> None:
+    buf = getattr(_local, "buf", None)
+    if buf is None:
+        buf = _local.buf = torch.empty(BLOCK)
+    with torch.no_grad():  # grad mode is per thread: a pool thread must not record the in-place add
+        for j, size, lo, hi in spans:
+            values = _draw(key, index, j, size, flat.device, buf)
+            at = j * BLOCK + lo - offset
+            for a in range(lo, hi, _PIECE):
+                b = min(a + _PIECE, hi)
+                flat[at + a - lo:at + b - lo].add_(values[a:b].to(flat.dtype), alpha=alpha)
 
 
 def add_normal_(out: torch.Tensor, key: int, index: int, alpha: float, offset: int = 0,
                 total: int | None = None) -> None:
     """out += alpha * z, z the elements [offset, offset + out.numel()) of parameter ``index``'s stream
     (``total`` elements in all: the whole parameter's size; default out's own)."""
+    global _pool
     flat = out.view(-1)
     total = flat.numel() if total is None else total
-    for at, values in _blocks(key, index, offset, flat.numel(), total, out.device):
-        flat[at:at + values.numel()].add_(values.to(out.dtype), alpha=alpha)
+    spans = list(_spans(offset, flat.numel(), total))
+    workers = _workers(flat.device, len(spans))
+    if workers <= 1:
+        for j, size, lo, hi in spans:
+            at = j * BLOCK + lo - offset
+            flat[at:at + hi - lo].add_(_draw(key, index, j, size, flat.device)[lo:hi].to(out.dtype), alpha=alpha)
+        return
+    if _pool is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _pool = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="dpaudit-draw")
+    share = -(-len(spans) // workers)
+    parts = [spans[k:k + share] for k in range(0, len(spans), share)]
+    futures = [_pool.submit(_add_spans, flat, key, index, alpha, offset, total, part) for part in parts[1:]]
+    _add_spans(flat, key, index, alpha, offset, total, parts[0])
+    for f in futures:
+        f.result()
 
 
 def square_sum(key: int, index: int, length: int, offset: int = 0, total: int | None = None,
