@@ -5,9 +5,11 @@
                starts, the smallest bound kept: each is a valid upper bound),
   check      = the reference eps at sigma * (1 - 0.001) exceeds the target, i.e. no sigma 0.1 %
                smaller than ours is valid even by the refined reference.
-  unresolved = the reference at 0.999 sigma is more than 2 % above the target: at T ~ 1e7 the finest
-               grids' FFT round-off inflates dp-accounting's bound (seen: eps 8-11 where RDP gives 1.05),
-               so the reference cannot judge that case; it is counted apart, not as a pass.
+  unresolved = the reference at 0.999 sigma is more than 2 % above the target (e.g. no grid fits the
+               memory budget, or the FFT round-off is not below delta even in long double): the
+               reference cannot judge that case; it is counted apart, not as a pass. (Before the
+               composed PMFs paid for their mass surplus and round-off, p = 1e-3, T = 1e7, delta =
+               1e-10 read eps 8-11 where RDP gives 1.05.)
 
 Prints a table (seconds for ours and for the reference, the reference eps at 0.999 sigma / target)
 and the worst case. Usage:

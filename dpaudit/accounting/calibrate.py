@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dpaudit.accounting import budget, pure
 from dpaudit.accounting.mechanism import Mechanism, check_delta, check_epsilon
@@ -49,14 +49,22 @@ class _Evaluator:
         self.template, self.delta, self.accountant, self.options = template, delta, accountant, options
         self.options_for = options_for  # sigma -> options, when they depend on sigma (pld's fixed grid)
         self.cache: dict[float, EpsilonResult] = {}
+        self.slowest = 0.0  # seconds, the longest evaluation so far
 
     def __call__(self, sigma: float) -> EpsilonResult:
         if sigma not in self.cache:
             if len(self.cache) >= MAX_EVALUATIONS:
                 raise DPAuditError("calibration did not converge (accountant is not monotone here?)")
             options = self.options_for(sigma) if self.options_for else self.options
+            began = time.perf_counter()
             self.cache[sigma] = epsilon(self.template.with_sigma(sigma), self.delta, self.accountant, options)
+            self.slowest = max(self.slowest, time.perf_counter() - began)
         return self.cache[sigma]
+
+    def out_of_time(self) -> bool:
+        """Whether one more round (up to two evaluations) might not fit the time budget: a search then
+        stops on the bracket it has, whose upper end is valid, rather than be cut off with nothing."""
+        return 3 * self.slowest > budget.current().seconds_left()
 
 
 def _pld_grid_rule(template: Mechanism, delta: float, sigma0: float):
@@ -72,21 +80,24 @@ def _pld_grid_rule(template: Mechanism, delta: float, sigma0: float):
         grid=min(pld.MAX_GRID, ratio * pld.step_loss_range(template.with_sigma(sigma), delta)))
 
 
-def _initial_sigma(template: Mechanism, target: float, delta: float, accountant: str) -> float:
+def _initial_sigma(template: Mechanism, target: float, delta: float, accountant: str):
+    """(a start for the search, a valid calibration to fall back on or None)."""
     if noise(template.kind).pure_dp:
-        return pure.sigma_closed_form(template, target)  # pure >= every other bound: an upper end
+        return pure.sigma_closed_form(template, target), None  # pure >= every other bound: an upper end
     if accountant in ("pld", "prv") and delta > 0:
         if epsilon(template.with_sigma(SIGMA_MIN), delta, "rdp").epsilon <= target:  # a valid bound says so
             raise DPAuditError(f"target eps={target:g} is met even with sigma={SIGMA_MIN:g}: "
                                f"no meaningful noise level to calibrate")
-        # RDP calibrates in ~1 s and lands 0-20 % above the PLD / PRV sigma: a start two evaluations away.
+        # RDP calibrates in ~1 s and lands 0-20 % above the PLD / PRV sigma: a start two evaluations away,
+        # and a valid (looser) answer should the search not fit the time budget.
         try:
-            return 0.95 * calibrate_sigma(template, target, delta, "rdp", rtol=0.02).sigma
+            rdp = calibrate_sigma(template, target, delta, "rdp", rtol=0.02)
+            return 0.95 * rdp.sigma, rdp
         except DPAuditError:
             pass
     # Gaussian: the classic sqrt(2 log(1.25/delta)) scaling, with amplification p sqrt(T).
     scale = template.sampling_rate * math.sqrt(template.steps) if template.steps > 1 else 1.0
-    return max(0.3, scale * math.sqrt(2 * math.log(1.25 / max(delta, 1e-300))) / target)
+    return max(0.3, scale * math.sqrt(2 * math.log(1.25 / max(delta, 1e-300))) / target), None
 
 
 def _bracket(f, target: float, sigma0: float) -> tuple[float, float]:
@@ -95,6 +106,9 @@ def _bracket(f, target: float, sigma0: float) -> tuple[float, float]:
     lo, hi, sigma = None, None, min(max(sigma0, SIGMA_MIN), SIGMA_MAX)
     seen: list[tuple[float, float]] = []
     while lo is None or hi is None:
+        if f.out_of_time():
+            raise budget.OverBudget(f"the search needs about {f.slowest:.0f} s an evaluation, "
+                                    f"more than the time budget has left")
         eps = f(sigma).epsilon
         if math.isfinite(eps) and eps > 0:
             seen.append((math.log(sigma), math.log(eps)))
@@ -168,17 +182,23 @@ def calibrate_sigma(template: Mechanism, target_eps: float, delta: float, accoun
             bump *= 10
         lo = hi * (1 - rtol / 2)
     else:
-        anchor, evaluations = _initial_sigma(template, target_eps, delta, name), 0
+        (anchor, fallback), evaluations = _initial_sigma(template, target_eps, delta, name), 0
         fixed_grid = name == "pld" and options is None
         for _ in range(3):
             # pld: the grid is fixed from a ladder at the anchor; if the answer lands far from the anchor,
             # the grid is re-fixed there and the search repeated from it (the converged resolution can
             # change with sigma, e.g. at p = 1e-5).
-            f = _Evaluator(template, delta, name, options, _pld_grid_rule(template, delta, anchor) if fixed_grid else None)
-            lo, hi = _bracket(f, target_eps, anchor)
+            try:
+                f = _Evaluator(template, delta, name, options,
+                               _pld_grid_rule(template, delta, anchor) if fixed_grid else None)
+                lo, hi = _bracket(f, target_eps, anchor)
+            except budget.OverBudget as exc:
+                if fallback is None or not math.isfinite(budget.current().seconds_left()):
+                    raise
+                return _fell_back(fallback, name, str(exc), time.perf_counter() - start)
             lo, hi = _refine(f, target_eps, lo, hi, width)
             evaluations += len(f.cache)
-            if not fixed_grid or abs(math.log(hi / anchor)) < 0.05:
+            if not fixed_grid or abs(math.log(hi / anchor)) < 0.05 or f.out_of_time():
                 break
             anchor = hi
         per_evaluation = (time.perf_counter() - start) / max(1, evaluations)
@@ -190,6 +210,14 @@ def calibrate_sigma(template: Mechanism, target_eps: float, delta: float, accoun
         target_epsilon=target_eps, evaluations=evaluations if exact is None else len(f.cache),
         seconds=time.perf_counter() - start,
     )
+
+
+def _fell_back(rdp: Calibration, requested: str, why: str, seconds: float) -> Calibration:
+    """The RDP calibration (valid, looser), saying why the requested accountant's is not there."""
+    why = f"{requested} did not fit the time budget ({why}); this sigma is rdp's (valid, looser; --timeout)"
+    result = replace(rdp.result, guarantee=rdp.result.guarantee + f" — {why}",
+                     details=dict(rdp.result.details, fallback="rdp", requested=requested, reason=why))
+    return replace(rdp, result=result, seconds=seconds)
 
 
 def _refine(f, target: float, lo: float, hi: float, width: float) -> tuple[float, float]:
@@ -207,7 +235,7 @@ def _refine(f, target: float, lo: float, hi: float, width: float) -> tuple[float
     last = None
     for _ in range(MAX_EVALUATIONS):
         u_lo, u_hi = math.log(lo), math.log(hi)
-        if u_hi - u_lo <= width:
+        if u_hi - u_lo <= width or f.out_of_time():
             return lo, hi
         if u_hi - u_lo <= 4 * width:  # narrow: plain bisection
             mid = math.exp((u_lo + u_hi) / 2)

@@ -10,8 +10,13 @@ T = 1e6 a step's loss spans ~0.1, at p = 1e-4 ~0.01). So the first grid puts ``P
 points on one step's loss range (dp-accounting's own connect-the-dots bounds, read before
 anything is allocated) and the grid is refined by ``REFINE`` while the bound improves by more
 than ``CONVERGED`` (relative). The error shrinks about tenfold per rung, so the last improvement
-bounds what is left. At very large T the FFT round-off of the finest grids makes the bound
-*worse*: the refinement stops there too, and the smallest bound seen is reported (each is valid).
+bounds what is left. Should a finer rung ever give a larger bound, the refinement stops there too,
+and the smallest bound seen is reported (each is valid).
+
+Mass. Before composing, each step's PMF is normalised to total mass exactly 1 (``_normalised``):
+dp-accounting clamps the float noise of its lowest losses to >= 0, a surplus of ~1e-16/grid^2 that
+T-fold composition raises to the power T (at T = 1e7 the composed mass was 1.06-2.36 and eps *grew*
+with finer grids). The surplus is taken from the lowest losses, so mass only moves up.
 
 Bounded: before each allocation the rung's memory is estimated (one step: ``STEP_BYTES`` a grid
 point per direction; composition: the FFT length dp-accounting will use, from its own Chernoff
@@ -19,8 +24,12 @@ truncation, ``FFT_BYTES`` a point) against the active ``budget.Budget``, and its
 previous rung. A first rung that does not fit is coarsened until it does; a later one that does
 not fit ends the refinement. Both are reported in ``details`` (``limited_by``).
 
+Round-off. The float64 FFT that composes T steps errs by ~T x 1e-16 in L1 (3e-9 at T = 1e7). Every
+answer pays for it (``ComposedPLD.round_off``, estimated from the negative masses it leaves), and where
+it is not negligible next to delta that direction is composed again in long double.
+
 Tails: dp-accounting truncates e^-50 of each step's noise and 1e-15 of the composed mass into the
-infinite loss, and FFT round-off sits near 1e-16, so delta below ``MIN_DELTA`` is not resolved
+infinite loss, so delta below ``MIN_DELTA`` is not resolved
 (it used to answer eps = inf). There the answer comes from a method valid at any delta: Renyi DP
 for the Gaussian (dp-accounting), the exact randomized-response composition (or plain composition)
 of the pure-DP step for Laplace; ``details['fallback']`` says which and why.
@@ -28,6 +37,7 @@ of the pure-DP step for Laplace; ``details['fallback']`` says which and why.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, replace
@@ -46,6 +56,8 @@ TAIL_MASS_TRUNCATION = 1e-15  # dp-accounting's default for self-composition
 STEP_BYTES = 110         # measured: building one direction's single-step PMF, per grid point
 STEP_SECONDS = 8e-6      # measured (2 cores): building one direction's single-step PMF, per grid point
 FFT_BYTES = 72           # self_convolve: complex FFT, its power, inverse, real part, roll; per point
+FFT_PRECISE_BYTES = 100  # the same in long double (complex 32 B), power and inverse in place
+ROUND_OFF_SHARE = 1e-3   # FFT round-off above this share of delta: compose again in long double
 SCAN_BYTES = 64          # per composed point: the kept PMF and epsilon_for_delta's running sums
 COARSE_GRID = 1e-3       # for cheap *bracketing* bounds only (valid, loose)
 RR_MAX_STEPS = 10**6     # Laplace fallback: exact randomized-response composition up to here, T * eps_1 beyond
@@ -101,16 +113,64 @@ def first_grid(mech: Mechanism, delta: float) -> float:
 
 
 class ComposedPLD:
-    """The two directions' composed PMFs (one object when p = 1: they coincide)."""
+    """The two directions' T-fold composed PMFs (one object when p = 1: they coincide), each with the
+    estimated L1 size of its FFT round-off (``round_off``), which every answer pays for: a hockey-stick
+    delta weighs each loss by at most 1, so it moves by at most that much.
 
-    def __init__(self, pmfs: dict) -> None:
-        self.pmfs = pmfs
+    The float64 FFT raises each Fourier coefficient, exact to ~1e-16, to the power T: at T = 1e7 the
+    round-off is ~3e-9 (sigma = 19.45, p = 1e-3), far above delta = 1e-10 (eps read 11.1 where RDP says
+    1.0). Where it is not negligible next to the answer (``ROUND_OFF_SHARE``), that direction is composed
+    again in long double (x87 80-bit: ~1e-19 a step; 2.5e-12 there) if it fits the memory budget."""
+
+    def __init__(self, single: dict, steps: int, grid: float) -> None:
+        self.single, self.steps, self.grid = single, steps, grid
+        self._pmfs = {d: _self_compose(pmf, steps) for d, pmf in single.items()}
+        self.round_off = {d: round_off(pmf) for d, pmf in self._pmfs.items()}
+        self.precise: set[str] = set()  # directions composed again in long double (or found not to fit)
+
+    def _key(self, direction: str) -> str:
+        return direction if direction in self._pmfs else "remove"
+
+    @property
+    def pmfs(self) -> dict:
+        return {d: self._pmfs[self._key(d)] for d in ("remove", "add")}
+
+    @property
+    def round_offs(self) -> dict:
+        return {d: self.round_off[self._key(d)] for d in ("remove", "add")}
+
+    def _recomposed(self, key: str, size: float) -> bool:
+        """Compose ``key`` again in long double when its round-off is not negligible next to ``size`` (the
+        delta asked for or answered) and that fits the budget; whether it did."""
+        if self.round_off[key] <= ROUND_OFF_SHARE * size or key in self.precise or not _has_long_double():
+            return False
+        self.precise.add(key)
+        if not budgets.current().fits(_fft_bytes(self.single[key], self.steps, precise=True)):
+            return False
+        self._pmfs[key] = _self_compose(self.single[key], self.steps, precise=True)
+        self.round_off[key] = round_off(self._pmfs[key])
+        return True
 
     def epsilons(self, delta: float) -> dict[str, float]:
-        return {d: epsilon_for_delta(pmf, delta) for d, pmf in self.pmfs.items()}
+        """eps per direction, read at delta less the round-off; inf where the round-off is over half of delta."""
+        found = {}
+        for direction in ("remove", "add"):
+            key = self._key(direction)
+            self._recomposed(key, delta)
+            noise = self.round_off[key]
+            found[direction] = math.inf if noise > delta / 2 else epsilon_for_delta(self._pmfs[key], delta - noise)
+        return found
 
     def deltas(self, eps: float) -> dict[str, float]:
-        return {d: float(pmf.get_delta_for_epsilon(eps)) for d, pmf in self.pmfs.items()}
+        """delta per direction, plus the round-off."""
+        found = {}
+        for direction in ("remove", "add"):
+            key = self._key(direction)
+            value = float(self._pmfs[key].get_delta_for_epsilon(eps))
+            if self._recomposed(key, value):
+                value = float(self._pmfs[key].get_delta_for_epsilon(eps))
+            found[direction] = value + self.round_off[key]
+        return found
 
     def get_delta_for_epsilon(self, eps: float) -> float:
         return max(self.deltas(eps).values())
@@ -118,8 +178,6 @@ class ComposedPLD:
 
 def composed_pld(mech: Mechanism, grid: float, pessimistic: bool = True, delta: float = 1e-5) -> ComposedPLD:
     """The T-fold composed PLD on ``grid``; memory is checked against the budget before each allocation."""
-    from dp_accounting.pld import common
-
     width = step_loss_range(mech, delta)
     budget = budgets.current()
     budget.require(_step_bytes(mech, width, grid), f"one step's PLD at grid {grid:.3g}",
@@ -127,16 +185,80 @@ def composed_pld(mech: Mechanism, grid: float, pessimistic: bool = True, delta: 
     single = noise(mech.kind).pld(mech, grid, pessimistic, _log_mass_truncation(mech, delta))
     # Dense before composing: dp-accounting's sparse self_compose first computes size**T as a Python
     # integer, which alone takes minutes at T = 1e7.
-    pmfs = {"remove": single._pmf_remove.to_dense_pmf()}  # noqa: SLF001
+    pmfs = {"remove": _normalised(single._pmf_remove.to_dense_pmf(), pessimistic)}  # noqa: SLF001
     if not single._symmetric:  # noqa: SLF001
-        pmfs["add"] = single._pmf_add.to_dense_pmf()  # noqa: SLF001
+        pmfs["add"] = _normalised(single._pmf_add.to_dense_pmf(), pessimistic)  # noqa: SLF001
     if mech.steps > 1:
-        need = sum(_fft_bytes(pmf, mech.steps, common) for pmf in pmfs.values())
+        need = sum(_fft_bytes(pmf, mech.steps) for pmf in pmfs.values())
         budget.require(need, f"composing {mech.steps} steps at grid {grid:.3g}")
-        pmfs = {d: pmf.self_compose(mech.steps, tail_mass_truncation=TAIL_MASS_TRUNCATION) for d, pmf in pmfs.items()}
-    if "add" not in pmfs:
-        pmfs["add"] = pmfs["remove"]
-    return ComposedPLD(pmfs)
+    return ComposedPLD(pmfs, mech.steps, grid)
+
+
+def round_off(pmf) -> float:
+    """Estimated L1 size of a composed PMF's FFT round-off. The error is spread over every point alike;
+    where the true mass is below it about half the points come out negative, so the mean |error| is the
+    mean of the negative values, times the number of points. 0 when none is negative (then it is below
+    every true mass, ~1e-15 at the truncated tails, and negligible)."""
+    import numpy as np
+
+    probs = pmf._probs  # noqa: SLF001
+    negative = probs < 0
+    count = int(np.count_nonzero(negative))
+    return 0.0 if not count else float(-np.sum(probs, where=negative)) * len(probs) / count
+
+
+def _self_compose(pmf, steps: int, precise: bool = False):
+    """dp-accounting's DensePLDPmf.self_compose (the same truncation bounds, FFT, roll and infinity mass),
+    in long double when ``precise``: dp-accounting's FFT is float64 only."""
+    if steps == 1:
+        return pmf
+    if not precise:
+        return pmf.self_compose(steps, tail_mass_truncation=TAIL_MASS_TRUNCATION)
+    import numpy as np
+    from dp_accounting.pld import common
+    from scipy import fft
+
+    x = np.asarray(pmf._probs, dtype=np.longdouble)  # noqa: SLF001
+    x *= (1 - np.longdouble(pmf._infinity_mass)) / x.sum()  # noqa: SLF001 - mass 1 at this precision too
+    lo, hi = common.compute_self_convolve_bounds(pmf._probs, steps, TAIL_MASS_TRUNCATION)  # noqa: SLF001
+    spectrum = fft.fft(x, fft.next_fast_len(max(hi - lo + 1, len(x))))
+    del x
+    np.power(spectrum, steps, out=spectrum)
+    probs = np.roll(fft.ifft(spectrum, overwrite_x=True).real, -lo)[:hi - lo + 1].astype(float)
+    infinity = TAIL_MASS_TRUNCATION - math.expm1(steps * math.log1p(-pmf._infinity_mass))  # noqa: SLF001
+    return type(pmf)(pmf._discretization, pmf._lower_loss * steps + lo, probs, infinity,  # noqa: SLF001
+                     pmf._pessimistic_estimate)  # noqa: SLF001
+
+
+def _normalised(pmf, pessimistic: bool = True):
+    """``pmf`` with its finite mass set to exactly 1 - infinity mass, moving mass only towards the side the
+    estimate errs on (up when pessimistic: a surplus is taken from the lowest losses, a deficit added at
+    the highest; down when optimistic).
+
+    Why: connect-the-dots masses are second differences of hockey-stick deltas; in exact arithmetic they
+    telescope to 1 - delta_n, but in floats the lowest losses come out as +-1e-16/grid noise, and
+    dp-accounting clamps the negative ones to 0. That surplus (4.5e-10 at grid 1.2e-6, 6e-9 at 4.2e-7
+    for sigma = 186.56, p = 1e-3) is raised to the power T by self-composition: at T = 1e7 the composed
+    "distribution" had mass 1.06-2.36 and eps grew as the grid was refined. Taking the surplus back from
+    the bottom makes every cumulative mass no larger than the unclamped one's (mass only moves up), so the
+    composed delta(eps) stays an upper bound, and it cancels the surplus to first order because one
+    step's loss range is narrow."""
+    import numpy as np
+
+    probs = np.asarray(pmf._probs, dtype=float)  # noqa: SLF001
+    if not len(probs):
+        return pmf
+    surplus = probs.sum() + pmf._infinity_mass - 1.0  # noqa: SLF001
+    order = slice(None) if pessimistic else slice(None, None, -1)  # where mass is taken from first
+    ordered = probs[order]
+    if surplus > 0:
+        taken = np.minimum(np.cumsum(ordered), surplus)
+        ordered = ordered - np.diff(taken, prepend=0.0)
+    else:
+        ordered = ordered.copy()
+        ordered[-1] -= surplus
+    pmf._probs = np.maximum(ordered[order], 0.0)  # noqa: SLF001
+    return pmf
 
 
 def epsilon_for_delta(pmf, delta: float) -> float:
@@ -174,15 +296,17 @@ def epsilon_for_delta(pmf, delta: float) -> float:
     return math.log((u - delta) / w)
 
 
-def _fft_bytes(pmf, steps: int, common) -> float:
-    """Memory of dp-accounting's self-convolution of ``pmf``: the Chernoff-truncated output length it
-    will use (computed the same way, cheaply), rounded to its FFT length."""
+def _fft_bytes(pmf, steps: int, precise: bool = False) -> float:
+    """Memory of composing ``pmf`` (dp-accounting's self-convolution, or ours in long double): the
+    Chernoff-truncated output length it will use (computed the same way, cheaply), rounded to its FFT
+    length."""
+    from dp_accounting.pld import common
     from scipy import fft
 
     probs = pmf.to_dense_pmf()._probs  # noqa: SLF001
     lo, hi = common.compute_self_convolve_bounds(probs, steps, TAIL_MASS_TRUNCATION)
     length = fft.next_fast_len(max(hi - lo + 1, len(probs)))
-    return FFT_BYTES * length + SCAN_BYTES * (hi - lo + 1)
+    return (FFT_PRECISE_BYTES if precise else FFT_BYTES) * length + SCAN_BYTES * (hi - lo + 1)
 
 
 def epsilon_estimate_below(mech: Mechanism, delta: float, grid: float = COARSE_GRID) -> float:
@@ -334,3 +458,11 @@ def _with_note(result: EpsilonResult, why: str, pld_eps: float | None) -> Epsilo
     if pld_eps is not None:
         details["pld_epsilon"] = pld_eps
     return replace(result, guarantee=result.guarantee + f" — {why}", details=details)
+
+
+@functools.cache
+def _has_long_double() -> bool:
+    """x86's 80-bit long double; on platforms where it is float64 there is nothing to gain."""
+    import numpy as np
+
+    return bool(np.finfo(np.longdouble).eps < np.finfo(float).eps)

@@ -13,6 +13,8 @@ direction by direction on one common grid (dp-accounting's PMF composition).
 
 from __future__ import annotations
 
+import math
+
 from opacus.accountants.accountant import IAccountant
 from opacus.accountants.registry import register_accountant
 
@@ -60,12 +62,15 @@ def _heterogeneous_epsilon(parts: dict[tuple[float, float], int], delta: float) 
     mechs = [Mechanism("gaussian", float(s), float(p), int(t)) for (s, p), t in parts.items()]
     grid = min(min(pld.MAX_GRID, pld.step_loss_range(m, delta) / pld.POINTS_PER_STEP) for m in mechs) / pld.REFINE
     composed = [pld.composed_pld(m, grid, delta=delta) for m in mechs]
+    for part in composed:
+        part.epsilons(delta)  # composes a part again in long double where its FFT round-off matters
     worst = 0.0
     for direction in ("remove", "add"):
         total = composed[0].pmfs[direction]
         for other in composed[1:]:
             total = total.compose(other.pmfs[direction], tail_mass_truncation=pld.TAIL_MASS_TRUNCATION)
-        worst = max(worst, pld.epsilon_for_delta(total, delta))
+        noise = sum(part.round_offs[direction] for part in composed)  # each part's round-off, paid for
+        worst = max(worst, math.inf if noise > delta / 2 else pld.epsilon_for_delta(total, delta - noise))
     return worst
 
 
