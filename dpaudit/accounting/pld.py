@@ -151,25 +151,31 @@ class ComposedPLD:
         self.round_off[key] = round_off(self._pmfs[key])
         return True
 
+    def _side(self, key: str) -> float:
+        """+1 for a pessimistic PMF (an upper bound pays the round-off), -1 for an optimistic one."""
+        return 1.0 if self._pmfs[key]._pessimistic_estimate else -1.0  # noqa: SLF001
+
     def epsilons(self, delta: float) -> dict[str, float]:
-        """eps per direction, read at delta less the round-off; inf where the round-off is over half of delta."""
+        """eps per direction, read at delta less the round-off (plus, for an optimistic estimate); where the
+        round-off is over half of delta, unresolved: inf (0 for an optimistic estimate)."""
         found = {}
         for direction in ("remove", "add"):
             key = self._key(direction)
             self._recomposed(key, delta)
-            noise = self.round_off[key]
-            found[direction] = math.inf if noise > delta / 2 else epsilon_for_delta(self._pmfs[key], delta - noise)
+            noise, side = self.round_off[key], self._side(key)
+            found[direction] = (epsilon_for_delta(self._pmfs[key], delta - side * noise) if noise <= delta / 2
+                                else math.inf if side > 0 else 0.0)
         return found
 
     def deltas(self, eps: float) -> dict[str, float]:
-        """delta per direction, plus the round-off."""
+        """delta per direction, plus the round-off (less, for an optimistic estimate)."""
         found = {}
         for direction in ("remove", "add"):
             key = self._key(direction)
             value = float(self._pmfs[key].get_delta_for_epsilon(eps))
             if self._recomposed(key, value):
                 value = float(self._pmfs[key].get_delta_for_epsilon(eps))
-            found[direction] = value + self.round_off[key]
+            found[direction] = max(0.0, value + self._side(key) * self.round_off[key])
         return found
 
     def get_delta_for_epsilon(self, eps: float) -> float:
