@@ -125,6 +125,23 @@ def test_fft_round_off_is_paid_for_and_recomposed_in_long_double():
     assert composed.get_delta_for_epsilon(1.0) >= bare
 
 
+def test_an_optimistic_estimate_pays_its_round_off_downwards():
+    # A lower estimate must stay below: it reads eps at delta *plus* the round-off, and one it cannot
+    # resolve is 0, never inf (which a bracket would take as a lower bound).
+    mech = Mechanism("gaussian", 2.0, 0.01, 1000)
+    low, high = (pld.composed_pld(mech, 1e-3, pessimistic=side) for side in (False, True))
+    assert max(low.epsilons(1e-5).values()) <= max(high.epsilons(1e-5).values())
+    bare = dict(low.epsilons(1e-5))
+    low.precise.update(low.round_off)  # as if already composed in long double: the values below stay
+    for key in low.round_off:
+        low.round_off[key] = 1e-6
+    moved = low.epsilons(1e-5)
+    assert all(moved[d] <= bare[d] for d in bare) and low.get_delta_for_epsilon(1.0) >= 0.0
+    for key in low.round_off:
+        low.round_off[key] = 1e-4
+    assert set(low.epsilons(1e-5).values()) == {0.0}
+
+
 def test_a_calibration_that_cannot_finish_in_time_answers_with_rdp(monkeypatch):
     from dpaudit.accounting import calibrate
 
