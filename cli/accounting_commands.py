@@ -44,11 +44,12 @@ def calibrate(
     template = schedule(mech, 1.0, p, batch_size, dataset_size, steps, epochs)
     name = accountant or default_accountant(template, d)
     cal = calibrate_sigma(template, eps, d, name, rtol=rtol, options=accountant_options(name, mc_samples, seed, not as_json))
-    lines = assumptions(template, d, name, cal.result.relation)
+    lines = assumptions(template, d, cal.result)
     if as_json:
         emit_json({
             "command": "calibrate", "mechanism": mech, "sampling_rate": template.sampling_rate,
-            "steps": template.steps, "delta": d, "target_epsilon": eps, "accountant": name,
+            "steps": template.steps, "delta": d, "target_epsilon": eps, "accountant": cal.result.accountant,
+            "requested_accountant": name,
             "sigma": cal.sigma, "epsilon": json_float(cal.result.epsilon),
             "sigma_rejected": cal.sigma_rejected, "epsilon_rejected": json_float(cal.epsilon_rejected),
             "relative_tolerance": rtol, "evaluations": cal.evaluations, "seconds": cal.seconds,
@@ -76,7 +77,7 @@ def epsilon_cmd(
     m = schedule(mech, sigma, p, batch_size, dataset_size, steps, epochs)
     name = accountant or default_accountant(m, d)
     res = epsilon(m, d, name, accountant_options(name, mc_samples, seed, not as_json, mc_workers, mc_backend))
-    lines = assumptions(m, d, name, res.relation)
+    lines = assumptions(m, d, res)
     if as_json:
         emit_json({"command": "epsilon", "sigma": sigma, "sampling_rate": m.sampling_rate, "steps": m.steps,
                    "result": res.to_json(), "assumptions": lines})
@@ -105,7 +106,7 @@ def delta_cmd(
     m = schedule(mech, sigma, p, batch_size, dataset_size, steps, epochs)
     res = delta_of(m, eps, accountant,
                    accountant_options(accountant, mc_samples, seed, not as_json, mc_workers, mc_backend, mc_tilt))
-    lines = assumptions(m, 0.0, accountant, res.relation)[:2]
+    lines = assumptions(m, 0.0, res)[:2]
     if as_json:
         out = {"upper": res.delta, "guarantee": res.guarantee, **({"estimate": res.estimate} if res.estimate is not None
                                                                    else {}), **res.details}
@@ -129,7 +130,7 @@ def max_steps_cmd(
     d = resolve_delta(mech, delta)
     template = schedule(mech, sigma, p, batch_size, dataset_size, 1, None)
     ans = max_steps(template, eps, d, accountant)
-    lines = assumptions(template.with_steps(ans.steps), d, ans.result.accountant, ans.result.relation)
+    lines = assumptions(template.with_steps(ans.steps), d, ans.result)
     if as_json:
         emit_json({"command": "max-steps", "sigma": sigma, "sampling_rate": template.sampling_rate,
                    "target_epsilon": eps, "delta": d, "max_steps": ans.steps, "at_cap": ans.at_cap,

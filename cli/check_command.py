@@ -69,6 +69,6 @@ def _judge(cfg, config: Path) -> tuple[dict, bool]:
         "steps": cfg.steps, "delta": cfg.delta, "target_epsilon": cfg.target_epsilon,
         "epsilon": json_float(spent.epsilon), "excess_epsilon": json_float(max(0.0, spent.epsilon - cfg.target_epsilon)),
         "minimal_sigma": minimal, "accountant": name,
-        "assumptions": assumptions(probe, cfg.delta, name, spent.relation),
+        "assumptions": assumptions(probe, cfg.delta, spent),
     }
     return report, passed

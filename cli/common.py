@@ -57,15 +57,19 @@ def accountant_options(accountant: str | None, mc_samples: int | None, seed: int
     return None
 
 
-def assumptions(mech: Mechanism, delta: float, accountant: str, relation: str) -> list[str]:
-    lines = [
+def assumptions(mech: Mechanism, delta: float, result) -> list[str]:
+    """What an answer assumed, in words; the accountant named is the one that answered (an accounting
+    result's ``accountant``), with the one asked for where they differ (a fallback)."""
+    requested = result.details.get("requested")
+    answered = result.accountant + (f" ({requested} was asked for; see the guarantee)"
+                                    if requested and requested != result.accountant else "")
+    return [
         f"mechanism: {mech.kind}; {noise(mech.kind).scale_text}; sensitivity (clip norm) C = 1 unit",
         ("one release: no subsampling, one step (p = 1, T = 1)" if mech.is_single_release
          else f"Poisson sampling with rate p = {mech.sampling_rate:g}, T = {mech.steps} steps"),
         f"delta = {delta:g}" + (" (pure eps-DP)" if delta == 0 else ""),
-        f"accountant: {accountant}; neighbouring relation: {relation}",
+        f"accountant: {answered}; neighbouring relation: {result.relation}",
     ]
-    return lines
 
 
 def emit_json(data: dict) -> None:

@@ -18,6 +18,15 @@ def test_laplace_single_release_json():
     assert any("one release" in line for line in data["assumptions"])
 
 
+def test_assumptions_name_the_accountant_that_answered():
+    # delta below what a PLD grid resolves: rdp answers, and the assumptions say so (not "pld").
+    out = dpaudit("epsilon", "--sigma", "1", "--p", "0.01", "-T", "100", "--delta", "1e-20", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["result"]["accountant"] == "rdp"
+    assert any(line.startswith("accountant: rdp (pld was asked for") for line in data["assumptions"])
+
+
 def test_check_passing_and_failing_examples():
     ok = dpaudit("check", str(DOCS / "passing.yaml"), "--json")
     assert ok.returncode == 0, ok.stderr

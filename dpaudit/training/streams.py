@@ -79,7 +79,7 @@ def _workers(device, blocks: int) -> int:
     return min(torch.get_num_threads(), blocks) if torch.device(device).type == "cpu" else 1
 
 
-def _add_spans(flat: torch.Tensor, key: int, index: int, alpha: float, offset: int, total: int, spans) -> None:
+def _add_spans(flat: torch.Tensor, key: int, index: int, alpha: float, offset: int, spans) -> None:
     buf = getattr(_local, "buf", None)
     if buf is None:
         buf = _local.buf = torch.empty(BLOCK)
@@ -112,8 +112,8 @@ def add_normal_(out: torch.Tensor, key: int, index: int, alpha: float, offset: i
         _pool = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="dpaudit-draw")
     share = -(-len(spans) // workers)
     parts = [spans[k:k + share] for k in range(0, len(spans), share)]
-    futures = [_pool.submit(_add_spans, flat, key, index, alpha, offset, total, part) for part in parts[1:]]
-    _add_spans(flat, key, index, alpha, offset, total, parts[0])
+    futures = [_pool.submit(_add_spans, flat, key, index, alpha, offset, part) for part in parts[1:]]
+    _add_spans(flat, key, index, alpha, offset, parts[0])
     for f in futures:
         f.result()
 
