@@ -78,6 +78,17 @@ def test_vectorised_epsilon_for_delta_is_dp_accountings_rule():
                 assert pld.epsilon_for_delta(pmf, delta) == pytest.approx(pmf.get_epsilon_for_delta(delta), rel=1e-9)
 
 
+def test_epsilon_for_delta_does_not_overflow_on_a_subnormal_weight():
+    import warnings
+
+    from dp_accounting.pld.pld_pmf import DensePLDPmf
+
+    pmf = DensePLDPmf(1.0, 720, np.array([1.0]), 0.0, True)  # e^-720 is subnormal: (u - delta) / w overflowed
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert pld.epsilon_for_delta(pmf, 0.5) == pytest.approx(720 + math.log(0.5), rel=1e-12)
+
+
 @given(probs=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=40), infinity=st.floats(0.0, 0.5),
        pessimistic=st.booleans())
 def test_normalising_a_step_moves_mass_only_the_way_the_estimate_errs(probs, infinity, pessimistic):

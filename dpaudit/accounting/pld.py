@@ -299,7 +299,8 @@ def epsilon_for_delta(pmf, delta: float) -> float:
         w = lower_after[-1] if len(probs) else 0.0
     if u <= w + delta:
         return 0.0
-    return math.log((u - delta) / w)
+    # As a difference of logs: (u - delta) / w overflows a float when w is subnormal (seen at p = 1e-5).
+    return math.log(float(u) - delta) - math.log(float(w)) if w > 0 else math.inf
 
 
 def _fft_bytes(pmf, steps: int, precise: bool = False) -> float:
