@@ -153,6 +153,18 @@ def test_an_optimistic_estimate_pays_its_round_off_downwards():
     assert set(low.epsilons(1e-5).values()) == {0.0}
 
 
+def test_a_far_rdp_start_is_moved_on_coarse_grids_before_a_ladder_fixes_the_grid():
+    # p = 1e-5, T = 1000, eps = 1, delta = 1e-5: RDP's sigma (0.635) is 80 % above PLD's (0.354); the ladder
+    # at 0.95 x RDP's sigma, where eps is 0.004, had fixed a grid ~250x finer than the answer needs.
+    from dpaudit.accounting import calibrate
+
+    template = Mechanism("gaussian", 1.0, 1e-5, 1000)
+    moved, spent = calibrate._coarse_anchor(template, 1.0, 1e-5, 0.603)  # noqa: SLF001
+    assert spent > 1 and 0.354 < moved < 0.354 * 1.03  # coarse bounds are valid: at or above the answer
+    near, spent = calibrate._coarse_anchor(template, 1.0, 1e-5, 0.36)  # noqa: SLF001
+    assert (near, spent) == (0.36, 1)  # a start already near is kept, for one coarse evaluation
+
+
 def test_a_calibration_that_cannot_finish_in_time_answers_with_rdp(monkeypatch):
     from dpaudit.accounting import calibrate
 
