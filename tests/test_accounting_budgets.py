@@ -165,6 +165,17 @@ def test_a_far_rdp_start_is_moved_on_coarse_grids_before_a_ladder_fixes_the_grid
     assert (near, spent) == (0.36, 1)  # a start already near is kept, for one coarse evaluation
 
 
+def test_a_delta_above_what_sampling_alone_leaks_needs_no_noise():
+    # delta >= 1 - (1 - p)^T: (0, delta) holds with any sigma (total variation <= p a step). At delta = p,
+    # T = 1, the search used to wander between float-noise bounds and answer an arbitrary sigma.
+    with pytest.raises(DPAuditError, match="met with any sigma"):
+        calibrate_sigma(Mechanism("gaussian", 1.0, 1e-5, 1), 1.0, 1e-5, "pld")
+    with pytest.raises(DPAuditError, match="met with any sigma"):
+        calibrate_sigma(Mechanism("gaussian", 1.0, 1e-3, 3), 1.0, 0.003, "prv")
+    assert calibrate_sigma(Mechanism("gaussian", 1.0, 1e-3, 3), 1.0, 0.0029, "pld").sigma > 0
+    assert_one_line_error(dpaudit("calibrate", "--eps", "1", "--p", "1e-5", "-T", "1", "--delta", "1e-5"))
+
+
 def test_a_calibration_that_cannot_finish_in_time_answers_with_rdp(monkeypatch):
     from dpaudit.accounting import calibrate
 
