@@ -173,6 +173,7 @@ def test_a_delta_above_what_sampling_alone_leaks_needs_no_noise():
     with pytest.raises(DPAuditError, match="met with any sigma"):
         calibrate_sigma(Mechanism("gaussian", 1.0, 1e-3, 3), 1.0, 0.003, "prv")
     assert calibrate_sigma(Mechanism("gaussian", 1.0, 1e-3, 3), 1.0, 0.0029, "pld").sigma > 0
+    assert calibrate_sigma(Mechanism("gaussian", 1.0, 1.0, 10), 1.0, 1e-5, "pld").sigma > 0  # p = 1: no log1p(-1)
     assert_one_line_error(dpaudit("calibrate", "--eps", "1", "--p", "1e-5", "-T", "1", "--delta", "1e-5"))
 
 

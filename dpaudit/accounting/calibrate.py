@@ -104,7 +104,8 @@ def _initial_sigma(template: Mechanism, target: float, delta: float, accountant:
     if accountant in ("pld", "prv") and delta > 0:
         # Each step's add/remove pair is at total variation <= p whatever the noise, and T steps at
         # <= 1 - (1 - p)^T (coupling): at delta at least that, eps = 0 holds with any sigma.
-        if delta >= -math.expm1(template.steps * math.log1p(-template.sampling_rate)):
+        p = template.sampling_rate
+        if p < 1 and delta >= -math.expm1(template.steps * math.log1p(-p)):
             raise DPAuditError(f"target eps={target:g} is met with any sigma: delta={delta:g} is at least "
                                f"1 - (1 - p)^T, so no meaningful noise level to calibrate")
         if epsilon(template.with_sigma(SIGMA_MIN), delta, "rdp").epsilon <= target:  # a valid bound says so
