@@ -207,12 +207,12 @@ def calibrate_sigma(template: Mechanism, target_eps: float, delta: float, accoun
     else:
         (anchor, fallback), evaluations = _initial_sigma(template, target_eps, delta, name), 0
         fixed_grid = name == "pld" and options is None
-        for _ in range(3):
+        for attempt in range(3):
             # pld: the grid is fixed from a ladder at the anchor; if the answer lands far from the anchor,
             # the grid is re-fixed there and the search repeated from it (the converged resolution can
             # change with sigma, e.g. at p = 1e-5).
             try:
-                if fixed_grid and not evaluations:
+                if fixed_grid and attempt == 0:
                     anchor, evaluations = _coarse_anchor(template, target_eps, delta, anchor)
                 f = _Evaluator(template, delta, name, options,
                                _pld_grid_rule(template, delta, anchor) if fixed_grid else None)
@@ -239,10 +239,8 @@ def calibrate_sigma(template: Mechanism, target_eps: float, delta: float, accoun
 
 def _fell_back(rdp: Calibration, requested: str, why: str, seconds: float) -> Calibration:
     """The RDP calibration (valid, looser), saying why the requested accountant's is not there."""
-    why = f"{requested} did not fit the time budget ({why}); this sigma is rdp's (valid, looser; --timeout)"
-    result = replace(rdp.result, guarantee=rdp.result.guarantee + f" — {why}",
-                     details=dict(rdp.result.details, fallback="rdp", requested=requested, reason=why))
-    return replace(rdp, result=result, seconds=seconds)
+    return replace(rdp, seconds=seconds, result=rdp.result.standing_in_for(
+        requested, f"{requested} did not fit the time budget ({why}); this sigma is rdp's (valid, looser; --timeout)"))
 
 
 def _refine(f, target: float, lo: float, hi: float, width: float) -> tuple[float, float]:

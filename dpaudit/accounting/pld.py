@@ -40,7 +40,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from dpaudit.accounting import budget as budgets
 from dpaudit.accounting.mechanism import Mechanism
@@ -368,7 +368,8 @@ def epsilon(mech: Mechanism, delta: float, grid: float | None = None,
         alt = _alternative(mech, delta)
         if alt is not None and alt.epsilon < eps:
             why = "pld found no finite epsilon" if not math.isfinite(eps) else f"pld grid limited by {limited}"
-            return _with_note(alt, f"{why}; this bound is {alt.accountant} (smaller, also valid)", eps)
+            return alt.standing_in_for("pld", f"{why}; this bound is {alt.accountant} (smaller, also valid)",
+                                       pld_epsilon=eps)
     return EpsilonResult(
         accountant="pld", epsilon=eps, delta=delta, relation=relation_of(mech),
         guarantee="upper bound (dp-accounting PLD, pessimistic discretisation"
@@ -457,14 +458,9 @@ def _alternative(mech: Mechanism, delta: float) -> EpsilonResult | None:
 
 
 def _fallback(mech: Mechanism, delta: float, why: str) -> EpsilonResult:
-    return _with_note(_alternative(mech, delta), why, None)
+    return _alternative(mech, delta).standing_in_for("pld", why)
 
 
-def _with_note(result: EpsilonResult, why: str, pld_eps: float | None) -> EpsilonResult:
-    details = dict(result.details, fallback=result.accountant, requested="pld", reason=why)
-    if pld_eps is not None:
-        details["pld_epsilon"] = pld_eps
-    return replace(result, guarantee=result.guarantee + f" — {why}", details=details)
 
 
 @functools.cache

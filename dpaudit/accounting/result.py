@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 
 
@@ -47,6 +47,12 @@ class EpsilonResult:
     @property
     def sigma(self) -> float | None:
         return None if self.mechanism is None else self.mechanism.sigma
+
+    def standing_in_for(self, requested: str, why: str, **details) -> EpsilonResult:
+        """This result answering for the ``requested`` accountant, which could not: the guarantee says
+        why, and ``details`` name the fallback, the accountant asked for and the reason."""
+        return replace(self, guarantee=self.guarantee + f" — {why}", details=dict(
+            self.details, fallback=self.accountant, requested=requested, reason=why, **details))
 
     def to_json(self) -> dict:
         out = asdict(self)
