@@ -37,35 +37,33 @@ class Noise:
 
 
 def _gaussian_pld(mech, grid, pessimistic, log_mass_truncation):
-    from dp_accounting.pld import privacy_loss_distribution as pld_lib
+    from dpaudit.accounting import vectorised_loss
 
-    options = {} if pessimistic else {"use_connect_dots": False}  # connect-the-dots is pessimistic only
-    return pld_lib.from_gaussian_mechanism(
-        mech.sigma, sensitivity=1.0, pessimistic_estimate=pessimistic, value_discretization_interval=grid,
-        log_mass_truncation_bound=log_mass_truncation, sampling_prob=mech.sampling_rate, **options)
+    return vectorised_loss.subsampled_pld(lambda adjacency: _gaussian_loss(mech, adjacency, log_mass_truncation,
+                                                                           pessimistic),
+                                          mech.sampling_rate, grid, pessimistic)
 
 
 def _laplace_pld(mech, grid, pessimistic, log_mass_truncation):
-    from dp_accounting.pld import privacy_loss_distribution as pld_lib
+    from dpaudit.accounting import vectorised_loss
 
-    options = {} if pessimistic else {"use_connect_dots": False}
-    return pld_lib.from_laplace_mechanism(
-        mech.sigma, sensitivity=1.0, pessimistic_estimate=pessimistic, value_discretization_interval=grid,
-        sampling_prob=mech.sampling_rate, **options)
+    return vectorised_loss.subsampled_pld(lambda adjacency: _laplace_loss(mech, adjacency, log_mass_truncation),
+                                          mech.sampling_rate, grid, pessimistic)
 
 
-def _gaussian_loss(mech, adjacency, log_mass_truncation):
-    from dp_accounting.pld import privacy_loss_mechanism as plm
+def _gaussian_loss(mech, adjacency, log_mass_truncation, pessimistic=True):
+    from dpaudit.accounting import vectorised_loss
 
-    return plm.GaussianPrivacyLoss(mech.sigma, sensitivity=1.0, log_mass_truncation_bound=log_mass_truncation,
-                                   sampling_prob=mech.sampling_rate, adjacency_type=adjacency)
+    return vectorised_loss.GaussianLoss(mech.sigma, sensitivity=1.0, pessimistic_estimate=pessimistic,
+                                        log_mass_truncation_bound=log_mass_truncation,
+                                        sampling_prob=mech.sampling_rate, adjacency_type=adjacency)
 
 
 def _laplace_loss(mech, adjacency, log_mass_truncation):
-    from dp_accounting.pld import privacy_loss_mechanism as plm
+    from dpaudit.accounting import vectorised_loss
 
-    return plm.LaplacePrivacyLoss(mech.sigma, sensitivity=1.0, sampling_prob=mech.sampling_rate,
-                                  adjacency_type=adjacency)
+    return vectorised_loss.LaplaceLoss(mech.sigma, sensitivity=1.0, sampling_prob=mech.sampling_rate,
+                                       adjacency_type=adjacency)
 
 
 NOISES: dict[str, Noise] = {

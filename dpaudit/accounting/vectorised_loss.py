@@ -1,0 +1,104 @@
+"""dp-accounting's Gaussian and Laplace privacy losses, with one step's hockey-stick deltas computed on arrays.
+
+Theorem (dp-accounting, `MonotonePrivacyLoss.get_delta_for_epsilon`): for a privacy loss that is
+non-increasing in the output x, delta(eps) = mu_upper_cdf(x_eps) - e^eps mu_lower_cdf(x_eps) with
+x_eps = inverse_privacy_loss(eps). Under Poisson subsampling with rate q the inverse is the
+unsubsampled one taken at log(1 + (e^eps - 1)/q) (remove) or -log(1 + (e^-eps - 1)/q) (add).
+
+Why by hand: dp-accounting evaluates x_eps with one Python call per grid point (~4 us each). The
+connect-the-dots PMF of one step at the converged grid has 1e5-1e7 points, so at p = 1e-5 these
+calls were 46 of a calibration's 62 s. Here the same formulas (the same branches, the same
+``log_a_times_exp_b_plus_c`` arithmetic, the same ``math.isclose`` rule at the ends of the range)
+run on numpy arrays; everything else (the CDFs, the connect-the-dots PMF, the tails) is still
+dp-accounting's. Tested equal to dp-accounting's deltas to 1e-12 relative.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+from dp_accounting.pld import privacy_loss_distribution as pld_lib
+from dp_accounting.pld import privacy_loss_mechanism as plm
+
+_ISCLOSE = 1e-9  # math.isclose's default relative tolerance, which dp-accounting's scalar code uses
+
+
+def _log_a_exp_b_plus_c(a: float, b: np.ndarray, c: float) -> np.ndarray:
+    """dp-accounting's ``common.log_a_times_exp_b_plus_c`` for a = 1/q > 0 and c = 1 - 1/q <= 0, on arrays:
+    log(a e^b + c). NaN where a e^b + c <= 0 (the library raises there; those points are never asked)."""
+    d = b + math.log(a)
+    if c == 0:
+        return np.where(b == 0, math.log(a + c), d)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = d + np.log1p(-np.exp(math.log(-c) - d))
+    return np.where(b == 0, math.log(a + c), np.where(math.log(-c) < d, out, np.nan))
+
+
+def _isclose(values: np.ndarray, point: float) -> np.ndarray:
+    return np.abs(values - point) <= _ISCLOSE * np.maximum(np.abs(values), abs(point))
+
+
+class _ArrayDeltas:
+    """Mixin: ``get_delta_for_epsilon`` on arrays. Subclasses give ``_inverse_remove_array`` (the loss
+    without subsampling, remove direction, on arrays)."""
+
+    def _inverse_array(self, losses: np.ndarray) -> np.ndarray:
+        q = self.sampling_prob
+        if self.adjacency_type == plm.AdjacencyType.ADD:
+            if q == 1.0:
+                return self.sensitivity + self._inverse_remove_array(losses)
+            unsampled = -_log_a_exp_b_plus_c(1 / q, -losses, 1 - 1 / q)
+            unsampled = np.where(_isclose(losses, -math.log(1 - q)), math.inf, unsampled)
+            return self.sensitivity + self._inverse_remove_array(unsampled)
+        if q == 1.0:
+            return self._inverse_remove_array(losses)
+        unsampled = _log_a_exp_b_plus_c(1 / q, losses, 1 - 1 / q)
+        unsampled = np.where(_isclose(losses, math.log(1 - q)), -math.inf, unsampled)
+        return self._inverse_remove_array(unsampled)
+
+    def get_delta_for_epsilon(self, epsilon):
+        if isinstance(epsilon, numbers.Number) or self.adjacency_type == plm.AdjacencyType.REPLACE:
+            return super().get_delta_for_epsilon(epsilon)  # scalars: the library's own code
+        epsilons = np.asarray(epsilon, dtype=float)
+        deltas = np.zeros_like(epsilons)
+        q = self.sampling_prob
+        if q == 1.0:
+            inverse = np.full_like(epsilons, True, dtype=bool)
+        elif self.adjacency_type == plm.AdjacencyType.ADD:
+            inverse = epsilons < -math.log1p(-q)  # above: delta is 0
+        else:
+            inverse = epsilons > math.log1p(-q)  # at or below: delta is 1 - e^eps
+            deltas[~inverse] = -np.expm1(epsilons[~inverse])
+        x = self._inverse_array(epsilons[inverse])
+        if np.isnan(x).any():
+            return super().get_delta_for_epsilon(epsilon)  # outside the formulas' range: the library decides
+        deltas[inverse] = self.mu_upper_cdf(x) - np.exp(epsilons[inverse] + self.mu_lower_log_cdf(x))
+        return np.clip(deltas, 0, 1)
+
+
+class GaussianLoss(_ArrayDeltas, plm.GaussianPrivacyLoss):
+    def _inverse_remove_array(self, losses: np.ndarray) -> np.ndarray:
+        # GaussianPrivacyLoss._inverse_privacy_loss_without_subsampling_remove, which is linear.
+        return -0.5 * self.sensitivity - losses * (self._standard_deviation ** 2) / self.sensitivity
+
+
+class LaplaceLoss(_ArrayDeltas, plm.LaplacePrivacyLoss):
+    def _inverse_remove_array(self, losses: np.ndarray) -> np.ndarray:
+        # LaplacePrivacyLoss._inverse_privacy_loss_without_subsampling_remove, branch by branch.
+        threshold = losses * self._parameter
+        middle = 0.5 * (-self.sensitivity - threshold)
+        return np.where(threshold > self.sensitivity, -math.inf,
+                        np.where(threshold <= -self.sensitivity, math.inf, middle))
+
+
+def subsampled_pld(loss_for, sampling_prob: float, grid: float, pessimistic: bool):
+    """dp-accounting's ``from_gaussian_mechanism`` / ``from_laplace_mechanism`` (add/remove, connect-the-dots
+    when pessimistic, privacy buckets otherwise) built on ``loss_for(adjacency)``."""
+    def single(adjacency):
+        return pld_lib._create_pld_pmf_from_monotone_privacy_loss(  # noqa: SLF001
+            loss_for(adjacency), pessimistic_estimate=pessimistic, value_discretization_interval=grid,
+            use_connect_dots=pessimistic)
+
+    return pld_lib._pld_for_subsampled_mechanism(single, sampling_prob)  # noqa: SLF001
