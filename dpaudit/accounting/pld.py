@@ -122,9 +122,8 @@ class ComposedPLD:
     1.0). Where it is not negligible next to the answer (``ROUND_OFF_SHARE``), that direction is composed
     again in long double (x87 80-bit: ~1e-19 a step; 2.5e-12 there) if it fits the memory budget."""
 
-    def __init__(self, single: dict, steps: int, grid: float, bounds: dict | None = None) -> None:
-        self.single, self.steps, self.grid = single, steps, grid
-        self.bounds = bounds or {d: _convolve_bounds(pmf, steps) for d, pmf in single.items()}
+    def __init__(self, single: dict, steps: int, grid: float, bounds: dict) -> None:
+        self.single, self.steps, self.grid, self.bounds = single, steps, grid, bounds  # bounds: _convolve_bounds per direction
         self._pmfs = {d: _self_compose(pmf, steps, self.bounds[d]) for d, pmf in single.items()}
         self.round_off = {d: round_off(pmf) for d, pmf in self._pmfs.items()}
         self.precise: set[str] = set()  # directions composed again in long double (or found not to fit)

@@ -26,11 +26,9 @@ _ISCLOSE = 1e-9  # math.isclose's default relative tolerance, which dp-accountin
 
 
 def _log_a_exp_b_plus_c(a: float, b: np.ndarray, c: float) -> np.ndarray:
-    """dp-accounting's ``common.log_a_times_exp_b_plus_c`` for a = 1/q > 0 and c = 1 - 1/q <= 0, on arrays:
+    """dp-accounting's ``common.log_a_times_exp_b_plus_c`` for a = 1/q > 0 and c = 1 - 1/q < 0 (q < 1), on arrays:
     log(a e^b + c). NaN where a e^b + c <= 0 (the library raises there; those points are never asked)."""
     d = b + math.log(a)
-    if c == 0:
-        return np.where(b == 0, math.log(a + c), d)
     with np.errstate(invalid="ignore", divide="ignore"):
         out = d + np.log1p(-np.exp(math.log(-c) - d))
     return np.where(b == 0, math.log(a + c), np.where(math.log(-c) < d, out, np.nan))
@@ -45,18 +43,17 @@ class _ArrayDeltas:
     without subsampling, remove direction, on arrays)."""
 
     def _inverse_array(self, losses: np.ndarray) -> np.ndarray:
+        """dp-accounting's ``_inverse_privacy_loss_add`` / ``_remove``: add is remove mirrored (the loss taken at
+        -eps and negated, the range's end at -log(1 - q) mapping to +inf), then shifted by the sensitivity."""
         q = self.sampling_prob
-        if self.adjacency_type == plm.AdjacencyType.ADD:
-            if q == 1.0:
-                return self.sensitivity + self._inverse_remove_array(losses)
-            unsampled = -_log_a_exp_b_plus_c(1 / q, -losses, 1 - 1 / q)
-            unsampled = np.where(_isclose(losses, -math.log(1 - q)), math.inf, unsampled)
-            return self.sensitivity + self._inverse_remove_array(unsampled)
-        if q == 1.0:
-            return self._inverse_remove_array(losses)
-        unsampled = _log_a_exp_b_plus_c(1 / q, losses, 1 - 1 / q)
-        unsampled = np.where(_isclose(losses, math.log(1 - q)), -math.inf, unsampled)
-        return self._inverse_remove_array(unsampled)
+        add = self.adjacency_type == plm.AdjacencyType.ADD
+        unsampled = losses
+        if q < 1.0:
+            sign = -1.0 if add else 1.0
+            unsampled = sign * _log_a_exp_b_plus_c(1 / q, sign * losses, 1 - 1 / q)
+            unsampled = np.where(_isclose(losses, sign * math.log(1 - q)), -sign * math.inf, unsampled)
+        x = self._inverse_remove_array(unsampled)
+        return self.sensitivity + x if add else x
 
     def get_delta_for_epsilon(self, epsilon):
         if isinstance(epsilon, numbers.Number) or self.adjacency_type == plm.AdjacencyType.REPLACE:
