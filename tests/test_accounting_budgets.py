@@ -120,6 +120,24 @@ def test_a_rounding_deficit_does_not_make_eps_jump_between_neighbouring_grids():
     assert max(found) < 1.0011
 
 
+def test_gaussian_steps_without_sampling_compose_exactly_at_any_t():
+    # p = 1, T = 1e7, delta = 1e-10: composing 1e7 copies of so narrow a step left FFT round-off over delta
+    # on every grid, and the ladder, finding no finite bound, crashed (best was None). T Gaussian steps at
+    # p = 1 are one with sigma / sqrt(T): the same bound as the exact analytic accountant, in a second.
+    from dpaudit.accounting.registry import epsilon as epsilon_of
+
+    for sigma, steps in ((335117.7, 10_000_000), (3.0, 1000)):
+        mech = Mechanism("gaussian", sigma, 1.0, steps)
+        exact = epsilon_of(mech, 1e-10, "analytic").epsilon
+        assert exact <= pld.epsilon(mech, 1e-10).epsilon <= exact * 1.001
+
+
+def test_a_ladder_on_which_every_grid_reads_inf_reports_inf_not_a_crash():
+    mech = Mechanism("gaussian", 1.0, 0.01, 10)
+    best, rungs, rung_eps, limited = pld._refine(mech, 1e-5, lambda composed: {"remove": math.inf})  # noqa: SLF001
+    assert best == {"remove": math.inf} and len(rungs) == 2 and limited is None
+
+
 def test_a_huge_composition_keeps_its_mass_and_finer_grids_only_tighten_it():
     # T = 1e7: dp-accounting clamps the +-1e-16/grid noise of the lowest losses to >= 0; the surplus
     # (6e-9 at grid 4.2e-7) raised to the power T gave composed mass 2.36 and eps 0.0491 -> 0.0529 as the

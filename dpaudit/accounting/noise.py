@@ -23,6 +23,9 @@ class Noise:
     _pld: Callable
     _pld_loss: Callable
     _numpy_draw: Callable  # (numpy Generator, scale) -> float
+    # (sigma, T) -> the sigma of one step exactly equal to T steps without subsampling, where the noise is
+    # closed under composition (Gaussian: sigma / sqrt(T)); None where it is not (Laplace)
+    composed_sigma: Callable | None = None
 
     def pld(self, mech, grid: float, pessimistic: bool, log_mass_truncation: float):
         """dp-accounting's single-step PLD of ``mech`` (both add/remove directions)."""
@@ -70,7 +73,8 @@ NOISES: dict[str, Noise] = {
     "gaussian": Noise(
         "gaussian", "noise multiplier sigma", "sigma (noise multiplier)",
         "noise std = sigma x sensitivity (noise multiplier)", 1e-5, False,
-        _gaussian_pld, _gaussian_loss, lambda rng, scale: float(rng.normal(0.0, scale))),
+        _gaussian_pld, _gaussian_loss, lambda rng, scale: float(rng.normal(0.0, scale)),
+        composed_sigma=lambda sigma, steps: sigma / steps ** 0.5),
     "laplace": Noise(
         "laplace", "Laplace scale b / sensitivity", "Laplace scale / sensitivity",
         "Laplace scale b = sigma x sensitivity", 0.0, True,
