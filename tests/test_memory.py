@@ -70,3 +70,19 @@ def test_train_refuses_over_max_memory_and_names_the_micro_batch_that_fits(tiny_
     assert 0 < fits < 400
     out = dpaudit(*args, "-o", tmp_path / "run2", "--max-memory", "300M", "--micro-batch", str(fits), "--json")
     assert out.returncode == 0, out.stderr
+
+
+def test_freed_heap_pages_are_given_back_on_cpu_only(monkeypatch):
+    import platform
+
+    from dpaudit.training import heap
+
+    calls = []
+    monkeypatch.setattr(heap, "_malloc_trim", lambda: calls.append)
+    heap.release_freed("cuda")
+    heap.release_freed("cpu")
+    assert calls == [0]  # malloc_trim(0) once, for the CPU
+    monkeypatch.undo()
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert heap._malloc_trim() is not None  # noqa: SLF001 - found where CI runs
+        heap.release_freed("cpu")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from dpaudit.training.data import padded_chunks, per_example_loss, split
+from dpaudit.training.heap import release_freed
 from dpaudit.training.streams import add_normal_, step_key
 
 
@@ -372,6 +373,7 @@ class FirstOrderTrainer:
         """Adds this chunk's sum of clipped per-example gradients to ``p.grad``; returns its losses.
         ``real`` False: a placeholder pass of a sharded model (weight 0: it adds nothing)."""
         losses = per_example_loss(self.model, batch)
+        release_freed(losses.device.type)  # the forward's freed buffers, before the backward allocates
         if self.ghost:
             # Pass 1: the hooks take each example's gradient norm (torch.autograd.grad leaves p.grad,
             # which may hold earlier chunks, alone).
@@ -384,6 +386,7 @@ class FirstOrderTrainer:
                     self.inner.set_reshard_after_backward(True, recurse=False)
             if not real:
                 coef = torch.zeros_like(coef)
+            release_freed(losses.device.type)  # the norm pass's output gradients, before pass 2
             self.model.disable_hooks()
             try:  # pass 2: the clipped sum, accumulated into p.grad
                 (coef.detach() * losses).sum().backward()
@@ -443,6 +446,7 @@ class FirstOrderTrainer:
         losses = []
         for chunk, real in self._chunks(batch, global_batch_size):
             chunk_losses = per_example_loss(self.model, chunk)
+            release_freed(chunk_losses.device.type)
             (chunk_losses.sum() * (1.0 if real else 0.0) / max(1, total)).backward()
             if real:
                 losses.append(chunk_losses.detach())
