@@ -52,7 +52,8 @@ def calibrate(
             "requested_accountant": name,
             "sigma": cal.sigma, "epsilon": json_float(cal.result.epsilon),
             "sigma_rejected": cal.sigma_rejected, "epsilon_rejected": json_float(cal.epsilon_rejected),
-            "relative_tolerance": rtol, "evaluations": cal.evaluations, "seconds": cal.seconds,
+            "relative_tolerance": rtol, "converged": cal.converged, "evaluations": cal.evaluations,
+            "seconds": cal.seconds,
             "result": cal.result.to_json(), "assumptions": lines,
         })
         return
@@ -61,6 +62,9 @@ def calibrate(
                   f"(target {eps:g}) at delta = {d:g}")
     console.print(f"  sigma = {fmt(cal.sigma_rejected)} would give eps = {fmt(cal.epsilon_rejected)} > target"
                   f"  ({cal.evaluations} evaluations, {cal.seconds:.2f} s)")
+    if not cal.converged:
+        console.print("  [yellow]the time budget stopped the search before the tolerance: the smallest sigma lies "
+                      "between these two (--timeout)[/yellow]")
     console.print(f"  guarantee: {cal.result.guarantee}")
     _print_assumptions(lines)
 

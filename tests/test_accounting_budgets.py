@@ -242,6 +242,36 @@ def test_a_calibration_that_cannot_finish_in_time_answers_with_rdp(monkeypatch):
     assert cal.sigma >= calibrate_sigma(Mechanism("gaussian", 1.0, 0.01, 100), 1.0, 1e-5, "pld").sigma
 
 
+def test_a_search_cut_short_by_time_says_so_or_answers_rdps_sigma_where_that_is_smaller(monkeypatch):
+    # p = 1e-3, T = 1e7, eps = 50, delta = 1e-10 under the CLI's 60 s: the pld search stopped with sigma in
+    # [0.8149, 0.9788] and answered 0.9788 as if converged, while RDP's sigma (computed as its start) is 0.8578.
+    from dataclasses import replace
+
+    from dpaudit.accounting import calibrate
+
+    template, real_start = Mechanism("gaussian", 1.0, 0.01, 100), calibrate._initial_sigma  # noqa: SLF001
+    monkeypatch.setattr(calibrate, "_polish", lambda t, e, d, f, lo, hi, w: (f, lo, hi, 0))
+    monkeypatch.setattr(calibrate._Evaluator, "out_of_time",  # noqa: SLF001
+                        lambda self: self.options_for is not None and len(self.cache) >= 2)
+
+    def calibrated_with_rdp_at(sigma):
+        def start(*args):
+            anchor, rdp = real_start(*args)
+            return anchor, rdp and replace(rdp, sigma=sigma)
+        monkeypatch.setattr(calibrate, "_initial_sigma", start)
+        with budget.limits(timeout=600):
+            return calibrate_sigma(template, 1.0, 1e-5, "pld")
+
+    cut = calibrated_with_rdp_at(1e6)  # RDP's sigma above the bracket: the bracket's valid end, flagged
+    assert cut.result.accountant == "pld" and not cut.converged and cut.sigma_rejected < cut.sigma * (1 - 1e-3)
+    assert cut.result.epsilon <= 1.0 < cut.epsilon_rejected
+    smaller = calibrated_with_rdp_at(cut.sigma * 0.99)  # RDP's below it: RDP's
+    assert smaller.result.accountant == "rdp" and smaller.sigma == cut.sigma * 0.99
+    assert "stopped with sigma between" in smaller.result.details["reason"]
+    monkeypatch.undo()
+    assert calibrate_sigma(template, 1.0, 1e-5, "pld").converged
+
+
 @pytest.mark.parametrize("p,steps,eps,delta", [
     (1e-3, 100_000, 1.0, 1e-5),
     (0.1, 1_000, 0.05, 1e-10),

@@ -35,6 +35,7 @@ class Calibration:
     target_epsilon: float
     evaluations: int
     seconds: float
+    converged: bool = True  # False: the time budget stopped the search; the smallest sigma is in [rejected, sigma]
 
     @property
     def epsilon(self) -> float:
@@ -230,17 +231,27 @@ def calibrate_sigma(template: Mechanism, target_eps: float, delta: float, accoun
         if fixed_grid and budget.current().seconds_left() > 8 * per_evaluation:
             f, lo, hi, extra = _polish(template, target_eps, delta, f, lo, hi, width)
             evaluations += extra
+        if fallback is not None and fallback.sigma < hi and not _closed(lo, hi, width):
+            # Stopped for time on a wide bracket whose valid end is above RDP's sigma: the smaller valid one.
+            return _fell_back(fallback, name, f"its search stopped with sigma between {lo:.6g} and {hi:.6g}",
+                              time.perf_counter() - start)
     return Calibration(
         sigma=hi, result=f(hi), sigma_rejected=lo, epsilon_rejected=f(lo).epsilon,
         target_epsilon=target_eps, evaluations=evaluations if exact is None else len(f.cache),
-        seconds=time.perf_counter() - start,
+        seconds=time.perf_counter() - start, converged=_closed(lo, hi, width),
     )
+
+
+def _closed(lo: float, hi: float, width: float) -> bool:
+    """Whether the bracket is as narrow as asked (a search cut short by the time budget leaves it wider)."""
+    return math.log(hi / lo) <= width * (1 + 1e-9)
 
 
 def _fell_back(rdp: Calibration, requested: str, why: str, seconds: float) -> Calibration:
     """The RDP calibration (valid, looser), saying why the requested accountant's is not there."""
     return replace(rdp, seconds=seconds, result=rdp.result.standing_in_for(
-        requested, f"{requested} did not fit the time budget ({why}); this sigma is rdp's (valid, looser; --timeout)"))
+        requested, f"{requested} did not fit the time budget ({why}); this sigma is rdp's (valid; a {requested} "
+                   f"search given more time would find a smaller one: --timeout)"))
 
 
 def _refine(f, target: float, lo: float, hi: float, width: float) -> tuple[float, float]:

@@ -115,9 +115,16 @@ class PldOptions:
 
 
 def converged_grid(mech: Mechanism, delta: float) -> float:
-    """The grid the refinement ladder settles on for ``mech`` (the rung with the smallest bound)."""
-    res = epsilon(mech, delta)
-    return float(res.details.get("discretisation") or first_grid(mech, delta))
+    """The grid the refinement ladder settles on for ``mech``: its coarsest rung within ``CONVERGED``
+    (relative) of the smallest bound. Where the ladder improves steadily the smallest is its last rung, the
+    one that only shows convergence and costs ~3x the one before (p = 1e-3, T = 1e7, eps = 50, delta = 1e-10:
+    8.4 s against 2.6 s an evaluation, for 2e-4 relative)."""
+    rungs = epsilon(mech, delta).details.get("grids") or []
+    finite = [r for r in rungs if math.isfinite(r["epsilon"])]
+    if not finite:
+        return first_grid(mech, delta)
+    best = min(r["epsilon"] for r in finite)
+    return float(max(r["grid"] for r in finite if r["epsilon"] <= best * (1 + CONVERGED)))
 
 
 def first_grid(mech: Mechanism, delta: float) -> float:
