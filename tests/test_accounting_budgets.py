@@ -265,7 +265,7 @@ def test_a_search_cut_short_by_time_says_so_or_answers_rdps_sigma_where_that_is_
     cut = calibrated_with_rdp_at(1e6)  # RDP's sigma above the bracket: the bracket's valid end, flagged
     assert cut.result.accountant == "pld" and not cut.converged and cut.sigma_rejected < cut.sigma * (1 - 1e-3)
     assert cut.result.epsilon <= 1.0 < cut.epsilon_rejected
-    smaller = calibrated_with_rdp_at(cut.sigma * 0.99)  # RDP's below it: RDP's
+    smaller = calibrated_with_rdp_at(cut.sigma * 0.99)  # RDP's below it (a stand-in: the choice is tested): RDP's
     assert smaller.result.accountant == "rdp" and smaller.sigma == cut.sigma * 0.99
     assert "stopped with sigma between" in smaller.result.details["reason"]
     monkeypatch.undo()

@@ -26,7 +26,7 @@ previous rung. A first rung that does not fit is coarsened until it does; a late
 not fit ends the refinement. Both are reported in ``details`` (``limited_by``).
 
 Round-off. The float64 FFT that composes T steps errs by ~T x 1e-16 in L1 (3e-9 at T = 1e7). Every
-answer pays for it (``ComposedPLD.round_off``, estimated from the negative masses it leaves), and where
+answer pays for it (``round_off``: the larger of what the negative masses show and 8 T u), and where
 it is not negligible next to delta that direction is composed again in long double.
 
 Tails: dp-accounting truncates e^-50 of each step's noise and 1e-15 of the composed mass into the
