@@ -270,6 +270,7 @@ def test_a_search_cut_short_by_time_says_so_or_answers_rdps_sigma_where_that_is_
     assert "stopped with sigma between" in smaller.result.details["reason"]
     monkeypatch.undo()
     assert calibrate_sigma(template, 1.0, 1e-5, "pld").converged
+    assert calibrate_sigma(Mechanism("laplace", 1.0, 1.0, 1), 4.0, 0.0).converged  # a closed form: nothing cut short
 
 
 @pytest.mark.parametrize("p,steps,eps,delta", [

@@ -204,7 +204,7 @@ def calibrate_sigma(template: Mechanism, target_eps: float, delta: float, accoun
         while f(hi).epsilon > target_eps:  # floating-point rounding of the inverse only
             hi *= 1 + bump
             bump *= 10
-        lo = hi * (1 - rtol / 2)
+        lo, converged = hi * (1 - rtol / 2), True
     else:
         (anchor, fallback), evaluations = _initial_sigma(template, target_eps, delta, name), 0
         fixed_grid = name == "pld" and options is None
@@ -231,14 +231,15 @@ def calibrate_sigma(template: Mechanism, target_eps: float, delta: float, accoun
         if fixed_grid and budget.current().seconds_left() > 8 * per_evaluation:
             f, lo, hi, extra = _polish(template, target_eps, delta, f, lo, hi, width)
             evaluations += extra
-        if fallback is not None and fallback.sigma < hi and not _closed(lo, hi, width):
+        converged = _closed(lo, hi, width)
+        if fallback is not None and fallback.sigma < hi and not converged:
             # Stopped for time on a wide bracket whose valid end is above RDP's sigma: the smaller valid one.
             return _fell_back(fallback, name, f"its search stopped with sigma between {lo:.6g} and {hi:.6g}",
                               time.perf_counter() - start)
     return Calibration(
         sigma=hi, result=f(hi), sigma_rejected=lo, epsilon_rejected=f(lo).epsilon,
         target_epsilon=target_eps, evaluations=evaluations if exact is None else len(f.cache),
-        seconds=time.perf_counter() - start, converged=_closed(lo, hi, width),
+        seconds=time.perf_counter() - start, converged=converged,
     )
 
 
