@@ -158,6 +158,7 @@ def test_fft_round_off_is_paid_for_and_recomposed_in_long_double():
 
     mech = Mechanism("gaussian", 19.4465, 1e-3, 10_000_000)
     composed = pld.composed_pld(mech, 2e-5, delta=1e-10)
+    composed.pmfs  # noqa: B018 - composed in float64 first (as a delta read at eps is)
     assert min(composed.round_off.values()) > 1e-10  # float64: the round-off alone is over delta
     found = composed.epsilons(1e-10)
     assert composed.precise == {"remove", "add"}
@@ -167,6 +168,27 @@ def test_fft_round_off_is_paid_for_and_recomposed_in_long_double():
     # delta at eps pays for the round-off too: never below the bare sum.
     bare = max(float(pmf.get_delta_for_epsilon(1.0)) for pmf in composed.pmfs.values())
     assert composed.get_delta_for_epsilon(1.0) >= bare
+
+
+def test_a_delta_known_before_composing_skips_the_float64_pass(monkeypatch):
+    # At T = 1e7 and delta = 1e-10 the float64 round-off expected (8 T u ~ 9e-9) is over delta before
+    # anything is composed, so each direction goes straight to long double: the same numbers as composing
+    # in float64 first and again in long double, without the float64 pass.
+    mech = Mechanism("gaussian", 19.4465, 1e-3, 10_000_000)
+    grid = 2e-5
+    both = pld.composed_pld(mech, grid, delta=1e-10)
+    both.pmfs  # noqa: B018 - float64 first, then recomposed by epsilons
+    expected = both.epsilons(1e-10)
+    calls = []
+    compose = pld._self_compose  # noqa: SLF001
+    monkeypatch.setattr(pld, "_self_compose", lambda *a, **k: calls.append(k.get("precise", False)) or compose(*a, **k))
+    direct = pld.composed_pld(mech, grid, delta=1e-10)
+    assert direct.epsilons(1e-10) == expected and calls == [True, True]
+    assert direct.round_off == both.round_off
+    # Where the expected round-off is negligible (delta = 1e-5), float64 it stays.
+    calls.clear()
+    pld.composed_pld(mech, grid, delta=1e-5).epsilons(1e-5)
+    assert calls == [False, False]
 
 
 def test_round_off_that_leaves_no_negative_mass_is_still_paid_for():
