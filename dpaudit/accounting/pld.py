@@ -189,14 +189,20 @@ class ComposedPLD:
         """+1 for a pessimistic PMF (an upper bound pays the round-off), -1 for an optimistic one."""
         return 1.0 if self._pmfs[key]._pessimistic_estimate else -1.0  # noqa: SLF001
 
+    def settle(self, delta: float) -> None:
+        """Compose each direction at the precision reading eps at ``delta`` needs: in long double where the
+        float64 round-off, expected or measured, is not negligible next to ``delta`` (and that fits)."""
+        for key in self.single:
+            self._composed(key, delta)
+            self._recomposed(key, delta)
+
     def epsilons(self, delta: float) -> dict[str, float]:
         """eps per direction, read at delta less the round-off (plus, for an optimistic estimate); where the
         round-off is over half of delta, unresolved: inf (0 for an optimistic estimate)."""
+        self.settle(delta)
         found = {}
         for direction in ("remove", "add"):
             key = self._key(direction)
-            self._composed(key, delta)
-            self._recomposed(key, delta)
             noise, side = self.round_off[key], self._side(key)
             found[direction] = (epsilon_for_delta(self._pmfs[key], delta - side * noise) if noise <= delta / 2
                                 else math.inf if side > 0 else 0.0)

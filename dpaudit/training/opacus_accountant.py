@@ -63,7 +63,7 @@ def _heterogeneous_epsilon(parts: dict[tuple[float, float], int], delta: float) 
     grid = min(min(pld.MAX_GRID, pld.step_loss_range(m, delta) / pld.POINTS_PER_STEP) for m in mechs) / pld.REFINE
     composed = [pld.composed_pld(m, grid, delta=delta) for m in mechs]
     for part in composed:
-        part.epsilons(delta)  # composes a part again in long double where its FFT round-off matters
+        part.settle(delta)  # in long double where a part's FFT round-off matters at delta
     worst = 0.0
     for direction in ("remove", "add"):
         total = composed[0].pmfs[direction]
