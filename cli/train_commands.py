@@ -26,7 +26,7 @@ OptimizerOpt = Annotated[str, typer.Option("--optimizer", help="dp-sgd: adamw or
 TrainStepsOpt = Annotated[Optional[int], typer.Option("--steps", "-T", help="Training steps (default: dp-sgd 300, dp-zo 3000).")]
 TrainBatchOpt = Annotated[int, typer.Option("--batch-size", "-B", help="Expected batch size (p = B/N).")]
 PhiOpt = Annotated[float, typer.Option("--phi", help="dp-zo perturbation scale.")]
-DirectionOpt = Annotated[str, typer.Option("--direction", help="dp-zo direction: gaussian or sphere (DPZero).")]
+DirectionOpt = Annotated[str, typer.Option("--direction", help="dp-zo direction: gaussian, sphere (DPZero) or rademacher (+-1, SPSA; ~4x cheaper to draw on CPU).")]
 TrainableOpt = Annotated[str, typer.Option("--trainable", help="full, lora or bias (DP-BiTFiT).")]
 Bf16Opt = Annotated[bool, typer.Option("--bf16", help="bf16 weights and activations, no loss scaling.")]
 PerSampleGradsOpt = Annotated[str, typer.Option(

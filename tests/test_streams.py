@@ -34,6 +34,30 @@ def test_any_split_into_slices_draws_the_whole_stream(total, cuts, key, index):
                         rel_tol=1e-12)
 
 
+@settings(max_examples=15, deadline=None)
+@given(total=st.integers(1, 2 * streams.BLOCKS["signs"] + 45), cut=st.floats(0, 1), key=st.integers(0, 2**64 - 1))
+def test_any_split_of_a_sign_stream_draws_the_whole_one(total, cut, key):
+    reference = torch.zeros(total)
+    streams.add_stream_(reference, key, 2, 1.0, kind="signs")
+    lo = int(cut * total)
+    pieces = [torch.zeros(lo), torch.zeros(total - lo)]
+    streams.add_stream_(pieces[0], key, 2, 1.0, 0, total, kind="signs")
+    streams.add_stream_(pieces[1], key, 2, 1.0, lo, total, kind="signs")
+    assert torch.equal(torch.cat(pieces), reference) and set(reference.unique().tolist()) <= {-1.0, 1.0}
+
+
+def test_a_sign_is_bit_b_of_word_w():
+    # Element 32 w + b is 1 - 2 (bit b of the block's w-th 32-bit word): the format replay relies on.
+    block = streams.BLOCKS["signs"]
+    out = torch.zeros(block + 40)
+    streams.add_stream_(out, 7, 1, 1.0, kind="signs")
+    for j, values in ((0, out[:block]), (1, out[block:])):
+        gen = torch.Generator().manual_seed(block_seed(7, 1, j))
+        words = torch.randint(0, 1 << 32, (-(-values.numel() // 32),), generator=gen, dtype=torch.int64)
+        bits = (words.unsqueeze(1) >> torch.arange(32)) & 1
+        assert torch.equal(values, (1 - 2 * bits).view(-1)[:values.numel()].float())
+
+
 def test_streams_differ_by_key_index_and_block_and_look_standard_normal():
     a = whole(1, 0, 2 * BLOCK)
     assert not torch.equal(a[:BLOCK], a[BLOCK:])  # blocks are independent draws

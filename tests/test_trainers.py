@@ -97,6 +97,34 @@ def test_sphere_direction_has_norm_sqrt_d():
     assert norm == pytest.approx(math.sqrt(221), rel=1e-5)
 
 
+def test_rademacher_direction_is_plus_minus_one_and_on_the_sqrt_d_sphere():
+    params = [torch.zeros(300, 70), torch.zeros(11)]
+    assert zo.direction_scale(params, seed=5, direction="rademacher") == 1.0
+    zo.add_direction(params, 5, 1.0, direction="rademacher")
+    z = torch.cat([p.view(-1) for p in params])
+    assert set(z.unique().tolist()) == {-1.0, 1.0} and abs(float(z.mean())) < 5 / math.sqrt(z.numel())
+    gaussian = [torch.zeros_like(p) for p in params]
+    zo.add_direction(gaussian, 5, 1.0)
+    assert not torch.equal(z.abs(), torch.cat([p.view(-1) for p in gaussian]).abs())
+    with pytest.raises(ValueError):
+        zo.add_direction(params, 5, 1.0, stream="sequential", direction="rademacher")  # no legacy stream
+    with pytest.raises(ValueError):
+        zo.add_direction(params, 5, 1.0, direction="uniform")
+
+
+def test_dp_zo_with_rademacher_directions_replays(tiny_model_dir, tmp_path):
+    from dpaudit.training.replay import replay_run
+
+    cfg = TrainConfig(method="dp-zo", target_epsilon=2.0, steps=6, batch_size=8, lr=1e-3, secret_seed=3,
+                      direction="rademacher")
+    run = train(tiny_model_dir, TEXTS, tmp_path / "run", cfg, show_progress=False)
+    replayed, _ = replay_run(run.run_dir)
+    trained, _ = load_causal_lm(run.model_dir)
+    base, _ = load_causal_lm(tiny_model_dir)
+    moved = max_weight_difference(trained, base)
+    assert moved > 1e-5 and max_weight_difference(replayed, trained) < 1e-3 * moved
+
+
 @pytest.fixture(scope="module")
 def zo_run(tiny_model_dir, tmp_path_factory):
     run = tmp_path_factory.mktemp("zo") / "run"

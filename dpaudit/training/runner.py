@@ -40,7 +40,7 @@ class TrainConfig:
     steps: int | None = None             # method default when None
     batch_size: int = 64                 # expected batch size B; p = B / N
     phi: float = 1e-3                    # DP-ZO perturbation scale
-    direction: str = "gaussian"          # DP-ZO: gaussian or sphere (DPZero)
+    direction: str = "gaussian"          # DP-ZO: gaussian, sphere (DPZero) or rademacher (SPSA)
     trainable: str = "full"              # full, lora or bias (DP-BiTFiT)
     lora_rank: int = 8
     bf16: bool = False
@@ -66,7 +66,7 @@ class TrainConfig:
         from dpaudit.training.zo import DIRECTIONS
 
         if self.direction not in DIRECTIONS:
-            raise DPAuditError(f"unknown direction {self.direction!r}; use {' or '.join(DIRECTIONS)}")
+            raise DPAuditError(f"unknown direction {self.direction!r}; use {', '.join(DIRECTIONS)}")
         if self.mechanism == "laplace" and self.method == "dp-sgd":
             raise DPAuditError("DP-SGD clips an L2 norm and adds Gaussian noise; --mech laplace is for dp-zo")
         if not (self.target_epsilon > 0):
