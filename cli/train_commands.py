@@ -13,6 +13,7 @@ from dpaudit.atomic import guard_new_folder, save_model_folder
 from dpaudit.cli.common import ForceOpt, JsonOpt, ThreadsOpt, console, emit, err_console, fmt
 from dpaudit.errors import DPAuditError
 from dpaudit.threads import set_threads
+from dpaudit.training.directions import DEFAULT_DIRECTION
 
 MethodOpt = Annotated[str, typer.Option("--method", help="dp-zo or dp-sgd.")]
 EpsOpt = Annotated[Optional[str], typer.Option(
@@ -26,7 +27,7 @@ OptimizerOpt = Annotated[str, typer.Option("--optimizer", help="dp-sgd: adamw or
 TrainStepsOpt = Annotated[Optional[int], typer.Option("--steps", "-T", help="Training steps (default: dp-sgd 300, dp-zo 3000).")]
 TrainBatchOpt = Annotated[int, typer.Option("--batch-size", "-B", help="Expected batch size (p = B/N).")]
 PhiOpt = Annotated[float, typer.Option("--phi", help="dp-zo perturbation scale.")]
-DirectionOpt = Annotated[str, typer.Option("--direction", help="dp-zo direction: gaussian, sphere (DPZero) or rademacher (+-1, SPSA; ~4x cheaper to draw on CPU).")]
+DirectionOpt = Annotated[str, typer.Option("--direction", help="dp-zo direction: rademacher (+-1, SPSA; a third of a Gaussian pass's cost on CPU), gaussian (the DP-ZO paper's) or sphere (DPZero).")]
 TrainableOpt = Annotated[str, typer.Option("--trainable", help="full, lora or bias (DP-BiTFiT).")]
 Bf16Opt = Annotated[bool, typer.Option("--bf16", help="bf16 weights and activations, no loss scaling.")]
 PerSampleGradsOpt = Annotated[str, typer.Option(
@@ -86,7 +87,7 @@ def train_cmd(
     method: MethodOpt = "dp-sgd", eps: EpsOpt = None, sigma: SigmaOpt = None, delta: TrainDeltaOpt = 1e-5,
     mech: TrainMechOpt = "gaussian", clip: ClipOpt = None, lr: LrOpt = None, optimizer: OptimizerOpt = "adamw",
     steps: TrainStepsOpt = None, batch_size: TrainBatchOpt = 64, phi: PhiOpt = 1e-3,
-    direction: DirectionOpt = "gaussian", trainable: TrainableOpt = "full", bf16: Bf16Opt = False,
+    direction: DirectionOpt = DEFAULT_DIRECTION, trainable: TrainableOpt = "full", bf16: Bf16Opt = False,
     per_sample_grads: PerSampleGradsOpt = "ghost", micro_batch: MicroBatchOpt = 0,
     max_memory: TrainMaxMemoryOpt = None, shard: ShardOpt = False,
     seed: TrainSeedOpt = 0, secret_seed: SecretSeedOpt = None, accountant: AccountantTrainOpt = None,
@@ -129,7 +130,7 @@ def audit_run(
         "--batch-size", "-B", help="Expected batch size (p = B/N; 0 = every example every step). Default: 64; "
                                    "white box: 0, full batches.")] = None,
     phi: PhiOpt = 1e-3,
-    direction: DirectionOpt = "gaussian", trainable: TrainableOpt = "full", bf16: Bf16Opt = False,
+    direction: DirectionOpt = DEFAULT_DIRECTION, trainable: TrainableOpt = "full", bf16: Bf16Opt = False,
     per_sample_grads: PerSampleGradsOpt = "ghost", micro_batch: MicroBatchOpt = 0,
     max_memory: TrainMaxMemoryOpt = None, shard: ShardOpt = False,
     seed: TrainSeedOpt = 0, secret_seed: SecretSeedOpt = None, accountant: AccountantTrainOpt = None,

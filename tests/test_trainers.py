@@ -92,7 +92,7 @@ def test_dp_zo_noise_scale_and_clipping(mech, dist):
 def test_sphere_direction_has_norm_sqrt_d():
     params = [torch.zeros(30, 7), torch.zeros(11)]
     scale = zo.direction_scale(params, seed=5, direction="sphere")
-    zo.add_direction(params, 5, scale)
+    zo.add_direction(params, 5, scale, direction="sphere")
     norm = math.sqrt(sum(float(p.square().sum()) for p in params))
     assert norm == pytest.approx(math.sqrt(221), rel=1e-5)
 
@@ -104,7 +104,7 @@ def test_rademacher_direction_is_plus_minus_one_and_on_the_sqrt_d_sphere():
     z = torch.cat([p.view(-1) for p in params])
     assert set(z.unique().tolist()) == {-1.0, 1.0} and abs(float(z.mean())) < 5 / math.sqrt(z.numel())
     gaussian = [torch.zeros_like(p) for p in params]
-    zo.add_direction(gaussian, 5, 1.0)
+    zo.add_direction(gaussian, 5, 1.0, direction="gaussian")
     assert not torch.equal(z.abs(), torch.cat([p.view(-1) for p in gaussian]).abs())
     with pytest.raises(ValueError):
         zo.add_direction(params, 5, 1.0, stream="sequential", direction="rademacher")  # no legacy stream
@@ -112,11 +112,12 @@ def test_rademacher_direction_is_plus_minus_one_and_on_the_sqrt_d_sphere():
         zo.add_direction(params, 5, 1.0, direction="uniform")
 
 
-def test_dp_zo_with_rademacher_directions_replays(tiny_model_dir, tmp_path):
+def test_dp_zo_with_gaussian_directions_replays(tiny_model_dir, tmp_path):
+    # The other replay tests train with the default (Rademacher) directions.
     from dpaudit.training.replay import replay_run
 
     cfg = TrainConfig(method="dp-zo", target_epsilon=2.0, steps=6, batch_size=8, lr=1e-3, secret_seed=3,
-                      direction="rademacher")
+                      direction="gaussian")
     run = train(tiny_model_dir, TEXTS, tmp_path / "run", cfg, show_progress=False)
     replayed, _ = replay_run(run.run_dir)
     trained, _ = load_causal_lm(run.model_dir)
@@ -160,6 +161,7 @@ def test_runs_before_the_block_stream_replay_with_the_sequential_one(zo_run, tin
     old = tmp_path / "old_run"
     shutil.copytree(zo_run.run_dir, old)
     meta.pop("direction_stream")
+    meta["config"]["direction"] = "gaussian"  # every run of that time (the default then)
     (old / "run_config.json").write_text(json.dumps(meta))
     replayed, _ = replay_run(old)
     expected, _ = load_causal_lm(tiny_model_dir)
@@ -239,6 +241,11 @@ def test_killed_run_keeps_ledger_and_resumes(tiny_model_dir, tmp_path, monkeypat
     # which is refused unless accepted, and then written down.
     with pytest.raises(DPAuditError, match="allow-overspend"):
         train(tiny_model_dir, TEXTS, run, cfg, resume=True, show_progress=False)
+    # Resumed with another plan (here the direction of a run trained before the default changed): refused,
+    # naming what differs, and nothing in the folder is touched.
+    with pytest.raises(DPAuditError, match=r"\(direction differ"):
+        train(tiny_model_dir, TEXTS, run, dataclasses.replace(cfg, direction="gaussian", allow_overspend=True),
+              resume=True, show_progress=False)
     result = train(tiny_model_dir, TEXTS, run, dataclasses.replace(cfg, allow_overspend=True), resume=True,
                    show_progress=False)
     assert result.steps == 12

@@ -17,6 +17,7 @@ import numpy as np
 from dpaudit.atomic import atomic_write_json, save_model_folder
 from dpaudit.errors import DPAuditError
 from dpaudit.progress import progress_bar
+from dpaudit.training.directions import DEFAULT_DIRECTION, DIRECTIONS
 from dpaudit.training.plan import PrivacyPlan
 
 METHODS = ("dp-zo", "dp-sgd")
@@ -40,7 +41,7 @@ class TrainConfig:
     steps: int | None = None             # method default when None
     batch_size: int = 64                 # expected batch size B; p = B / N
     phi: float = 1e-3                    # DP-ZO perturbation scale
-    direction: str = "gaussian"          # DP-ZO: gaussian, sphere (DPZero) or rademacher (SPSA)
+    direction: str = DEFAULT_DIRECTION   # DP-ZO: rademacher (SPSA), gaussian (the DP-ZO paper) or sphere (DPZero)
     trainable: str = "full"              # full, lora or bias (DP-BiTFiT)
     lora_rank: int = 8
     bf16: bool = False
@@ -63,8 +64,6 @@ class TrainConfig:
             raise DPAuditError(f"unknown method {self.method!r}; use dp-zo or dp-sgd")
         if self.mechanism not in ("gaussian", "laplace"):
             raise DPAuditError(f"unknown mechanism {self.mechanism!r}; use gaussian or laplace")
-        from dpaudit.training.zo import DIRECTIONS
-
         if self.direction not in DIRECTIONS:
             raise DPAuditError(f"unknown direction {self.direction!r}; use {', '.join(DIRECTIONS)}")
         if self.mechanism == "laplace" and self.method == "dp-sgd":
@@ -245,8 +244,11 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
         if cfg.trainable == "lora":
             raise DPAuditError("resuming a LoRA run is not supported; start it again")
         if (run_dir / "run_config.json").is_file():
-            if _plan(json.loads((run_dir / "run_config.json").read_text())["config"]) != _plan(_config_for_state(cfg)):
-                raise DPAuditError(f"{run_dir} holds a run with another configuration; use a new folder")
+            before, now = _plan(json.loads((run_dir / "run_config.json").read_text())["config"]), _plan(_config_for_state(cfg))
+            if before != now:  # names only: values are the user's and are not echoed
+                differ = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+                raise DPAuditError(f"{run_dir} holds a run with another configuration ({', '.join(differ)} "
+                                   "differ: pass the run's own); or use a new folder")
         if (run_dir / "privacy_ledger.json").is_file():
             executed_before = int(json.loads((run_dir / "privacy_ledger.json").read_text())["steps_executed"])
         if (run_dir / "model").is_dir():

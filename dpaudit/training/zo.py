@@ -1,7 +1,8 @@
 """DP-ZO (Tang et al. 2024, Algorithms 1-2) and its non-private baseline (MeZO-style SPSA).
 
-Per step: a public seed gives a direction z (Gaussian; uniform on the sqrt(d)-sphere as in DPZero; or
-Rademacher +-1, SPSA's classic perturbation: also on that sphere, E[z z^T] = I, and ~4x cheaper to draw);
+Per step: a public seed gives a direction z (directions.py: Rademacher +-1 by default, SPSA's classic
+perturbation, on the sqrt(d)-sphere with E[z z^T] = I and a third of a Gaussian pass's cost on CPU;
+Gaussian, as in the DP-ZO paper; or uniform on the sqrt(d)-sphere as in DPZero);
 each example's loss difference l(theta + phi z) - l(theta - phi z) is clipped to [-C, C]; the sum gets
 Gaussian N(0, C^2 sigma^2) or Laplace(0, C sigma) noise; theta <- theta - lr * s * z with
 s = noisy sum / (2 phi B). Only the scalar s touches the data, so (seed, s) pairs replay the run.
@@ -18,10 +19,10 @@ import numpy as np
 import torch
 
 from dpaudit.training.data import padded_chunks, per_example_loss
+from dpaudit.training.directions import DEFAULT_DIRECTION, DIRECTIONS
 from dpaudit.training.shard import local_slices
 from dpaudit.training.streams import LEGACY, STREAM, add_stream_, square_sum
 
-DIRECTIONS = ("gaussian", "sphere", "rademacher")
 _KIND = {"gaussian": "normal", "sphere": "normal", "rademacher": "signs"}  # streams.py's kind of each
 
 
@@ -32,7 +33,7 @@ class ZOSettings:
     clip: float | None = 1.0        # C; None = no clipping (non-private)
     noise: str | None = "gaussian"  # gaussian, laplace, or None (non-private)
     sigma: float = 0.0              # noise multiplier (Gaussian std / Laplace scale, in units of C)
-    direction: str = "gaussian"
+    direction: str = DEFAULT_DIRECTION
     clip_examples: bool = True      # False only for the planted bug "no-clip" (noise still scaled by C)
     micro_batch: int = 0            # at most this many examples per forward pass (0: the whole batch)
     stream: str = STREAM            # how z is drawn from its seed (streams.py; LEGACY: runs before it)
@@ -69,7 +70,7 @@ def direction_scale(params, seed: int, direction: str, stream: str = STREAM, sha
 
 
 @torch.no_grad()
-def add_direction(params, seed: int, factor: float, stream: str = STREAM, direction: str = "gaussian") -> None:
+def add_direction(params, seed: int, factor: float, stream: str = STREAM, direction: str = DEFAULT_DIRECTION) -> None:
     """theta <- theta + factor * z, in place (on this process's shard of each weight, when sharded)."""
     kind = _KIND.get(direction)
     if kind is None:
@@ -86,7 +87,7 @@ def add_direction(params, seed: int, factor: float, stream: str = STREAM, direct
 
 @torch.no_grad()
 def perturbed_losses(model, params, batch, seed: int, phi: float, scale: float, micro_batch: int = 0,
-                     stream: str = STREAM, passes: int = 0, direction: str = "gaussian") -> tuple[torch.Tensor, torch.Tensor]:
+                     stream: str = STREAM, passes: int = 0, direction: str = DEFAULT_DIRECTION) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-example l(theta + phi z) and l(theta - phi z). Leaves theta at theta - phi z: the caller's
     update pass restores it (restore and update in one pass over the weights, three passes a step).
     ``passes``: sharded weights are gathered in every forward, so every rank runs exactly this many
@@ -127,7 +128,7 @@ def noisy_scalar(diffs: torch.Tensor, settings: ZOSettings, denominator: float, 
 
 
 def apply_update(params, seed: int, scalar: float, lr: float, scale: float, stream: str = STREAM,
-                 direction: str = "gaussian") -> None:
+                 direction: str = DEFAULT_DIRECTION) -> None:
     add_direction(params, seed, -lr * scalar * scale, stream, direction)
 
 
