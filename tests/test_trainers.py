@@ -314,6 +314,15 @@ def test_bf16_dp_sgd_runs(tiny_model_dir, tmp_path):
     assert next(tuned.parameters()).dtype == torch.bfloat16
 
 
+def test_dp_zo_turns_dropout_off(tiny_model_dir):
+    # With dropout on, l(theta + phi z) - l(theta - phi z) would compare two dropout masks.
+    model, _ = load_causal_lm(tiny_model_dir)
+    model.train()
+    zo.ZOTrainer(model, trainable_parameters(model), zo.ZOSettings(lr=1e-3), run_seed=0, expected_batch=4,
+                 private=True, rng=np.random.default_rng(0))
+    assert not any(m.training for m in model.modules())
+
+
 def test_dp_zo_micro_batches_give_the_same_losses(tiny_model_dir):
     model, tok = load_causal_lm(tiny_model_dir)
     params = trainable_parameters(select_trainable(model, "full"))

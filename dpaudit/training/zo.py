@@ -176,6 +176,10 @@ class ZOTrainer:
                  rng: np.random.Generator, log_path=None, bug=None, canaries=None, clip: float = 1.0,
                  all_sum=lambda x: x, sharding=None):
         self.model, self.params, self.settings = model, params, settings
+        # Dropout off (as MeZO does): the two forwards of a step must evaluate one function, or their
+        # difference is that of two dropout masks, not of theta +- phi z (GPT-2 and OPT checkpoints ship
+        # with dropout 0.1; from_pretrained happens to return eval mode, a wrapper may not).
+        model.eval()
         self.sharding = sharding  # shard.Sharding when the weights are sharded over the ranks
         self.run_seed, self.expected_batch, self.private = run_seed, expected_batch, private
         self.rng, self.bug, self.canaries, self.clip, self.all_sum = rng, bug, canaries, clip, all_sum
