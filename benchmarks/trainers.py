@@ -9,8 +9,8 @@ torch.cuda.max_memory_allocated. On CPU two figures, each from its own subproces
   and the high-water mark is that of the tensors alive at once (what max_memory_allocated is on GPU).
   Step times come from the first subprocess only (the fixed threshold slows allocation).
 Same model and batch for every method; prints step time and peak memory as ratios to one forward and
-to non-private SGD. Time ratios are taken in-process: each worker times a no-grad forward before each of
-its steps, and "x fwd" is its median step over its median forward ("x SGD": that over SGD's "x fwd"),
+to non-private SGD. Time ratios are taken in-process: each worker times a no-grad forward next to each of
+its steps (ABBA order), and "x fwd" is its median step over its median forward ("x SGD": that over SGD's "x fwd"),
 so that a shared machine's drift between subprocesses does not enter them.
 
     .venv/bin/python benchmarks/trainers.py [--hidden 512 --layers 4 --batch 64 --seq 64 --steps 9]

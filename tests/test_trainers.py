@@ -243,7 +243,7 @@ def test_killed_run_keeps_ledger_and_resumes(tiny_model_dir, tmp_path, monkeypat
         train(tiny_model_dir, TEXTS, run, cfg, resume=True, show_progress=False)
     # Resumed with another plan (here the direction of a run trained before the default changed): refused,
     # naming what differs, and nothing in the folder is touched.
-    with pytest.raises(DPAuditError, match=r"\(direction differ"):
+    with pytest.raises(DPAuditError, match=r"not as it was started: direction;"):
         train(tiny_model_dir, TEXTS, run, dataclasses.replace(cfg, direction="gaussian", allow_overspend=True),
               resume=True, show_progress=False)
     result = train(tiny_model_dir, TEXTS, run, dataclasses.replace(cfg, allow_overspend=True), resume=True,

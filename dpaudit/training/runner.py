@@ -247,8 +247,8 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
             before, now = _plan(json.loads((run_dir / "run_config.json").read_text())["config"]), _plan(_config_for_state(cfg))
             if before != now:  # names only: values are the user's and are not echoed
                 differ = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
-                raise DPAuditError(f"{run_dir} holds a run with another configuration ({', '.join(differ)} "
-                                   "differ: pass the run's own); or use a new folder")
+                raise DPAuditError(f"{run_dir} holds a run with another configuration (not as it was started: "
+                                   f"{', '.join(differ)}; pass the run's own), or use a new folder")
         if (run_dir / "privacy_ledger.json").is_file():
             executed_before = int(json.loads((run_dir / "privacy_ledger.json").read_text())["steps_executed"])
         if (run_dir / "model").is_dir():
