@@ -17,9 +17,9 @@
 Prints a table (seconds for ours and for the reference, the reference eps at 0.999 sigma / target)
 and the worst case. Usage:
 
-    .venv/bin/python benchmarks/pld_convergence.py            # all 144 cases (hours: 36 at T = 1e7, 1-5 min each)
+    .venv/bin/python benchmarks/pld_convergence.py            # all 144 cases (~2 h on 2 cores; the 36 at T = 1e7, up to 3 min each, ours and the reference's)
     .venv/bin/python benchmarks/pld_convergence.py --quick    # 16 cases, ~26 min (5 at T = 1e7)
-    .venv/bin/python benchmarks/pld_convergence.py --steps 1,1000,100000 --p 0.001,0.1,1   # 81 cases, ~20 min
+    .venv/bin/python benchmarks/pld_convergence.py --steps 1,1000,100000 --p 0.001,0.1,1   # 81 cases, ~10 min
 """
 
 from __future__ import annotations
