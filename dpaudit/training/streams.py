@@ -10,8 +10,9 @@ Two kinds of stream (B = ``BLOCKS[kind]``):
   always drawn whole and sliced. A slice therefore draws at most two blocks it only partly uses.
 - "signs": +-1 (Rademacher): bit b of 32-bit word w (``torch.randint(0, 2**32, ...)``, ceil(n / 32)
   words) gives element 32 w + b, +1 for a 0 bit. One generator call per 32 numbers instead of one per
-  number: a block draws in 0.8-0.9 ns a number against randn's 3.5 (one core). Its blocks are 16x
-  longer, so that torch's per-call overhead (~10 us an op) does not dominate.
+  number: a block draws in ~0.33 ns a number (the words, then three integer passes that build the
+  floats) against randn's 3.5 (one core). Its blocks are 16x longer, so that torch's per-call overhead
+  (~10 us an op) does not dominate.
 
 The generator is that of the tensor's device (CPU: Mersenne twister; CUDA: Philox), so the stream of
 a run is tied to the kind of device that drew it (run_config.json records it). No library offers a
