@@ -12,5 +12,7 @@ is public, drawn from the step's public seed; only the clipped, noised scalar to
 - "sphere": Gaussian scaled onto the sqrt(d)-sphere (uniform there), as in DPZero; one extra pass.
 """
 
-DIRECTIONS = ("rademacher", "gaussian", "sphere")
+# Each direction's stream kind (training/streams.py): what its passes draw from the step's seed.
+STREAM_KIND = {"rademacher": "signs", "gaussian": "normal", "sphere": "normal"}
+DIRECTIONS = tuple(STREAM_KIND)
 DEFAULT_DIRECTION = "rademacher"

@@ -19,11 +19,9 @@ import numpy as np
 import torch
 
 from dpaudit.training.data import padded_chunks, per_example_loss
-from dpaudit.training.directions import DEFAULT_DIRECTION, DIRECTIONS
+from dpaudit.training.directions import DEFAULT_DIRECTION, DIRECTIONS, STREAM_KIND
 from dpaudit.training.shard import local_slices
 from dpaudit.training.streams import LEGACY, STREAM, add_stream_, square_sum
-
-_KIND = {"gaussian": "normal", "sphere": "normal", "rademacher": "signs"}  # streams.py's kind of each
 
 
 @dataclass(frozen=True)
@@ -72,7 +70,7 @@ def direction_scale(params, seed: int, direction: str, stream: str = STREAM, sha
 @torch.no_grad()
 def add_direction(params, seed: int, factor: float, stream: str = STREAM, direction: str = DEFAULT_DIRECTION) -> None:
     """theta <- theta + factor * z, in place (on this process's shard of each weight, when sharded)."""
-    kind = _KIND.get(direction)
+    kind = STREAM_KIND.get(direction)
     if kind is None:
         raise ValueError(f"unknown direction {direction!r}; use {', '.join(DIRECTIONS)}")
     if stream == LEGACY and kind == "normal":
