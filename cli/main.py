@@ -9,7 +9,7 @@ import typer
 import typer.core
 from rich.markup import escape
 
-from dpaudit.errors import DPAuditError
+from dpaudit.errors import DPAuditError, Interrupted
 from dpaudit.cli import accounting_commands, audit_commands, canary_commands, check_command, train_commands
 from dpaudit.cli.common import err_console
 
@@ -75,7 +75,20 @@ def _fold(message: str, caught: list) -> str:
     return message + (f" (numerical warnings: {'; '.join(seen[:3])})" if seen else "")
 
 
+INTERNAL_ERROR = 3
+INTERRUPTED = 130
+
+
+def _say(message: str) -> None:
+    err_console.print(f"[bold red]error:[/bold red] {escape(message)}", highlight=False)
+
+
 def _run(argv, caught) -> None:
+    """Exit codes mean one thing: 0 ok; 1 over budget / violation (returned by the command itself); 2 bad
+    input or an unusable environment; 3 an internal error (a bug: one line, DPAUDIT_DEBUG=1 for the
+    traceback); 130 interrupted (Ctrl-C)."""
+    import os
+
     try:
         code = app(args=argv, standalone_mode=False)  # click then raises usage errors to us, returns exit codes
     except _usage_errors() as exc:
@@ -86,23 +99,40 @@ def _run(argv, caught) -> None:
         where = exc.ctx.command_path if exc.ctx is not None else "dpaudit"
         err_console.print(f"[bold red]error:[/bold red] {exc.format_message()} (see '{where} --help')", highlight=False)
         sys.exit(USAGE_ERROR)
-    except typer.Abort:
-        err_console.print("[bold red]error:[/bold red] aborted", highlight=False)
-        sys.exit(1)
+    except Interrupted as exc:
+        _say(str(exc))
+        sys.exit(INTERRUPTED)
+    except (typer.Abort, KeyboardInterrupt) as exc:  # click turns Ctrl-C (and an EOF it meets) into Abort
+        cause = exc.__context__ if isinstance(exc, typer.Abort) else exc
+        if isinstance(cause, KeyboardInterrupt) or isinstance(exc, KeyboardInterrupt):
+            _say("interrupted (Ctrl-C); nothing was decided" if not isinstance(cause, Interrupted) else str(cause))
+            sys.exit(INTERRUPTED)
+        _internal(cause or exc)
     except DPAuditError as exc:
-        err_console.print(f"[bold red]error:[/bold red] {escape(str(exc))}", highlight=False)
+        _say(str(exc))
+        sys.exit(USAGE_ERROR)
+    except RecursionError:  # a document nested beyond reason (JSON, YAML): its reader ran out of stack
+        _say("an input is nested too deeply to read")
         sys.exit(USAGE_ERROR)
     except OSError as exc:  # unwritable folder, disk full, output is a folder...: unusable input, never "violation"
         where = f": {exc.filename}" if exc.filename else ""
-        err_console.print(f"[bold red]error:[/bold red] {escape((exc.strerror or type(exc).__name__) + where)}",
-                          highlight=False)
+        _say((exc.strerror or type(exc).__name__) + where)
         sys.exit(USAGE_ERROR)
     except (ValueError, OverflowError, ZeroDivisionError, FloatingPointError, MemoryError) as exc:
-        err_console.print(f"[bold red]error:[/bold red] "
-                          f"{escape(_fold(f'cannot answer this query: {type(exc).__name__}: {exc}', caught))}",
-                          highlight=False)
+        _say(_fold(f"cannot answer this query: {type(exc).__name__}: {exc}", caught))
         sys.exit(USAGE_ERROR)
+    except Exception as exc:  # noqa: BLE001 - the one place an unexpected failure becomes a line and exit 3
+        if os.environ.get("DPAUDIT_DEBUG") == "1":
+            raise
+        _internal(exc)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _internal(exc: BaseException) -> None:
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    _say(f"internal error: {type(exc).__name__}{': ' + first if first else ''} (this is a dpaudit bug; "
+         "DPAUDIT_DEBUG=1 shows the traceback)")
+    sys.exit(INTERNAL_ERROR)
 
 
 if __name__ == "__main__":

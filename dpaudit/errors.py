@@ -3,3 +3,7 @@
 
 class DPAuditError(ValueError):
     """A user-facing error: bad input, an unusable config, an unreachable target."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C during long work: the CLI prints the message (what was saved, how to go on) and exits 130."""

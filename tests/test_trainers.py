@@ -228,16 +228,18 @@ def test_killed_run_keeps_ledger_and_resumes(tiny_model_dir, tmp_path, monkeypat
         return real(*args, **kwargs)
 
     monkeypatch.setattr(zo, "zo_step", dies_at_step_8)
-    with pytest.raises(KeyboardInterrupt):
+    from dpaudit.errors import Interrupted
+    with pytest.raises(Interrupted, match="interrupted at step 7; the ledger counts 8 steps"):
         train(tiny_model_dir, TEXTS, run, cfg, show_progress=False)
     ledger = json.loads((run / "privacy_ledger.json").read_text())
-    assert ledger["steps_executed"] == 7 and 0 < ledger["epsilon_spent"] <= ledger["epsilon_planned"] <= 2.0
+    # Written ahead: the eighth step was counted before it could release anything.
+    assert ledger["steps_executed"] == 8 and 0 < ledger["epsilon_spent"] <= ledger["epsilon_planned"] <= 2.0
     assert json.loads((run / "checkpoint" / "trainer_state.json").read_text())["step"] == 5
     monkeypatch.setattr(zo, "zo_step", real)
     from dpaudit.errors import DPAuditError
     with pytest.raises(DPAuditError, match="not empty"):
         train(tiny_model_dir, TEXTS, run, cfg, show_progress=False)
-    # Steps 6 and 7 ran twice (killed after the step-5 checkpoint): resuming spends more than planned,
+    # Steps 6 to 8 ran twice (killed after the step-5 checkpoint): resuming spends more than planned,
     # which is refused unless accepted, and then written down.
     with pytest.raises(DPAuditError, match="allow-overspend"):
         train(tiny_model_dir, TEXTS, run, cfg, resume=True, show_progress=False)
@@ -251,8 +253,8 @@ def test_killed_run_keeps_ledger_and_resumes(tiny_model_dir, tmp_path, monkeypat
     assert result.steps == 12
     assert [json.loads(x)["step"] for x in (run / "zo_steps.jsonl").read_text().splitlines()] == list(range(12))
     after = json.loads((run / "privacy_ledger.json").read_text())
-    assert after["steps_in_model"] == 12 and after["steps_executed"] == 14
-    assert after["steps_discarded_by_resume"] == 2 and after["overspend_allowed"]
+    assert after["steps_in_model"] == 12 and after["steps_executed"] == 15
+    assert after["steps_discarded_by_resume"] == 3 and after["overspend_allowed"]
     assert after["epsilon_planned"] == pytest.approx(ledger["epsilon_planned"])  # the plan is kept
     assert after["epsilon_spent"] == after["epsilon_total"] == result.epsilon > after["epsilon_planned"]
     assert after["epsilon_overspend"] == pytest.approx(result.epsilon - after["epsilon_planned"])
@@ -281,7 +283,8 @@ def test_a_dp_sgd_step_redone_after_resume_draws_fresh_noise(tiny_model_dir, tmp
     cfg = TrainConfig(method="dp-sgd", target_epsilon=8.0, steps=4, batch_size=8, save_every=2, secret_seed=5,
                       allow_overspend=True)
     monkeypatch.setattr(sampling, "poisson_batch", killed_at_step_4)
-    with pytest.raises(KeyboardInterrupt):
+    from dpaudit.errors import Interrupted
+    with pytest.raises(Interrupted):
         train(tiny_model_dir, TEXTS, tmp_path / "run", cfg, show_progress=False)
     first = list(dict.fromkeys(keys))  # one key a step, in order
     monkeypatch.setattr(sampling, "poisson_batch", draw)

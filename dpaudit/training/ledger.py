@@ -1,7 +1,8 @@
 """The privacy ledger of a run: what it claims, which accountant and relation, and the eps spent so far.
 
-Rewritten atomically after every step, so a killed run still tells what it spent; a resumed run
-keeps counting the steps a kill made it redo. eps is computed
+Written ahead: a step is counted (the file rewritten atomically) before anything it releases is written,
+so a run killed at any point over-counts by at most one step and never under-counts; a resumed run keeps
+counting the steps a kill made it redo. eps is computed
 ahead of time at a grid of step counts; after t steps the ledger reports eps at the first grid point
 >= t, an upper bound because eps grows with the number of steps.
 """
@@ -28,6 +29,7 @@ class PrivacyLedger:
         self.grid: list[int] = []
         self.eps: list[float] = []
         self.relation = "none: non-private run (eps = infinity)"
+        self.recorded = 0  # steps_executed as last written
         if plan.private:
             total = total_steps
             self.grid = sorted({max(1, math.ceil(total * k / GRID_POINTS)) for k in range(1, GRID_POINTS + 1)})
@@ -59,9 +61,11 @@ class PrivacyLedger:
         return self.eps[min(bisect.bisect_left(self.grid, steps_done), len(self.grid) - 1)]
 
     def record(self, steps_executed: int, **extra) -> None:
+        """Write the count down (the trainer calls this before a step releases anything: write-ahead)."""
         atomic_write_json(self.path, {
             **self.header, "accountant": self.accountant, "relation": self.relation,
             "steps_executed": steps_executed, "epsilon_spent": json_float(self.spent(steps_executed)),
             "epsilon_planned": json_float(self.planned_epsilon), "epsilon_total": json_float(self.total_epsilon),
             "epsilon_overspend": json_float(max(0.0, self.total_epsilon - self.planned_epsilon)), **extra,
         })
+        self.recorded = steps_executed

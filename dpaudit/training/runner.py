@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 
 from dpaudit.atomic import atomic_write_json, save_model_folder
-from dpaudit.errors import DPAuditError
+from dpaudit.errors import DPAuditError, Interrupted
 from dpaudit.progress import progress_bar
+from dpaudit.training import checkpoint
 from dpaudit.training.directions import DEFAULT_DIRECTION, DIRECTIONS
 from dpaudit.training.plan import PrivacyPlan
 
@@ -131,21 +132,18 @@ class TrainResult:
 
 
 def _save_checkpoint(run_dir: Path, model, tokenizer, state: dict, trainer_state=None, weights=None) -> None:
-    """Write the checkpoint beside the old one, then swap, so a crash leaves one intact copy.
-    ``weights``: the gathered state of a sharded model (saved in the same plain format)."""
+    """Write the checkpoint beside the old one, seal it with its checksums, then swap (training/checkpoint.py),
+    so a crash leaves one intact copy. ``weights``: the gathered state of a sharded model (same plain format)."""
     import torch
 
-    tmp, final, old = run_dir / ".checkpoint.tmp", run_dir / "checkpoint", run_dir / ".checkpoint.old"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True, state_dict=weights)
-    tokenizer.save_pretrained(tmp)
-    if trainer_state is not None:
-        torch.save(trainer_state, tmp / "optimizer.pt")
-    atomic_write_json(tmp / "trainer_state.json", state)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=weights)
+        tokenizer.save_pretrained(tmp)
+        if trainer_state is not None:
+            torch.save(trainer_state, tmp / checkpoint.OPTIMIZER)
+        atomic_write_json(tmp / checkpoint.STATE, state)
+
+    checkpoint.save(run_dir, state["step"], write)
 
 
 def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *, resume: bool = False,
@@ -238,27 +236,32 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
 
     world = setup_world()
     run_dir = Path(run_dir)
-    checkpoint = run_dir / "checkpoint"
-    start, executed_before = 0, 0
+    start, released_before, previous, previous_ledger = 0, 0, None, None
+    base_model = str(model_dir)
     if resume:
         if cfg.trainable == "lora":
             raise DPAuditError("resuming a LoRA run is not supported; start it again")
-        if (run_dir / "run_config.json").is_file():
-            before, now = _plan(json.loads((run_dir / "run_config.json").read_text())["config"]), _plan(_config_for_state(cfg))
+        previous = _read_json(run_dir / RUN_CONFIG, "run config")
+        if previous is not None:
+            before, now = _plan(previous["config"]), _plan(_config_for_state(cfg))
             if before != now:  # names only: values are the user's and are not echoed
                 differ = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
                 raise DPAuditError(f"{run_dir} holds a run with another configuration (not as it was started: "
                                    f"{', '.join(differ)}; pass the run's own), or use a new folder")
-        if (run_dir / "privacy_ledger.json").is_file():
-            executed_before = int(json.loads((run_dir / "privacy_ledger.json").read_text())["steps_executed"])
+            base_model = str(previous.get("base_model", base_model))  # the original, never a checkpoint
+        previous_ledger = _read_json(run_dir / LEDGER, "privacy ledger")
+        released_before = _released_steps(run_dir, previous_ledger, cfg)
         if (run_dir / "model").is_dir():
             raise DPAuditError(f"the run in {run_dir} is complete; there is nothing to resume")
-        if (checkpoint / "trainer_state.json").is_file():
-            start = int(json.loads((checkpoint / "trainer_state.json").read_text())["step"])
-            model_dir = checkpoint
+        if world.is_main:
+            checkpoint.newest_intact(run_dir)  # the newest verified copy, moved to checkpoint/
     elif run_dir.exists() and _has_content(run_dir):
         raise DPAuditError(f"run folder {run_dir} is not empty; pass --resume to continue it or use a new folder")
     world.barrier()  # every rank has checked the folder before rank 0 writes to it
+    if resume:
+        step = checkpoint.intact_step(run_dir / checkpoint.FINAL)
+        if step is not None:
+            start, model_dir = step, run_dir / checkpoint.FINAL
     if world.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
 
@@ -303,12 +306,19 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
               else "inf", "examples": n, "noise_disabled_unsafely": cfg.unsafe_disable_noise,
               "white_box_canaries": cfg.white_box, "planted_bug": cfg.plant_bug}
     header["world_size"] = world.size
+    header["data_sha256"] = _fingerprint(texts)
+    if previous_ledger is not None:  # the ledger accounts one (N, p, sigma, data): a resume may not change it
+        differ = [k for k in RESUME_IDENTITY if k in previous_ledger and previous_ledger[k] != header[k]]
+        if differ:
+            raise DPAuditError(f"resuming {run_dir} with another {', '.join(differ)} than its ledger accounts: the "
+                               "steps already taken would be re-accounted at the new values and eps under-counted. "
+                               "Resume with the run's own data and settings, or start a new run folder")
     # Steps run after the last checkpoint of a killed run are redone with fresh noise, but their
     # outputs (the DP-ZO log, the ledger) may have been seen: they are spent, and stay counted.
-    discarded = max(0, executed_before - start)
+    discarded = max(0, released_before - start)
     header["steps_discarded_by_resume"] = discarded
     header["overspend_allowed"] = cfg.allow_overspend
-    ledger = PrivacyLedger(run_dir / "privacy_ledger.json", header, plan, cfg.steps + discarded)
+    ledger = PrivacyLedger(run_dir / LEDGER, header, plan, cfg.steps + discarded)
     if discarded and ledger.total_epsilon > max(ledger.planned_epsilon, cfg.target_epsilon) and not cfg.allow_overspend:
         raise DPAuditError(f"resuming would spend eps {ledger.total_epsilon:.4g} > the planned "
                            f"{ledger.planned_epsilon:.4g}: {discarded} steps ran after the last checkpoint and count "
@@ -317,7 +327,7 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
     if main:
         # DP-ZO directions come from the generator of the device the weights live on (CPU and CUDA
         # streams differ), so a replay must draw them on the same kind of device.
-        atomic_write_json(run_dir / "run_config.json", {"config": _config_for_state(cfg), "base_model": str(model_dir),
+        atomic_write_json(run_dir / RUN_CONFIG, {"config": _config_for_state(cfg), "base_model": base_model,
                                                         "sigma": sigma, "sampling_rate": rate, "examples": n,
                                                         "expected_batch_size": batch_size,
                                                         "direction_device": params[0].device.type,
@@ -336,7 +346,7 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
                         noise=cfg.mechanism if cfg.private and noise_sigma > 0 else None, sigma=noise_sigma,
                         direction=cfg.direction, clip_examples=not cfg.bug.skip_clipping,
                         micro_batch=cfg.micro_batch, stream=STREAM)
-        log_path = run_dir / "zo_steps.jsonl"
+        log_path = run_dir / ZO_LOG
         if main:
             _truncate_log(log_path, start)
         trainer = ZOTrainer(model, params, zo, run_seed=cfg.seed, expected_batch=batch_size, private=cfg.private,
@@ -355,14 +365,19 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
                                     optimizer=cfg.optimizer, world_size=world.size, hook=hook, bug=cfg.bug,
                                     transcript=transcript, per_sample_grads=cfg.per_sample_grads,
                                     micro_batch=cfg.micro_batch, sharding=sharding)
-        if start and (checkpoint / "optimizer.pt").is_file():
-            saved = json.loads((checkpoint / "trainer_state.json").read_text()).get("sharded", False)
-            if saved != sharded:
-                raise DPAuditError(f"the checkpoint in {run_dir} was saved {'with' if saved else 'without'} --shard "
-                                   "over several processes; resume it the same way")
-            trainer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=True))
+        saved = run_dir / checkpoint.FINAL
+        if start and (saved / checkpoint.OPTIMIZER).is_file():
+            was_sharded = _read_json(saved / checkpoint.STATE, "checkpoint state").get("sharded", False)
+            if was_sharded != sharded:
+                raise DPAuditError(f"the checkpoint in {run_dir} was saved {'with' if was_sharded else 'without'} "
+                                   "--shard over several processes; resume it the same way")
+            try:
+                state = torch.load(saved / checkpoint.OPTIMIZER, weights_only=True)
+                trainer.load_state_dict(state)
+            except Exception as exc:  # sealed by our checksum, so only a file made to look like ours gets here
+                raise DPAuditError(f"cannot read the optimizer state in {saved}: {type(exc).__name__}") from None
 
-    last_loss = None
+    last_loss, interrupted_at = None, start
     began = time.perf_counter()
     label = f"{cfg.method}{'' if cfg.private else ' (non-private)'}"
     try:
@@ -372,9 +387,11 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
                 real = idx[idx < n_real]
                 sampled = canaries.member_ids[idx[idx >= n_real] - n_real] if canaries else idx[:0]
                 batch = {k: v.to(world.device) for k, v in data.batch(world.shard(real)).items()}
+                if main:  # written ahead: the step is spent before anything it releases is written
+                    ledger.record(step + 1 + discarded, steps_in_model=step)
+                interrupted_at = step
                 last_loss = trainer.run_step(step, batch, len(idx), sampled)
-                if main:
-                    ledger.record(step + 1 + discarded, steps_in_model=step + 1)
+                interrupted_at = step + 1
                 advance(1, f"step {step + 1}, loss {last_loss:.4g}, eps spent {ledger.spent(step + 1 + discarded):.4g}")
                 due = cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps
                 if due and cfg.trainable != "lora":  # LoRA adapters are merged once, at export
@@ -383,19 +400,74 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
                     if main:
                         _save_checkpoint(run_dir, model, tokenizer, {"step": step + 1, "config": _config_for_state(cfg),
                                                                      "sharded": sharded}, state, weights)
+    except KeyboardInterrupt:
+        raise Interrupted(f"interrupted at step {interrupted_at}; the ledger counts {ledger.recorded} steps "
+                          f"(eps spent {ledger.spent(ledger.recorded):.4g}); resume with --resume") from None
     finally:
         trainer.close()
+    if main:
+        ledger.record(cfg.steps + discarded, steps_in_model=cfg.steps)
     seconds = time.perf_counter() - began
     final = run_dir / "model"
     weights = full_state_dict(model) if sharded else None  # every rank takes part
     if main:  # the finished model replaces the resume checkpoint (no second copy of the weights)
         final = _export(run_dir, model, tokenizer, weights)
-        shutil.rmtree(checkpoint, ignore_errors=True)
+        checkpoint.remove(run_dir)
     world.barrier()
     return TrainResult(run_dir=run_dir, model_dir=final, private=plan.private, sigma=sigma,
                        epsilon=ledger.total_epsilon, delta=cfg.delta, sampling_rate=rate, steps=cfg.steps,
                        examples=n, seconds=seconds, seconds_per_step=seconds / max(1, cfg.steps - start),
                        last_loss=last_loss, accountant=ledger.accountant, relation=ledger.relation)
+
+
+RUN_CONFIG, LEDGER, ZO_LOG = "run_config.json", "privacy_ledger.json", "zo_steps.jsonl"
+# What the ledger accounts: a resume that changes any of them would re-account the steps already taken.
+RESUME_IDENTITY = ("method", "mechanism", "sigma", "clip", "delta", "sampling_rate", "examples", "data_sha256")
+
+
+def _read_json(path: Path, what: str) -> dict | None:
+    """A run file we wrote, read back with a size cap; None when absent, one line when it is not ours."""
+    from dpaudit.safe_json import load_json_file
+
+    if not path.exists():
+        return None
+    data = load_json_file(path, what, max_bytes=16 << 20)
+    if not isinstance(data, dict):
+        raise DPAuditError(f"{path} is not a {what} dpaudit wrote")
+    return data
+
+
+def _released_steps(run_dir: Path, ledger: dict | None, cfg: TrainConfig) -> int:
+    """Steps whose outputs may have been seen: the ledger's count, or more where the DP-ZO log or the
+    white-box transcript holds more (a run written by an older dpaudit released before it counted)."""
+    from dpaudit.training.whitebox import TRANSCRIPT
+
+    counted = 0
+    if ledger is not None:
+        counted = ledger.get("steps_executed")
+        if type(counted) is not int or counted < 0:
+            raise DPAuditError(f"{run_dir / LEDGER} does not say how many steps ran; refusing to resume a run whose "
+                               "spending is unknown")
+    log = run_dir / ZO_LOG
+    if log.is_file():
+        with open(log, "rb") as fh:
+            counted = max(counted, sum(block.count(b"\n") for block in iter(lambda: fh.read(1 << 20), b"")))
+    transcript = run_dir / TRANSCRIPT
+    if cfg.white_box and transcript.is_file():
+        counted = max(counted, transcript.stat().st_size // (4 * cfg.white_box))
+    return counted
+
+
+def _fingerprint(texts: list[str]) -> str:
+    """SHA-256 of the training texts, each prefixed by its length (a resume must train on the same data)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in texts:
+        b = t.encode("utf-8", "surrogatepass")
+        h.update(len(b).to_bytes(8, "little"))
+        h.update(b)
+    return h.hexdigest()
 
 
 def _shared_entropy(world) -> int:
