@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dpaudit.atomic import atomic_write_json
+from dpaudit.safe_json import load_json_file
 from dpaudit.errors import DPAuditError
 
 FORMAT = "dpaudit-canaries/1"
@@ -62,17 +63,15 @@ class Manifest:
         }
 
     def save(self, path: Path) -> Path:
-        return atomic_write_json(path, self.to_dict())
+        """Written 0600: the manifest holds the audit's secret (which canaries are members)."""
+        return atomic_write_json(path, self.to_dict(), private=True)
 
 
 def load_manifest(path: Path) -> Manifest:
     path = Path(path)
     if not path.is_file():
         raise DPAuditError(f"canary manifest not found: {path}")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DPAuditError(f"cannot read canary manifest {path}: {exc}") from None
+    data = load_json_file(path, "canary manifest")
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise DPAuditError(f"{path} is not a dpaudit canary manifest (expected format {FORMAT!r})")
     try:

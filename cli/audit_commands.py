@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 from rich.markup import escape
 
+from dpaudit.atomic import refuse_overlap
 from dpaudit.cli.common import ForceOpt, JsonOpt, ThreadsOpt, console, emit_json
 from dpaudit.errors import DPAuditError
 
@@ -129,6 +130,8 @@ def audit_scores(
     """Audit precomputed canary scores; exit 1 if the empirical eps exceeds the claimed eps."""
     from dpaudit.audit.analysis import analyse
 
+    if report is not None:
+        refuse_overlap(report, {"scores file": scores_file}, folder_output=True)
     claimed_eps, delta, context = resolve_claims(scores_file, claimed_eps, delta)
     score = score or context.pop("score", None) or "unnamed"  # the report's score, read with its claims
     scores, members = read_scores(scores_file)
@@ -168,6 +171,8 @@ def audit_checkpoint(
     from dpaudit.threads import set_threads
 
     set_threads(threads)
+    if report is not None:
+        refuse_overlap(report, {"model": model, "canary manifest": canaries, "base model": base}, folder_output=True)
     manifest = load_manifest(canaries)
     members = [c.member for c in manifest.canaries]
     if not any(members) or all(members):  # refuse before the slow scoring, not after it
@@ -200,6 +205,8 @@ def audit_transcript(
     """White-box audit of a run's transcript (DP-SGD canary-aligned releases, DP-ZO (seed, scalar) log)."""
     from dpaudit.audit.whitebox import audit_run_folder
 
+    if report is not None:
+        refuse_overlap(report, {"run": run}, folder_output=True)
     claimed_eps, delta, context = resolve_claims(run, claimed_eps, delta)
     result, scores, members, facts = audit_run_folder(run, claimed_epsilon=claimed_eps, delta=delta, alpha=alpha,
                                                       headline=headline)

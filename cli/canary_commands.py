@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dpaudit.atomic import guard_new_file, guard_new_folder, save_model_folder
+from dpaudit.atomic import guard_new_file, guard_new_folder, refuse_overlap, save_model_folder
 from dpaudit.cli.common import ForceOpt, JsonOpt, emit
 
 app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Make new-token canaries and put them into data and models.")
@@ -30,6 +30,7 @@ def make(
     from dpaudit.canaries.generate import make_canaries
     from dpaudit.models.hf import load_tokenizer
 
+    refuse_overlap(output, {"tokenizer": tokenizer})
     guard_new_file(output, force)
     manifest = make_canaries(load_tokenizer(tokenizer), m, seed, prefix_length, template, name_or_path=str(tokenizer))
     manifest.save(output)
@@ -55,6 +56,7 @@ def insert(
     from dpaudit.canaries.insert import insert_canaries
     from dpaudit.canaries.manifest import load_manifest
 
+    refuse_overlap(output, {"canary manifest": canaries, "dataset": data})
     s = insert_canaries(load_manifest(canaries), data, output, fmt=fmt, field=field, repeats=repeat, seed=seed,
                         force=force)
     summary = {"command": "canaries insert", "output": str(s.output), "original_examples": s.original_examples,
@@ -76,6 +78,7 @@ def extend(
     from dpaudit.canaries.manifest import load_manifest
     from dpaudit.models.loading import load_causal_lm
 
+    refuse_overlap(output, {"model": model, "canary manifest": canaries}, folder_output=True)
     guard_new_folder(output, force)
     manifest = load_manifest(canaries)
     lm, tok = load_causal_lm(model)

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dpaudit.atomic import guard_new_folder, save_model_folder
+from dpaudit.atomic import guard_new_folder, refuse_overlap, save_model_folder
 from dpaudit.cli.common import ForceOpt, JsonOpt, ThreadsOpt, console, emit, err_console, fmt
 from dpaudit.errors import DPAuditError
 from dpaudit.threads import set_threads
@@ -112,6 +112,7 @@ def train_cmd(
                       trainable, bf16, seed, secret_seed, accountant, save_every=save_every, white_box=white_box,
                       plant_bug=plant_bug, allow_overspend=allow_overspend, per_sample_grads=per_sample_grads,
                       micro_batch=micro_batch, max_memory=max_memory, shard=shard)
+    refuse_overlap(out, {"model": model, "dataset": data}, folder_output=True)
     set_threads(threads)
     texts = read_texts(data, detect_format(data, data_format), field)
     result = train(model, texts, out, cfg, resume=resume, show_progress=not as_json)
@@ -175,6 +176,7 @@ def audit_run(
     if repeat > 1 and cfg.private:
         err_console.print(f"[yellow]note:[/yellow] {repeat} copies per canary: the claimed eps is per example, "
                       "a canary's group guarantee is weaker", highlight=False)
+    refuse_overlap(out, {"model": model, "dataset": data}, folder_output=True)
     settings = AuditRunSettings(canaries=canaries or 1000, repeats=repeat, examples=examples, seed=seed)
     audit, result, summary = run_audit(out, cfg, settings, model=model, data=data, data_format=data_format,
                                        field=field, force=force, show_progress=not as_json)
@@ -196,6 +198,7 @@ def replay_cmd(
     from dpaudit.models.loading import load_causal_lm
     from dpaudit.training.replay import max_weight_difference, replay_run
 
+    refuse_overlap(out, {"run": run, "base model": base}, folder_output=True)
     guard_new_folder(out, force)
     model, tok = replay_run(run, base)
     save_model_folder(out, model, tok)

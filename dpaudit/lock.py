@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import socket
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from dpaudit.errors import DPAuditError
@@ -47,3 +48,44 @@ def folder_lock(folder: Path):
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+
+
+@contextmanager
+def _holding_every_lock(tree: Path):
+    """Take every dpaudit lock found in ``tree`` (symbolic links not followed) for the block; a lock held
+    by another process (a live run) refuses at once, naming its folder."""
+    with ExitStack() as stack:
+        for root, dirs, files in os.walk(tree):
+            if LOCK not in files:
+                continue
+            try:
+                fd = os.open(Path(root) / LOCK, os.O_RDWR | os.O_NOFOLLOW)
+            except OSError:
+                continue
+            stack.callback(os.close, fd)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
+                raise DPAuditError(f"{root} is in use by a running dpaudit process ({holder}); refusing to remove "
+                                   "or replace it (wait for it, or use another folder)") from None
+        yield
+
+
+def assert_unlocked(tree: Path) -> None:
+    """Refuse when any folder in ``tree`` is held by a running dpaudit process."""
+    with _holding_every_lock(Path(tree)):
+        pass
+
+
+def remove_folder(folder: Path) -> None:
+    """Remove a folder dpaudit wrote, never one (or one holding one) that a running dpaudit process holds:
+    the locks inside are taken, and held while it is removed."""
+    folder = Path(folder)
+    if folder.is_symlink():
+        folder.unlink()
+        return
+    if not folder.exists():
+        return
+    with _holding_every_lock(folder):
+        shutil.rmtree(folder)

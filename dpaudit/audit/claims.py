@@ -18,9 +18,15 @@ def _json(path: Path) -> dict | None:
         if not path.is_file() or path.stat().st_size > MAX_BYTES:
             return None
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def _name(score) -> str | None:
+    """The score's name in a report.json ({"name": ...}); anything else (a hand-edited file) is no name."""
+    name = score.get("name") if isinstance(score, dict) else None
+    return name if isinstance(name, str) else None
 
 
 def _number(x):
@@ -43,5 +49,5 @@ def run_claims(path: Path) -> dict | None:
         if report and "delta" in report:
             return {"source": str(folder), "delta": _number(report.get("delta")),
                     "epsilon": _number(report.get("claimed_epsilon")),
-                    "score": (report.get("score") or {}).get("name")}
+                    "score": _name(report.get("score"))}
     return None

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from dpaudit.atomic import atomic_write_json, atomic_write_text, save_model_folder
 from dpaudit.audit.analysis import AuditResult, analyse
 from dpaudit.audit.report import prepare_folder, write_report
+from dpaudit.lock import remove_folder
 from dpaudit.training.runner import TrainConfig, TrainResult, preflight, train
 
 
@@ -107,7 +107,7 @@ def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model
     extend_model(lm, tok, manifest)
     save_model_folder(out / "extended_model", lm, tok)
     del lm
-    shutil.rmtree(out / "run", ignore_errors=True)
+    remove_folder(out / "run")
     result = train(out / "extended_model", read_texts(train_file, fmt, field), out / "run", cfg,
                    show_progress=show_progress)
     scores, members = score_checkpoint(result.model_dir, manifest, show_progress=show_progress)
@@ -128,7 +128,7 @@ def _white_box(out: Path, cfg: TrainConfig, settings: AuditRunSettings, base: Pa
     else:
         fmt = detect_format(Path(data), data_format)
         texts = read_texts(Path(data), fmt, field)
-    shutil.rmtree(out / "run", ignore_errors=True)
+    remove_folder(out / "run")
     result = train(base, texts, out / "run", cfg, show_progress=show_progress)
     audit, scores, members, facts = audit_run_folder(out / "run", claimed_epsilon=result.epsilon,
                                                      delta=cfg.delta, alpha=settings.alpha)
@@ -158,7 +158,7 @@ def _finish(out: Path, cfg: TrainConfig, base: Path, audit: AuditResult, result:
         **({"PLANTED BUG": cfg.plant_bug} if cfg.plant_bug else {}),
         **{k: v for k, v in extra.items() if not isinstance(v, dict)},
     }
-    shutil.rmtree(out / "report", ignore_errors=True)
+    remove_folder(out / "report")
     files = write_report(out / "report", audit, scores, members, context)
     summary = {**audit.to_dict(), "context": context, "training": result.to_dict(),
                "report_files": {k: str(v) for k, v in files.items()}}

@@ -24,6 +24,22 @@ def prepare_folder(folder: Path, force: bool) -> Path:
     return folder
 
 
+_MARKDOWN_SPECIAL = set("\\`*_{}[]()<>#+!|~")
+
+
+def md(value) -> str:
+    """A value from a file, a path or a user's flag, made inert in Markdown: one line, every Markdown
+    character escaped (no fake headings, bold verdict lines, links, HTML or table cells), and a leading
+    = + - @ defused so a spreadsheet that imports the table never reads a formula."""
+    if not isinstance(value, str):
+        return md(str(value)) if value is not None else "-"
+    text = " ".join(value.split())
+    text = "".join("\\" + c if c in _MARKDOWN_SPECIAL else c for c in text)
+    if text[:1] in ("=", "@") or (text[:1] == "-" and text[1:2] not in ("", ".") and not text[1].isdigit()):
+        text = "'" + text
+    return text
+
+
 def _num(x) -> str:
     return x if isinstance(x, str) else "-" if x is None else f"{x:.4f}"
 
@@ -40,7 +56,7 @@ def markdown(result: AuditResult, context: dict) -> str:
         f"**Verdict:** {d['verdict']}", "",
         f"**Headline eps lower bound:** {_num(d['epsilon_lower_bound'])} ({head['bound']}, delta = {result.delta:g}, "
         f"alpha = {result.alpha:g}). Why it is valid: {head['why_valid']}. Valid for: {head['valid_for']}.", "",
-        *(f"- {k}: {v}" for k, v in context.items()),
+        *(f"- {md(k)}: {md(v)}" for k, v in context.items()),
         f"- canaries: m = {result.m} ({result.members} members, {result.nonmembers} non-members)",
         f"- score: {result.score.name}: {result.score.description}", "",
         "| metric | value |", "|---|---|",

@@ -25,7 +25,7 @@ from dpaudit.errors import DPAuditError
 def _run_config(run_dir: Path) -> dict:
     try:
         return json.loads((run_dir / "run_config.json").read_text())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise DPAuditError(f"{run_dir} is not a readable run folder: {exc}") from None
 
 
@@ -33,7 +33,7 @@ def _zo_log(run_dir: Path) -> tuple[np.ndarray, np.ndarray]:
     try:
         rows = [json.loads(line) for line in (run_dir / "zo_steps.jsonl").read_text().splitlines()]
         return np.array([r["seed"] for r in rows], dtype=np.uint64), np.array([r["scalar"] for r in rows], float)
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
         raise DPAuditError(f"{run_dir} has no readable DP-ZO log: {exc}") from None
 
 

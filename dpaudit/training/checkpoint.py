@@ -19,7 +19,7 @@ import os
 import shutil
 from pathlib import Path
 
-from dpaudit.atomic import atomic_write_json
+from dpaudit.atomic import atomic_write_json, follow_umask
 from dpaudit.errors import DPAuditError
 
 FINAL, TMP, OLD = "checkpoint", ".checkpoint.tmp", ".checkpoint.old"
@@ -73,6 +73,7 @@ def save(run_dir: Path, step: int, write) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     write(tmp)
+    follow_umask(tmp)
     seal(tmp, step)
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)

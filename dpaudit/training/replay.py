@@ -22,7 +22,7 @@ def replay_run(run_dir: Path, base_model: Path | None = None):
         meta = json.loads((run_dir / "run_config.json").read_text())
         steps = [(int(r["seed"]), float(r["scalar"]))
                  for r in map(json.loads, (run_dir / "zo_steps.jsonl").read_text().splitlines())]
-    except (OSError, json.JSONDecodeError, KeyError, ValueError) as exc:
+    except (OSError, KeyError, ValueError, TypeError, RecursionError) as exc:
         raise DPAuditError(f"{run_dir} is not a readable DP-ZO run folder: {exc}") from None
     cfg = meta["config"]
     if cfg["method"] != "dp-zo":

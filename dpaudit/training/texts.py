@@ -40,6 +40,8 @@ def jsonl_text(line: str, field: str, path: Path, n: int) -> str:
         row = json.loads(line)
     except json.JSONDecodeError as exc:
         raise DPAuditError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise DPAuditError(f"{path}:{n}: nested too deeply to be a training example") from None
     if not isinstance(row, dict) or field not in row:
         raise DPAuditError(f"{path}:{n}: no {field!r} field (choose it with --field)")
     if not isinstance(row[field], str):
@@ -54,10 +56,15 @@ def read_texts(path: Path, fmt: str, field: str = "text") -> list[str]:
         return [jsonl_text(line, field, path, n) for n, line in enumerate(physical_lines(text), 1) if line.strip()]
     if fmt == "txt":
         return [line.rstrip("\r") for line in physical_lines(text) if line.strip()]
-    return [row[field] for row in csv_reader(text, field, path)]
+    try:
+        return [row[field] for row in csv_reader(text, field, path)]
+    except csv.Error as exc:
+        raise DPAuditError(f"{path}: not readable as CSV ({exc})") from None
 
 
 def csv_reader(text: str, field: str, path: Path) -> csv.DictReader:
+    # A field may be as long as the file (csv's default cap, 128 KiB, would refuse a long example).
+    csv.field_size_limit(max(csv.field_size_limit(), len(text) + 1))
     reader = csv.DictReader(io.StringIO(text, newline=""))
     if field not in (reader.fieldnames or []):
         raise DPAuditError(f"{path}: no column {field!r}; choose it with --field")

@@ -23,6 +23,9 @@ import numpy as np
 from dpaudit.atomic import atomic_write_json
 from dpaudit.errors import DPAuditError
 
+# Membership is drawn from the secret seed in its own domain (a SeedSequence spawn key), so it can never
+# coincide with a batch or noise stream, which are keyed [secret, step] without one.
+MEMBERSHIP_DOMAIN = 0x77626D62  # "wbmb"
 GAIN = 10.0  # a canary's pre-clipping size in units of C: clipping must act, or "no-clip" shows
 MANIFEST = "whitebox_canaries.json"
 TRANSCRIPT = "whitebox_transcript.f32"
@@ -45,7 +48,8 @@ class WhiteBoxCanaries:
     def make(cls, m: int, seed: int, membership_seed: int) -> "WhiteBoxCanaries":
         if m < 4:
             raise DPAuditError(f"a white-box audit needs at least 4 canaries, got {m}")
-        members = np.random.default_rng([membership_seed, 7]).random(m) < 0.5
+        stream = np.random.SeedSequence(membership_seed, spawn_key=(MEMBERSHIP_DOMAIN,))
+        members = np.random.default_rng(stream).random(m) < 0.5
         return cls(m=m, seed=seed, members=members)
 
     @property
@@ -63,7 +67,8 @@ class WhiteBoxCanaries:
             n_params, self.m, replace=False))
 
     def save(self, folder: Path) -> Path:
-        return atomic_write_json(Path(folder) / MANIFEST, {
+        """Written 0600: membership is the audit's secret."""
+        return atomic_write_json(Path(folder) / MANIFEST, private=True, data={
             "m": self.m, "seed": self.seed, "gain": self.gain, "members": [int(x) for x in self.members],
             "coordinates": self.coordinates})
 
@@ -73,7 +78,7 @@ class WhiteBoxCanaries:
             d = json.loads((Path(folder) / MANIFEST).read_text())
             return cls(m=int(d["m"]), seed=int(d["seed"]), members=np.array(d["members"], bool),
                        gain=float(d["gain"]), coordinates=[int(j) for j in d["coordinates"]])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
             raise DPAuditError(f"{folder} has no readable white-box canary manifest: {exc}") from None
 
 
