@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from dpaudit.canaries.hf import tokenizer_identity
-from dpaudit.canaries.manifest import Canary, Manifest
+from dpaudit.canaries.manifest import MAX_CANARIES, Canary, Manifest
 from dpaudit.errors import DPAuditError
 
 SECRET_ALPHABET = np.array(list("abcdefghijklmnopqrstuvwxyz0123456789"))
@@ -45,6 +45,8 @@ def make_canaries(tokenizer, m: int, seed: int = 0, prefix_length: int = 8, temp
                   name_or_path: str | None = None) -> Manifest:
     if m < 2:
         raise DPAuditError(f"need at least 2 canaries, got m={m}")
+    if m > MAX_CANARIES:
+        raise DPAuditError(f"at most {MAX_CANARIES} canaries, got m={m} (an audit's power saturates far below)")
     if template is None and prefix_length < 1:
         raise DPAuditError(f"prefix length must be >= 1, got {prefix_length}")
     secret_rng, prefix_rng, member_rng = (np.random.default_rng([seed, stream]) for stream in range(3))

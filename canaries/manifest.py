@@ -14,6 +14,9 @@ from dpaudit.safe_json import load_json_file
 from dpaudit.errors import DPAuditError
 
 FORMAT = "dpaudit-canaries/1"
+# An audit's power saturates long before this (the bounds gain little past ~10^4 canaries), while each
+# canary is a new token in the tokenizer and a row in both embedding matrices: more is refused unread.
+MAX_CANARIES = 100_000
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,7 @@ def load_manifest(path: Path) -> Manifest:
     path = Path(path)
     if not path.is_file():
         raise DPAuditError(f"canary manifest not found: {path}")
-    data = load_json_file(path, "canary manifest")
+    data = load_json_file(path, "canary manifest", max_bytes=MAX_CANARIES * 4096)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise DPAuditError(f"{path} is not a dpaudit canary manifest (expected format {FORMAT!r})")
     try:
@@ -85,6 +88,9 @@ def load_manifest(path: Path) -> Manifest:
         raise DPAuditError(f"canary manifest {path} is malformed: {exc!r}") from None
     if not canaries:
         raise DPAuditError(f"canary manifest {path} holds no canaries")
+    if len(canaries) > MAX_CANARIES:
+        raise DPAuditError(f"canary manifest {path} holds {len(canaries)} canaries; dpaudit takes at most "
+                           f"{MAX_CANARIES}")
     if len(set(manifest.secrets)) != len(canaries):
         raise DPAuditError(f"canary manifest {path} repeats a secret token")
     return manifest

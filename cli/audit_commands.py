@@ -10,7 +10,7 @@ import typer
 from rich.markup import escape
 
 from dpaudit.atomic import refuse_overlap
-from dpaudit.cli.common import ForceOpt, JsonOpt, ThreadsOpt, console, emit_json
+from dpaudit.cli.common import LONG_TIMEOUT, MODEL_TIMEOUT, ForceOpt, JsonOpt, ThreadsOpt, bounded, console, emit_json
 from dpaudit.errors import DPAuditError
 
 if TYPE_CHECKING:
@@ -91,12 +91,27 @@ def present(result: AuditResult, context: dict, as_json: bool, *, report: Path |
         raise typer.Exit(1)
 
 
+MAX_SCORES = 1_000_000  # rows of a scores CSV (white-box DP-SGD audits use 1000; canary audits up to 1e5)
+
+
+def _count_lines(path: Path) -> int:
+    """Lines in a file, counted in blocks before anything is parsed (bounded memory)."""
+    try:
+        with open(path, "rb") as fh:
+            return sum(block.count(b"\n") for block in iter(lambda: fh.read(1 << 20), b"")) + 1
+    except OSError as exc:
+        raise DPAuditError(f"cannot read scores file {path}: {exc.strerror}") from None
+
+
 def read_scores(path: Path):
     """(scores, members) as numpy arrays from a score,member CSV."""
     import numpy as np
 
     if not path.is_file():
         raise DPAuditError(f"scores file not found: {path}")
+    rows_at_most = _count_lines(path)
+    if rows_at_most > MAX_SCORES + 1:
+        raise DPAuditError(f"{path} has {rows_at_most - 1} rows; an audit takes at most {MAX_SCORES} canaries' scores")
     try:
         with open(path, newline="", encoding="utf-8") as fh:
             rows = list(csv.DictReader(fh))
@@ -113,6 +128,7 @@ def read_scores(path: Path):
     return scores, members
 
 
+@bounded("dpaudit audit scores", LONG_TIMEOUT, None)
 def audit_scores(
     scores_file: Annotated[Path, typer.Argument(help="CSV with columns score,member (higher score = member).")],
     claimed_eps: ClaimedOpt = None,
@@ -141,6 +157,7 @@ def audit_scores(
             members=members)
 
 
+@bounded("dpaudit audit checkpoint", MODEL_TIMEOUT, None)
 def audit_checkpoint(
     model: Annotated[Path, typer.Option("--model", help="Local Hugging Face causal-LM directory (or a .gguf file).")],
     canaries: Annotated[Path, typer.Option("--canaries", "-c", help="Canary manifest (JSON).")],
@@ -192,6 +209,7 @@ def audit_checkpoint(
             force=True, scores=scores, members=members)
 
 
+@bounded("dpaudit audit transcript", LONG_TIMEOUT, None)
 def audit_transcript(
     run: Annotated[Path, typer.Option("--run", help="A run folder trained with --white-box M.")],
     claimed_eps: ClaimedOpt = None,

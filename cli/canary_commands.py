@@ -8,13 +8,14 @@ from typing import Annotated, Optional
 import typer
 
 from dpaudit.atomic import guard_new_file, guard_new_folder, refuse_overlap, save_model_folder
-from dpaudit.cli.common import ForceOpt, JsonOpt, emit
+from dpaudit.cli.common import LONG_TIMEOUT, ForceOpt, JsonOpt, bounded, emit
 
 app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Make new-token canaries and put them into data and models.")
 ManifestOpt = Annotated[Path, typer.Option("--canaries", "-c", help="Canary manifest (JSON) from `canaries make`.")]
 
 
 @app.command("make")
+@bounded("dpaudit canaries make", LONG_TIMEOUT, None)
 def make(
     tokenizer: Annotated[Path, typer.Option("--tokenizer", "-t", help="Local tokenizer or model directory.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Manifest to write (JSON).")],
@@ -41,6 +42,7 @@ def make(
 
 
 @app.command("insert")
+@bounded("dpaudit canaries insert", LONG_TIMEOUT, None)
 def insert(
     canaries: ManifestOpt,
     data: Annotated[Path, typer.Option("--data", "-d", help="Dataset: .jsonl, .txt (one example per line) or .csv.")],
@@ -66,6 +68,7 @@ def insert(
 
 
 @app.command("extend")
+@bounded("dpaudit canaries extend", LONG_TIMEOUT, None)
 def extend(
     model: Annotated[Path, typer.Option("--model", help="Local Hugging Face causal-LM directory.")],
     canaries: ManifestOpt,

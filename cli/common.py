@@ -6,7 +6,6 @@ import functools
 import inspect
 import json
 import math
-import signal
 import sys
 import typing
 from contextlib import contextmanager
@@ -85,25 +84,15 @@ def emit(summary: dict, as_json: bool, text: str) -> None:
 
 
 @contextmanager
-def time_budget(seconds: float, what: str, max_memory: str | None = None):
+def time_budget(seconds: float | None, what: str, max_memory: str | None = None):
     """Refuse (exit 2, one line) instead of hanging: SIGALRM interrupts the work after ``seconds``. The
     accountants see the same deadline and memory budget (dpaudit.accounting.budget) and plan within it."""
     from dpaudit.accounting import budget
 
-    if not (seconds > 0 and math.isfinite(seconds)):
+    if seconds is not None and not (seconds > 0 and math.isfinite(seconds)):
         raise DPAuditError(f"--timeout must be a positive number of seconds, got {seconds}")
-
-    def expired(signum, frame):
-        raise DPAuditError(f"{what} ran past its time budget of {seconds:g} s (--timeout); nothing was decided")
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        with budget.limits(max_memory=max_memory, timeout=seconds):
-            yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+    with budget.enforced(max_memory, seconds, what):
+        yield
 
 
 TimeoutOpt = Annotated[float, typer.Option(
@@ -112,26 +101,44 @@ MaxMemoryOpt = Annotated[str, typer.Option(
     "--max-memory", help="Memory the accountant may use (e.g. 2G, 512M). Over it: a valid coarser bound "
                          "(named in the answer) or one line, exit 2.")]
 DEFAULT_TIMEOUT = 60.0
+LONG_TIMEOUT = 600.0  # data and canary commands
+MODEL_TIMEOUT = 3600.0  # commands that run a model over data (scoring, replay)
 DEFAULT_MAX_MEMORY = "2G"
 
 
-def bounded(what: str, default: float = DEFAULT_TIMEOUT):
-    """Give a command --timeout (default ``default`` s) and --max-memory, and run it inside both budgets."""
+OptionalTimeoutOpt = Annotated[Optional[float], typer.Option(
+    "--timeout", help="Seconds this command may take (default: no limit); past it: one line, exit 2.")]
+ModelMaxMemoryOpt = Annotated[Optional[str], typer.Option(
+    "--max-memory", help="Memory this command may use (e.g. 8G; default: the free memory); a model or input "
+                         "estimated over it is refused before it is read.")]
+
+
+def bounded(what: str, default: float | None = DEFAULT_TIMEOUT, memory: str | None | bool = DEFAULT_MAX_MEMORY):
+    """Give a command --timeout (default ``default`` s; None: no limit unless given) and --max-memory
+    (default ``memory``; None: the free memory; False: the command has its own), and run it inside both."""
     def wrap(fn):
         @functools.wraps(fn)
-        def command(*args, timeout: float = default, max_memory: str = DEFAULT_MAX_MEMORY, **kwargs):
-            with time_budget(timeout, what, max_memory):
+        def command(*args, timeout: float | None = default, max_memory: str | None = None, **kwargs):
+            if memory is False:
+                with time_budget(timeout, what, None):
+                    return fn(*args, **kwargs)
+            with time_budget(timeout, what, max_memory if max_memory is not None else memory or None):
                 return fn(*args, **kwargs)
 
         hints = typing.get_type_hints(fn, include_extras=True)  # typer reads these, resolved
         sig = inspect.signature(fn)
         params = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values()]
+        time_opt = TimeoutOpt if default is not None else OptionalTimeoutOpt
         extra = [inspect.Parameter("timeout", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default,
-                                   annotation=TimeoutOpt),
-                 inspect.Parameter("max_memory", inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                   default=DEFAULT_MAX_MEMORY, annotation=MaxMemoryOpt)]
+                                   annotation=time_opt)]
+        added = {"timeout": time_opt}
+        if memory is not False:
+            memory_opt = MaxMemoryOpt if memory else ModelMaxMemoryOpt
+            extra.append(inspect.Parameter("max_memory", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                           default=memory or None, annotation=memory_opt))
+            added["max_memory"] = memory_opt
         command.__signature__ = sig.replace(parameters=[*params[:-1], *extra, params[-1]])
-        command.__annotations__ = {**hints, "timeout": TimeoutOpt, "max_memory": MaxMemoryOpt}
+        command.__annotations__ = {**hints, **added}
         del command.__wrapped__  # typer must see the signature above, not the function's own
         return command
     return wrap

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from dpaudit.atomic import guard_new_folder, refuse_overlap, save_model_folder
-from dpaudit.cli.common import ForceOpt, JsonOpt, ThreadsOpt, console, emit, err_console, fmt
+from dpaudit.cli.common import MODEL_TIMEOUT, ForceOpt, JsonOpt, ThreadsOpt, bounded, console, emit, err_console, fmt
 from dpaudit.errors import DPAuditError
 from dpaudit.threads import set_threads
 from dpaudit.training.directions import DEFAULT_DIRECTION
@@ -80,6 +80,7 @@ def make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, bat
                        accountant=accountant, max_memory=parse_memory(max_memory) if max_memory else None, **extra)
 
 
+@bounded("dpaudit train", None, False)
 def train_cmd(
     model: Annotated[Path, typer.Option("--model", help="Local Hugging Face causal-LM directory.")],
     data: Annotated[Path, typer.Option("--data", "-d", help="Training data: .jsonl, .txt or .csv.")],
@@ -122,6 +123,7 @@ def train_cmd(
          f"trained {result.steps} steps of {method} in {result.seconds:.1f} s; {privacy}; model: {result.model_dir}")
 
 
+@bounded("dpaudit audit run", None, False)
 def audit_run(
     out: Annotated[Path, typer.Option("--out", "-o", help="Output folder.")] = Path("dpaudit-run"),
     method: MethodOpt = "dp-sgd", eps: EpsOpt = "1", sigma: SigmaOpt = None, delta: TrainDeltaOpt = 1e-5,
@@ -187,6 +189,7 @@ def audit_run(
             extra={"training": summary["training"], "report_files": summary["report_files"]})
 
 
+@bounded("dpaudit replay", MODEL_TIMEOUT, None)
 def replay_cmd(
     run: Annotated[Path, typer.Option("--run", help="A DP-ZO run folder (run_config.json, zo_steps.jsonl).")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the replayed model.")],

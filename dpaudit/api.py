@@ -7,8 +7,9 @@
 Same code path and the same numbers as ``dpaudit calibrate / epsilon / delta / max-steps``. Every
 answer is an upper bound for add/remove neighbours (the result's ``neighboring``). ``max_memory``
 ('2G', or bytes) bounds what an accountant may allocate, as --max-memory does; ``timeout`` is the
-time the accountants plan within (they stop refining a grid before it runs out; unlike the CLI,
-nothing is interrupted).
+time the call may take: the accountants plan within it, and past it the call stops with one
+``DPAuditError``, as the CLI does (SIGALRM, so from the main thread; on another thread the deadline is
+planned within and checked between chunks of work).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def calibrate(eps: float, *, mech: str = "gaussian", delta: float | None = None,
     check_epsilon(eps)
     d = resolve_delta(mech, delta)
     template = schedule(mech, 1.0, p, batch_size, dataset_size, steps, epochs)
-    with budgets.limits(max_memory, timeout):  # None, None: the budget in force stays as it is
+    with budgets.enforced(max_memory, timeout, "calibrate"):  # None, None: the budget in force stays
         return _calibrate_sigma(template, eps, d, accountant, rtol=rtol, options=options)
 
 
@@ -48,7 +49,7 @@ def epsilon(sigma: float, *, mech: str = "gaussian", delta: float | None = None,
     """Upper bound on eps spent by noise ``sigma`` over the schedule (``.epsilon``, ``.sigma``)."""
     d = resolve_delta(mech, delta)
     m = schedule(mech, sigma, p, batch_size, dataset_size, steps, epochs)
-    with budgets.limits(max_memory, timeout):
+    with budgets.enforced(max_memory, timeout, "epsilon"):
         res = _epsilon(m, d, accountant, options, relation)
     return replace(res, mechanism=m)
 
@@ -59,7 +60,7 @@ def delta(sigma: float, eps: float, *, mech: str = "gaussian", p: float | None =
           max_memory: int | str | None = None, timeout: float | None = None) -> DeltaResult:
     """Upper bound on delta at ``eps`` (``.delta``; Monte-Carlo: with probability >= 1 - beta)."""
     m = schedule(mech, sigma, p, batch_size, dataset_size, steps, epochs)
-    with budgets.limits(max_memory, timeout):
+    with budgets.enforced(max_memory, timeout, "delta"):
         return _delta(m, eps, accountant, options)
 
 
@@ -70,5 +71,5 @@ def max_steps(sigma: float, eps: float, *, mech: str = "gaussian", delta: float 
     """Largest T with eps(T) <= ``eps`` (``.steps``, ``.epsilon``)."""
     d = resolve_delta(mech, delta)
     template = schedule(mech, sigma, p, batch_size, dataset_size, 1, None)
-    with budgets.limits(max_memory, timeout):
+    with budgets.enforced(max_memory, timeout, "max_steps"):
         return _max_steps(template, eps, d, accountant, options)

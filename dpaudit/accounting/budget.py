@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextvars
 import math
 import re
+import signal
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,10 +35,15 @@ class OverBudget(DPAuditError):
         self.needed = needed
 
 
+class TimeUp(DPAuditError):
+    """Refused: the command's --timeout passed (a training run says what its ledger counts)."""
+
+
 @dataclass(frozen=True)
 class Budget:
     max_memory: int = DEFAULT_MAX_MEMORY
     deadline: float | None = None  # time.monotonic() value; None: no deadline
+    explicit: bool = False         # max_memory was given (--max-memory), not the accountants' default
 
     def seconds_left(self) -> float:
         return math.inf if self.deadline is None else self.deadline - time.monotonic()
@@ -76,11 +83,66 @@ def limits(max_memory: int | str | None = None, timeout: float | None = None):
             raise DPAuditError(f"timeout must be a positive number of seconds, got {timeout}")
         mine = time.monotonic() + timeout
         deadline = mine if deadline is None else min(deadline, mine)
-    token = _ACTIVE.set(Budget(memory, deadline))
+    token = _ACTIVE.set(Budget(memory, deadline, outer.explicit or max_memory is not None))
     try:
         yield current()
     finally:
         _ACTIVE.reset(token)
+
+
+@contextmanager
+def alarm(seconds: float | None, what: str):
+    """Stop the block with one refusal (DPAuditError) once ``seconds`` have passed: SIGALRM interrupts the
+    work wherever it is. Only the main thread can take signals; elsewhere (and for ``None``) the deadline
+    is only planned within and checked by ``check_deadline``."""
+    if seconds is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise DPAuditError(f"--timeout must be a positive number of seconds, got {seconds}")
+
+    def expired(signum, frame):
+        raise TimeUp(f"{what} ran past its time budget of {seconds:g} s (--timeout); nothing was decided")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@contextmanager
+def enforced(max_memory: int | str | None, timeout: float | None, what: str):
+    """``limits`` and ``alarm`` together: the budget accountants plan within, and a deadline that stops."""
+    with limits(max_memory=max_memory, timeout=timeout), alarm(timeout, what):
+        yield
+
+
+def check_deadline(what: str) -> None:
+    """Refuse once the deadline in force has passed (loops call this; worker pools cannot take SIGALRM)."""
+    if current().seconds_left() < 0:
+        raise TimeUp(f"{what} ran past its time budget (--timeout); nothing was decided")
+
+
+def available_bytes() -> int | None:
+    """Memory this process may still use: MemAvailable, or less under a cgroup (v2) limit."""
+    found = []
+    try:
+        for line in open("/proc/meminfo", encoding="ascii"):
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError):
+        pass
+    try:
+        limit = open("/sys/fs/cgroup/memory.max", encoding="ascii").read().strip()
+        used = int(open("/sys/fs/cgroup/memory.current", encoding="ascii").read())
+        if limit != "max":
+            found.append(int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
 
 
 def parse_memory(value: int | float | str) -> int:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dpaudit.accounting import budget
 from dpaudit.accounting.mechanism import Mechanism
 from dpaudit.progress import progress_bar
 from dpaudit.accounting.result import DeltaResult, EpsilonResult, relation_of
@@ -171,13 +172,17 @@ def delta_curve(mech: Mechanism, eps_grid: np.ndarray, settings: MonteCarloSetti
     eps_grid = np.asarray(eps_grid, dtype=float)
     n = sample_count(mech, settings)
     rows_per_chunk = int(max(1, min(MAX_ROWS, settings.chunk_elements // max(1.0, _draws_per_sample(mech)))))
-    chunks = [(start, min(rows_per_chunk, n - start)) for start in range(0, n, rows_per_chunk)]
+    n_chunks = -(-n // rows_per_chunk)
     s1 = {d: np.zeros(eps_grid.size) for d in DIRECTIONS}
     s2 = {d: np.zeros(eps_grid.size) for d in DIRECTIONS}
-    tasks = [(d, c, rows) for d in range(len(DIRECTIONS)) for c, (_, rows) in enumerate(chunks)]
+    # Chunks are described lazily: a billion samples make tens of millions of chunks, whose list alone
+    # would outgrow the memory budget.
+    tasks = ((d, c, min(rows_per_chunk, n - c * rows_per_chunk))
+             for d in range(len(DIRECTIONS)) for c in range(n_chunks))
+    total = len(DIRECTIONS) * n_chunks
     began = time.perf_counter()
-    with progress_bar(len(tasks), "Monte-Carlo accountant", settings.progress) as advance:
-        for d_index, a, b in _run_tasks(mech, eps_grid, settings, tasks):
+    with progress_bar(total, "Monte-Carlo accountant", settings.progress) as advance:
+        for d_index, a, b in _run_tasks(mech, eps_grid, settings, tasks, total):
             s1[DIRECTIONS[d_index]] += a
             s2[DIRECTIONS[d_index]] += b
             advance(1)
@@ -216,20 +221,39 @@ def _chunk_group(mech, eps_grid, settings, group):
     return [chunk_sums(mech, eps_grid, settings, *task) for task in group]
 
 
-def _run_tasks(mech, eps_grid, settings, tasks):
-    """Yield (direction index, sum h, sum h^2) per chunk: in this process, or over a process pool."""
+def _run_tasks(mech, eps_grid, settings, tasks, total: int):
+    """Yield (direction index, sum h, sum h^2) per chunk: in this process, or over a process pool. The
+    time budget is checked between chunks; a pool keeps only a few groups in flight (bounded memory)
+    and, stopped by the budget or an interrupt, its workers are ended at once instead of waited for."""
+    from collections import deque
+    from itertools import islice
+
     workers = settings.workers or os.cpu_count() or 1
-    if workers == 1 or settings.backend == "torch" or len(tasks) == 1:
+    if workers == 1 or settings.backend == "torch" or total == 1:
         for task in tasks:
+            budget.check_deadline("the Monte-Carlo accountant")
             yield chunk_sums(mech, eps_grid, settings, *task)
         return
     from concurrent.futures import ProcessPoolExecutor
 
-    per = max(1, len(tasks) // (8 * workers))  # a few groups per worker: balance without chatter
-    groups = [tasks[i:i + per] for i in range(0, len(tasks), per)]
-    with ProcessPoolExecutor(max_workers=workers) as pool:
-        for results in pool.map(_chunk_group, *zip(*[(mech, eps_grid, settings, g) for g in groups])):
-            yield from results
+    per = max(1, min(total // (8 * workers), 4096))  # a few groups per worker: balance without chatter
+    pool = ProcessPoolExecutor(max_workers=workers)
+    finished = False
+    try:
+        pending = deque()
+        while group := list(islice(tasks, per)):
+            pending.append(pool.submit(_chunk_group, mech, eps_grid, settings, group))
+            if len(pending) >= 2 * workers:
+                yield from pending.popleft().result()
+                budget.check_deadline("the Monte-Carlo accountant")
+        while pending:
+            yield from pending.popleft().result()
+        finished = True
+    finally:
+        if not finished:  # the executor offers no way to stop running work but ending its processes
+            for process in list((getattr(pool, "_processes", None) or {}).values()):
+                process.terminate()
+        pool.shutdown(wait=finished, cancel_futures=True)
 
 
 def _grid_top(mech: Mechanism, delta: float) -> float:

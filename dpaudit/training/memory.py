@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from dpaudit.accounting.budget import available_bytes  # noqa: F401 - callers read it here too
+
 OVERHEAD = 160 * 2**20  # torch's own allocations, the tokenizer and the data (as accounting/budget.py)
 
 
@@ -87,20 +89,3 @@ def largest_batch(expected: int) -> int:
     return int(expected + 4 * math.sqrt(expected) + 4)
 
 
-def available_bytes() -> int | None:
-    """Memory this process may still use: MemAvailable, or less under a cgroup (v2) limit."""
-    found = []
-    try:
-        for line in open("/proc/meminfo", encoding="ascii"):
-            if line.startswith("MemAvailable:"):
-                found.append(int(line.split()[1]) * 1024)
-    except (OSError, ValueError):
-        pass
-    try:
-        limit = open("/sys/fs/cgroup/memory.max", encoding="ascii").read().strip()
-        used = int(open("/sys/fs/cgroup/memory.current", encoding="ascii").read())
-        if limit != "max":
-            found.append(int(limit) - used)
-    except (OSError, ValueError):
-        pass
-    return min(found) if found else None

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dpaudit.accounting.budget import TimeUp
 from dpaudit.atomic import atomic_write_json, save_model_folder
 from dpaudit.errors import DPAuditError, Interrupted
 from dpaudit.progress import progress_bar
@@ -137,11 +138,16 @@ def _save_checkpoint(run_dir: Path, model, tokenizer, state: dict, trainer_state
     import torch
 
     def write(tmp: Path) -> None:
-        model.save_pretrained(tmp, safe_serialization=True, state_dict=weights)
-        tokenizer.save_pretrained(tmp)
-        if trainer_state is not None:
-            torch.save(trainer_state, tmp / checkpoint.OPTIMIZER)
-        atomic_write_json(tmp / checkpoint.STATE, state)
+        try:
+            model.save_pretrained(tmp, safe_serialization=True, state_dict=weights)
+            tokenizer.save_pretrained(tmp)
+            if trainer_state is not None:
+                torch.save(trainer_state, tmp / checkpoint.OPTIMIZER)
+            atomic_write_json(tmp / checkpoint.STATE, state)
+        except (OSError, RuntimeError) as exc:  # torch reports a full disk as a RuntimeError
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise DPAuditError(f"could not write the checkpoint of step {state['step']} in {run_dir} ({first}); "
+                               "the last intact checkpoint is kept, and --resume continues from it") from None
 
     checkpoint.save(run_dir, state["step"], write)
 
@@ -169,12 +175,18 @@ def preflight(model_dir: Path, cfg: TrainConfig, examples: int, warn: bool = Tru
     import torch
 
     from dpaudit.accounting.budget import human_bytes
-    from dpaudit.models.hf import meta_model, resolve_model_path
+    from dpaudit.models.hf import MAX_CONFIG_BYTES, meta_model, resolve_model_path
     from dpaudit.training import memory
 
     folder = resolve_model_path(model_dir)
     if not (folder / "config.json").is_file():
         return None
+    if cfg.max_memory:  # the weights alone must fit the budget given (meta_model checks the free memory)
+        from dpaudit.models.hf import check_model_size
+        from dpaudit.safe_json import load_json_file
+
+        check_model_size(folder / "config.json", load_json_file(folder / "config.json", "model config",
+                                                                MAX_CONFIG_BYTES), cfg.max_memory)
     model = meta_model(folder)
     names = [name for name, _ in model.named_parameters()]
     if cfg.trainable == "bias" and not any(name.endswith(".bias") for name in names):
@@ -400,9 +412,12 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
                     if main:
                         _save_checkpoint(run_dir, model, tokenizer, {"step": step + 1, "config": _config_for_state(cfg),
                                                                      "sharded": sharded}, state, weights)
-    except KeyboardInterrupt:
-        raise Interrupted(f"interrupted at step {interrupted_at}; the ledger counts {ledger.recorded} steps "
-                          f"(eps spent {ledger.spent(ledger.recorded):.4g}); resume with --resume") from None
+    except (KeyboardInterrupt, TimeUp) as exc:
+        where = (f"at step {interrupted_at}; the ledger counts {ledger.recorded} steps (eps spent "
+                 f"{ledger.spent(ledger.recorded):.4g}); resume with --resume")
+        if isinstance(exc, TimeUp):
+            raise TimeUp(f"stopped by --timeout {where}") from None
+        raise Interrupted(f"interrupted {where}") from None
     finally:
         trainer.close()
     if main:
