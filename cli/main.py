@@ -125,6 +125,8 @@ def _run(argv, caught) -> None:
         if os.environ.get("DPAUDIT_DEBUG") == "1":
             raise
         _internal(exc)
+    if code == INTERRUPTED:  # typer turns Ctrl-C into a silent exit 130
+        _say("interrupted (Ctrl-C); nothing was decided")
     sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -128,6 +128,7 @@ def replace_folder(new: Path, path: Path) -> Path:
         os.replace(new, path)
     except BaseException:
         os.replace(old, path)  # the old folder back where it was
+        old.parent.rmdir()
         raise
     return old.parent
 
