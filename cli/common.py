@@ -118,10 +118,11 @@ def bounded(what: str, default: float | None = DEFAULT_TIMEOUT, memory: str | No
     (default ``memory``; None: the free memory; False: the command has its own), and run it inside both."""
     def wrap(fn):
         @functools.wraps(fn)
-        def command(*args, timeout: float | None = default, max_memory: str | None = None, **kwargs):
-            if memory is False:
+        def command(*args, timeout: float | None = default, **kwargs):
+            if memory is False:  # the command's own --max-memory is its to read
                 with time_budget(timeout, what, None):
                     return fn(*args, **kwargs)
+            max_memory = kwargs.pop("max_memory", None)
             with time_budget(timeout, what, max_memory if max_memory is not None else memory or None):
                 return fn(*args, **kwargs)
 

@@ -110,7 +110,9 @@ def test_a_sharded_dp_sgd_run_checkpoints_and_resumes_as_one_process_does(tiny_m
     from cli_helpers import dpaudit
 
     data = tmp_path / "texts.txt"
-    data.write_text("\n".join(f"line {i}" for i in range(40)) + "\n")
+    from distributed_worker import TEXTS
+
+    data.write_text("\n".join(TEXTS) + "\n")  # the run's own data: a resume with other data is refused first
     refused = dpaudit("train", "--model", tiny_model_dir, "--data", data, "-o", tmp_path / "two", "--resume",
                       "--eps", "4", "-T", "6", "-B", "12", "--lr", "1e-2", "--save-every", "2", "--allow-overspend")
     assert refused.returncode == 2 and "--shard" in refused.stderr and "Traceback" not in refused.stderr

@@ -45,6 +45,12 @@ def run_claims(path: Path) -> dict | None:
                     "sigma": _number(config.get("sigma")),
                     "sampling rate p": _number(config.get("sampling_rate")), "steps": _number(cfg.get("steps")),
                     "mechanism": cfg.get("mechanism"), "white_box": bool(cfg.get("white_box"))}
+        probe = _json(folder / "probe.json")
+        if probe and probe.get("format") == "dpaudit-probe/1":
+            return {"source": str(folder), "delta": _number(probe.get("delta")),
+                    "epsilon": _number(probe.get("claimed_epsilon")), "white_box": True,
+                    "claimed eps from": probe.get("claimed_epsilon_source") if isinstance(
+                        probe.get("claimed_epsilon_source"), str) else None}
         report = _json(folder / "report.json")
         if report and "delta" in report:
             return {"source": str(folder), "delta": _number(report.get("delta")),

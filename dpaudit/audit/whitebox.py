@@ -23,6 +23,13 @@ from dpaudit.errors import DPAuditError
 
 
 def _run_config(run_dir: Path) -> dict:
+    """What the scoring needs of a run folder (run_config.json), or of a probe's folder (probe.json)."""
+    if (run_dir / "probe.json").is_file() and not (run_dir / "run_config.json").is_file():
+        from dpaudit.training.probe import read_spec
+
+        spec = read_spec(run_dir)
+        method = "dp-sgd" if spec["kind"] == "gradient" else "scalar-sum"
+        return {"config": {"method": method, "clip": spec["clip"]}, "probe": spec}
     try:
         return json.loads((run_dir / "run_config.json").read_text())
     except (OSError, ValueError, RecursionError) as exc:
@@ -54,7 +61,18 @@ def transcript_scores(run_dir: Path) -> tuple[dict[str, np.ndarray], np.ndarray,
     cfg = meta["config"]
     canaries = WhiteBoxCanaries.load(run_dir)
     clip, method = float(cfg["clip"]), cfg["method"]
-    if method == "dp-sgd":
+    probe = meta.get("probe")
+    if probe is not None:
+        if canaries.run_id != probe["run_id"] or canaries.m != probe["m"]:
+            raise DPAuditError(f"{run_dir}: the canary manifest and probe.json come from different probe runs")
+    if method == "scalar-sum":  # a probe of scalar releases: one noisy sum a step
+        sums = np.fromfile(run_dir / TRANSCRIPT, dtype="<f4").astype(float) if (run_dir / TRANSCRIPT).is_file() \
+            else np.zeros(0)
+        steps = len(sums)
+        signs = np.stack([step_signs(canaries.seed, t, canaries.m) for t in range(steps)]) if steps else None
+        stats = {"correlation": signs.T @ sums / clip} if steps else {}
+        name = "white-box-dp-zo"
+    elif method == "dp-sgd":
         raw = np.fromfile(run_dir / TRANSCRIPT, dtype="<f4") if (run_dir / TRANSCRIPT).is_file() else np.zeros(0)
         if raw.size % canaries.m:
             raise DPAuditError(f"{run_dir / TRANSCRIPT} is truncated")

@@ -43,6 +43,7 @@ class WhiteBoxCanaries:
     members: np.ndarray             # bool, (m,)
     gain: float = GAIN
     coordinates: list[int] = field(default_factory=list)  # DP-SGD: flat indices into the trainable parameters
+    run_id: str | None = None       # a probe's (training/probe.py): its transcript and manifest belong together
 
     @classmethod
     def make(cls, m: int, seed: int, membership_seed: int) -> "WhiteBoxCanaries":
@@ -70,14 +71,15 @@ class WhiteBoxCanaries:
         """Written 0600: membership is the audit's secret."""
         return atomic_write_json(Path(folder) / MANIFEST, private=True, data={
             "m": self.m, "seed": self.seed, "gain": self.gain, "members": [int(x) for x in self.members],
-            "coordinates": self.coordinates})
+            "coordinates": self.coordinates, **({"run_id": self.run_id} if self.run_id else {})})
 
     @classmethod
     def load(cls, folder: Path) -> "WhiteBoxCanaries":
         try:
             d = json.loads((Path(folder) / MANIFEST).read_text())
             return cls(m=int(d["m"]), seed=int(d["seed"]), members=np.array(d["members"], bool),
-                       gain=float(d["gain"]), coordinates=[int(j) for j in d["coordinates"]])
+                       gain=float(d["gain"]), coordinates=[int(j) for j in d["coordinates"]],
+                       run_id=str(d["run_id"]) if d.get("run_id") else None)
         except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
             raise DPAuditError(f"{folder} has no readable white-box canary manifest: {exc}") from None
 

@@ -1,0 +1,343 @@
+"""A white-box probe for the user's own DP training: Opacus optimizers, or any PyTorch loop.
+
+The probe plants m canaries where DP acts and reads what DP releases, as the bundled trainers' --white-box
+does (training/whitebox.py holds the canaries, their signs and the transcript format; audit/whitebox.py
+scores it). Each canary is a member with probability 1/2 (membership from fresh OS entropy, written 0600,
+never the secret that draws it) and, as a member, is Poisson-sampled at each step with the run's rate p
+from the probe's own generator (never the user's torch or numpy state: attaching a probe changes neither
+the user's batches nor their noise).
+
+- Gradient canaries (DP-SGD): canary i is gain x C x s[i, t] on its own coordinate j_i, chosen among the
+  smallest trainable tensors (so its per-sample row costs little). Released: each step's noisy gradient
+  sum at the m coordinates (m x 4 bytes a step).
+- Scalar canaries (DP-ZO-style releases): canary i adds gain x C x s[i, t], clipped to +-C, to the step's
+  clipped sum of scalars. Released: the step's noisy sum (4 bytes a step).
+
+With Opacus (``WhiteBoxProbe.attach(optimizer)``) the probe attaches through the optimizer's seams, as its
+accountant hook does: before ``add_noise`` it puts the sampled canaries into ``p.summed_grad`` - in the
+per-sample-gradient modes (hooks, functorch, expanded weights) as extra per-sample rows that the
+optimizer's own ``clip_and_accumulate`` clips; in ghost / fast gradient clipping, where the per-example
+norms are taken in the loss's backward pass that no canary enters, clipped by the probe at the optimizer's
+``max_grad_norm`` (the report says so) - and after ``scale_grad`` its step hook (chained before the
+accountant's) reads the release back, times ``expected_batch_size x accumulated_iterations`` when the loss
+is a mean, which is the noisy sum again.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+from dpaudit.atomic import atomic_write_json
+from dpaudit.errors import DPAuditError
+from dpaudit.training.whitebox import GAIN, TRANSCRIPT, WhiteBoxCanaries
+
+PROBE = "probe.json"
+KINDS = ("gradient", "scalar")
+OPACUS_BYPASS = ("ghost (fast gradient clipping): Opacus clips each example in the loss's backward pass, which "
+                 "canaries never enter, so the probe clips them itself at the optimizer's max_grad_norm")
+
+
+class WhiteBoxProbe:
+    """``WhiteBoxProbe(params, m=..., clip=C, sample_rate=p, out=...)`` for a plain PyTorch DP-SGD loop
+    (``kind="scalar"`` for DP-ZO-style scalar releases), or ``WhiteBoxProbe.attach(dp_optimizer, ...)``."""
+
+    def __init__(self, params=None, *, m: int = 1000, clip: float, sample_rate: float, out, kind: str = "gradient",
+                 gain: float = GAIN, seed: int = 0, resume: bool = False, _source: str = "plain PyTorch loop"):
+        if kind not in KINDS:
+            raise DPAuditError(f"unknown probe kind {kind!r}; use gradient or scalar")
+        if not (clip > 0 and math.isfinite(clip)):
+            raise DPAuditError(f"the probe needs the clip norm C > 0, got {clip}")
+        if not (0 < sample_rate <= 1):
+            raise DPAuditError(f"the sample rate must be in (0, 1], got {sample_rate}")
+        self.kind, self.clip, self.rate, self.out = kind, float(clip), float(sample_rate), Path(out)
+        self.params = [p for p in (params or []) if p.requires_grad]
+        if kind == "gradient" and not self.params:
+            raise DPAuditError("a gradient probe needs the trainable parameters")
+        self._sampler = np.random.default_rng(np.random.SeedSequence())  # secret, never written
+        self.source, self.bypass = _source, None
+        self.step = 0
+        if resume:
+            self._resume(m)
+        else:
+            self._start(m, gain, seed)
+        self._fh = open(self.out / TRANSCRIPT, "ab")
+        self._sampled = np.zeros(0, int)
+
+    # -- folder ------------------------------------------------------------------------------------------
+    def _start(self, m: int, gain: float, seed: int) -> None:
+        from dpaudit.lock import MARKER, mark
+
+        if self.out.exists() and any(p.name != MARKER for p in self.out.iterdir()):
+            raise DPAuditError(f"{self.out} is not empty; give the probe a new folder (or resume=True to continue "
+                               "the probe written there)")
+        self.out.mkdir(parents=True, exist_ok=True)
+        mark(self.out)
+        self.canaries = WhiteBoxCanaries.make(m, seed=seed, membership_seed=int.from_bytes(os.urandom(8), "little"))
+        self.canaries.gain = float(gain)
+        if self.kind == "gradient":
+            self.canaries.coordinates = self._place(m)
+            self.where = self._locate(self.canaries.coordinates)
+        self.run_id = self.canaries.run_id = uuid.uuid4().hex
+        self.canaries.save(self.out)
+        self._write_spec()
+
+    def _resume(self, m: int) -> None:
+        spec = read_spec(self.out)
+        self.canaries = WhiteBoxCanaries.load(self.out)
+        if spec["kind"] != self.kind or spec["m"] != m or self.canaries.m != m:
+            raise DPAuditError(f"{self.out} holds a {spec['kind']} probe with m = {spec['m']}; resume it as it was")
+        if self.canaries.run_id != spec["run_id"]:
+            raise DPAuditError(f"{self.out}: its canary manifest belongs to another probe run")
+        self.run_id = spec["run_id"]
+        if self.kind == "gradient":
+            if max(self.canaries.coordinates) >= sum(p.numel() for p in self.params):
+                raise DPAuditError(f"{self.out} was probing other parameters; resume it with the same model")
+            self.where = self._locate(self.canaries.coordinates)
+        width = 4 * self.width
+        size = (self.out / TRANSCRIPT).stat().st_size if (self.out / TRANSCRIPT).exists() else 0
+        self.step = size // width
+        if size % width:  # a crash mid-row: the row was never complete, so that release was not read
+            with open(self.out / TRANSCRIPT, "r+b") as fh:
+                fh.truncate(self.step * width)
+
+    def _place(self, m: int) -> list[int]:
+        """m distinct coordinates (public, from the seed; flat indices into the parameters in order, as the
+        bundled trainers'), among the smallest trainable tensors so a canary's per-sample row is cheap."""
+        total = sum(p.numel() for p in self.params)
+        if m > total:
+            raise DPAuditError(f"{m} gradient canaries need as many trainable coordinates; there are {total}")
+        starts = np.cumsum([0] + [p.numel() for p in self.params])
+        pool, size = [], 0
+        for k in sorted(range(len(self.params)), key=lambda k: self.params[k].numel()):
+            pool.append(k)
+            size += self.params[k].numel()
+            if size >= 4 * m:
+                break
+        flat = np.concatenate([np.arange(starts[k], starts[k + 1]) for k in sorted(pool)])
+        return sorted(int(j) for j in np.random.default_rng([self.canaries.seed, 2]).choice(flat, m, replace=False))
+
+    def _locate(self, coordinates: list[int]) -> list[tuple[int, int]]:
+        """(parameter index, flat offset) of each canary coordinate."""
+        starts = np.cumsum([0] + [p.numel() for p in self.params])
+        where = []
+        for j in coordinates:
+            k = int(np.searchsorted(starts, j, side="right") - 1)
+            where.append((k, j - int(starts[k])))
+        return where
+
+    def _write_spec(self, **extra) -> None:
+        spec = {"format": "dpaudit-probe/1", "kind": self.kind, "run_id": self.run_id, "m": self.canaries.m,
+                "clip": self.clip, "sample_rate": self.rate, "gain": self.canaries.gain, "source": self.source,
+                "canaries_bypass": self.bypass, "transcript": TRANSCRIPT, "floats_per_step": self.width, **extra}
+        old = read_spec(self.out) if (self.out / PROBE).exists() else {}
+        atomic_write_json(self.out / PROBE, {**old, **spec})
+
+    @property
+    def width(self) -> int:
+        return self.canaries.m if self.kind == "gradient" else 1
+
+    @property
+    def m(self) -> int:
+        return self.canaries.m
+
+    # -- one step ----------------------------------------------------------------------------------------
+    def _begin(self, step: int) -> np.ndarray:
+        if step != self.step:
+            raise DPAuditError(f"the probe expected step {self.step}, got {step}: steps are observed in order, once")
+        members = self.canaries.member_ids
+        self._sampled = members[self._sampler.random(members.size) < self.rate]
+        return self._sampled
+
+    def _value(self, max_grad_norm: float) -> float:
+        """A canary's clipped size: gain x C brought to the clip norm the optimizer uses."""
+        size = self.canaries.gain * self.clip
+        return size * min(1.0, max_grad_norm / size) if max_grad_norm > 0 else 0.0
+
+    def canary_gradients(self, step: int):
+        """What to add to the step's clipped gradient sum before noise: one tensor per parameter (zero but
+        at the sampled canaries' coordinates, each clipped to C)."""
+        import torch
+
+        self._need("gradient")
+        sampled, signs = self._begin(step), self.canaries.signs(step)
+        grads = [torch.zeros_like(p) for p in self.params]
+        value = self._value(self.clip)
+        for i in sampled:
+            k, off = self.where[i]
+            grads[k].view(-1)[off] += value * signs[i]
+        return grads
+
+    def canary_sum(self, step: int) -> float:
+        """What to add to the step's clipped sum of scalars before noise (scalar probes)."""
+        self._need("scalar")
+        sampled, signs = self._begin(step), self.canaries.signs(step)
+        return float(self._value(self.clip) * signs[sampled].sum())
+
+    def observe(self, step: int, released, scale: float = 1.0) -> None:
+        """Record the step's release: for gradient probes the noisy gradient sum (one tensor per parameter,
+        or anything ``scale`` times which is that sum); for scalar probes the noisy sum."""
+        if step != self.step:
+            raise DPAuditError(f"the probe expected the release of step {self.step}, got step {step}")
+        if self.kind == "gradient":
+            flat = [r.detach().reshape(-1) for r in released]
+            if len(flat) != len(self.params):
+                raise DPAuditError(f"observe() got {len(flat)} tensors for {len(self.params)} parameters")
+            row = np.array([float(flat[k][off]) * scale for k, off in self.where])
+        else:
+            row = np.array([float(released) * scale])
+        self._fh.write(row.astype("<f4").tobytes())
+        self._fh.flush()
+        self.step += 1
+
+    def _need(self, kind: str) -> None:
+        if self.kind != kind:
+            raise DPAuditError(f"this is a {self.kind} probe")
+
+    # -- Opacus ------------------------------------------------------------------------------------------
+    @classmethod
+    def attach(cls, optimizer, *, m: int = 1000, out, sample_rate: float | None = None, accountant=None,
+               gain: float = GAIN, seed: int = 0, resume: bool = False) -> "WhiteBoxProbe":
+        """Attach to an Opacus ``DPOptimizer`` (any grad_sample_mode, after ``make_private`` or
+        ``make_private_with_epsilon``); the user's training loop stays as it is."""
+        try:
+            from opacus.optimizers import DPOptimizer
+            from opacus.optimizers.optimizer_fast_gradient_clipping import DPOptimizerFastGradientClipping
+        except ImportError:
+            raise DPAuditError("WhiteBoxProbe.attach needs opacus: pip install 'dpaudit[train]'") from None
+        if not isinstance(optimizer, DPOptimizer):
+            raise DPAuditError(f"WhiteBoxProbe.attach takes an Opacus DPOptimizer, got {type(optimizer).__name__} "
+                               "(for another loop, use WhiteBoxProbe(params, ...) with canary_gradients/observe)")
+        rate = sample_rate if sample_rate is not None else _hooked_sample_rate(optimizer)
+        if rate is None:
+            raise DPAuditError("the optimizer does not say its sample rate (no Opacus accountant hook is attached); "
+                               "pass sample_rate=")
+        ghost = isinstance(optimizer, DPOptimizerFastGradientClipping)
+        probe = cls(optimizer.params, m=m, clip=float(optimizer.max_grad_norm if np.isscalar(optimizer.max_grad_norm)
+                                                       else max(optimizer.max_grad_norm)),
+                    sample_rate=rate, out=out, gain=gain, seed=seed, resume=resume,
+                    _source=f"Opacus {type(optimizer).__name__}")
+        probe.bypass = OPACUS_BYPASS if ghost else None
+        probe.accountant = accountant
+        probe._write_spec(optimizer=type(optimizer).__name__,
+                          noise_multiplier=float(optimizer.noise_multiplier),
+                          expected_batch_size=optimizer.expected_batch_size)
+        add_noise, previous_hook = optimizer.add_noise, optimizer.step_hook
+
+        def add_noise_with_canaries():
+            probe._inject(optimizer, ghost)
+            add_noise()
+
+        def step_hook(opt):
+            scale = opt.expected_batch_size * opt.accumulated_iterations if opt.loss_reduction == "mean" else 1.0
+            probe.observe(probe.step, [p.grad for p in opt.params], scale)
+            if previous_hook is not None:
+                previous_hook(opt)
+
+        optimizer.add_noise = add_noise_with_canaries
+        optimizer.attach_step_hook(step_hook)  # chained before the accountant's, which still runs
+        return probe
+
+    def _inject(self, optimizer, ghost: bool) -> None:
+        import torch
+
+        sampled, signs = self._begin(self.step), self.canaries.signs(self.step)
+        if not sampled.size:
+            return
+        if ghost:
+            value = self._value(float(optimizer.max_grad_norm))
+            for i in sampled:
+                k, off = self.where[i]
+                self.params[k].summed_grad.view(-1)[off] += value * signs[i]
+            return
+        # Per-sample modes: the canaries are rows of per-sample gradients (zero but at their coordinate; the
+        # other tensors' rows are stride-0 zero views), clipped and summed by the optimizer's own code.
+        held = [p.grad_sample for p in self.params]
+        rows = len(sampled)
+        try:
+            for k, p in enumerate(self.params):
+                owned = [(r, off) for r, i in enumerate(sampled) for kk, off in [self.where[i]] if kk == k]
+                if owned:
+                    g = torch.zeros((rows, p.numel()), dtype=p.dtype, device=p.device)
+                    for r, off in owned:
+                        g[r, off] = self.canaries.gain * self.clip * signs[sampled[r]]
+                    p.grad_sample = g.view(rows, *p.shape)
+                else:
+                    p.grad_sample = torch.zeros((1, *p.shape), dtype=p.dtype, device=p.device).expand(rows, *p.shape)
+            type(optimizer).clip_and_accumulate(optimizer)
+        finally:
+            for p, g in zip(self.params, held):
+                p.grad_sample = g
+
+    # -- the audit ---------------------------------------------------------------------------------------
+    def close(self) -> None:
+        if not self._fh.closed:
+            self._fh.close()
+
+    def audit(self, claimed_eps: float | None = None, delta: float | None = None, *, accountant=None,
+              alpha: float = 0.05, report: bool = True):
+        """The white-box audit of what was released so far: the same result, report and verdict as
+        ``dpaudit audit transcript --run OUT``. ``claimed_eps`` defaults to ``accountant``'s (an Opacus
+        accountant: its eps after the steps actually taken, at ``delta``)."""
+        from dpaudit.audit.whitebox import audit_run_folder
+
+        self._fh.flush()
+        if delta is None:
+            raise DPAuditError("give the delta the run claims (the bound depends on it; 0 would inflate it)")
+        accountant = accountant if accountant is not None else getattr(self, "accountant", None)
+        source = "given"
+        if claimed_eps is None and accountant is not None:
+            try:
+                claimed_eps = float(accountant.get_epsilon(delta=delta))
+            except Exception as exc:  # noqa: BLE001 - e.g. Opacus' prv at noise 0 overflows
+                raise DPAuditError(f"the accountant could not give eps ({type(exc).__name__}); pass claimed_eps= "
+                                   "(the eps this run claims)") from None
+            history = getattr(accountant, "history", None)  # Opacus: [(noise multiplier, sample rate, steps)]
+            taken = sum(int(h[2]) for h in history) if isinstance(history, list) else None
+            source = f"{type(accountant).__name__}.get_epsilon(delta={delta:g})" + (
+                f" after the {taken} steps taken" if taken is not None else "")
+        self._write_spec(claimed_epsilon=claimed_eps, delta=delta, claimed_epsilon_source=source)
+        result, scores, members, facts = audit_run_folder(self.out, claimed_epsilon=claimed_eps, delta=delta,
+                                                          alpha=alpha)
+        if report:
+            from dpaudit.audit.report import write_report
+            from dpaudit.lock import remove_folder
+
+            remove_folder(self.out / "report")
+            context = {"probe": self.source, "claimed eps": claimed_eps, "claimed eps from": source,
+                       "delta": delta, "sampling rate p": self.rate, "clip C": self.clip,
+                       "canaries bypass": self.bypass or "nothing: the optimizer's own clipping acts on them",
+                       **{k: v for k, v in facts.items() if not isinstance(v, dict)}}
+            write_report(self.out / "report", result, scores, members, context)
+        return result
+
+
+def _hooked_sample_rate(optimizer) -> float | None:
+    """The sample rate PrivacyEngine gave the accountant's step hook (``get_optimizer_hook_fn(sample_rate,
+    ...)``): the optimizer itself does not keep it, and the data loader may not be at hand."""
+    hook = getattr(optimizer, "step_hook", None)
+    code = getattr(hook, "__code__", None)
+    if code is None or "sample_rate" not in code.co_freevars:
+        return getattr(optimizer, "sample_rate", None)
+    value = hook.__closure__[code.co_freevars.index("sample_rate")].cell_contents
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def read_spec(folder: Path) -> dict:
+    """A probe folder's probe.json, checked."""
+    from dpaudit.safe_json import load_json_file
+
+    spec = load_json_file(Path(folder) / PROBE, "probe description", max_bytes=1 << 20)
+    if not isinstance(spec, dict) or spec.get("format") != "dpaudit-probe/1" or spec.get("kind") not in KINDS:
+        raise DPAuditError(f"{folder} holds no dpaudit probe (probe.json)")
+    return spec
+
+
+def is_probe(folder: Path) -> bool:
+    return (Path(folder) / PROBE).is_file() and not (Path(folder) / "run_config.json").is_file()
+
+

@@ -1,0 +1,169 @@
+"""The white-box probe on the user's own DP training: Opacus in every grad_sample_mode, a plain PyTorch
+loop (the docs' example, run as written), scalar releases; bad input; independence from the user's RNG."""
+
+import re
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cli_helpers import dpaudit
+from dpaudit import WhiteBoxProbe
+from dpaudit.errors import DPAuditError
+
+warnings.filterwarnings("ignore", module="opacus")
+N, B = 512, 64
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(N, 20, generator=g)
+    return X, (X[:, 0] > 0).long()
+
+
+def _opacus(mode: str, sigma: float, seed: int = 0, clip: float = 1.0):
+    from opacus import PrivacyEngine
+
+    torch.manual_seed(seed)
+    X, y = _data()
+    model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, y), batch_size=B)
+    engine = PrivacyEngine(accountant="prv")
+    criterion = torch.nn.CrossEntropyLoss()
+    kw = dict(module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=sigma, max_grad_norm=clip,
+              grad_sample_mode=mode)
+    if mode == "ghost":
+        model, optimizer, criterion, loader = engine.make_private(criterion=criterion, **kw)
+    else:
+        model, optimizer, loader = engine.make_private(**kw)
+    return engine, model, optimizer, criterion, loader
+
+
+def _train(model, optimizer, criterion, loader, steps: int) -> None:
+    done = 0
+    while done < steps:
+        for xb, yb in loader:
+            optimizer.zero_grad()
+            criterion(model(xb), yb).backward()
+            optimizer.step()
+            done += 1
+            if done == steps:
+                return
+
+
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "ew", "ghost"])
+def test_an_optimizer_without_noise_is_a_violation_in_every_mode(mode, tmp_path):
+    engine, model, optimizer, criterion, loader = _opacus(mode, sigma=0.0)
+    probe = WhiteBoxProbe.attach(optimizer, m=200, out=tmp_path / "probe")
+    assert probe.rate == pytest.approx(B / N)  # the sample rate PrivacyEngine gave its accountant
+    _train(model, optimizer, criterion, loader, 40)
+    result = probe.audit(claimed_eps=1.0, delta=1e-5)
+    assert result.violation and result.epsilon_lower_bound > 4
+    report = (tmp_path / "probe" / "report" / "report.md").read_text()
+    assert ("bypass" in report and "ghost" in report) if mode == "ghost" else "optimizer's own clipping" in report
+    with pytest.raises(DPAuditError, match="could not give eps"):  # Opacus' prv cannot account noise 0
+        probe.audit(accountant=engine.accountant, delta=1e-5)
+
+
+def test_a_correct_opacus_run_is_consistent_and_the_cli_reads_the_same_folder(tmp_path):
+    engine, model, optimizer, criterion, loader = _opacus("hooks", sigma=1.0)
+    probe = WhiteBoxProbe.attach(optimizer, m=200, out=tmp_path / "probe", accountant=engine.accountant)
+    _train(model, optimizer, criterion, loader, 60)
+    result = probe.audit(delta=1e-5)  # claimed eps: the accountant's after the 60 steps taken
+    assert sum(h[2] for h in engine.accountant.history) == 60 and result.claimed_epsilon == pytest.approx(
+        engine.accountant.get_epsilon(delta=1e-5))
+    assert not result.violation and 0 < result.epsilon_lower_bound < result.claimed_epsilon
+    report = (tmp_path / "probe" / "report" / "report.md").read_text()
+    assert "claimed eps from: PRVAccountant.get\\_epsilon" in report and "after the 60 steps taken" in report
+    out = dpaudit("audit", "transcript", "--run", tmp_path / "probe", "--json")
+    assert out.returncode == 0, out.stderr
+    import json
+
+    cli = json.loads(out.stdout)
+    assert cli["epsilon_lower_bound"] == pytest.approx(result.epsilon_lower_bound)
+    assert (tmp_path / "probe" / "whitebox_transcript.f32").stat().st_size == 60 * 200 * 4  # m x 4 bytes a step
+    assert oct((tmp_path / "probe" / "whitebox_canaries.json").stat().st_mode & 0o777) == "0o600"
+
+
+@pytest.mark.parametrize("steps", [1, 5])
+def test_attaching_a_probe_changes_neither_the_users_rng_nor_their_noise(tmp_path, steps):
+    """Same batches and noise: the user's RNG is where it would be, and after one step the weights differ
+    only at the canary coordinates (later steps differ everywhere, the model having moved)."""
+    after = {}
+    for probed in (False, True):
+        engine, model, optimizer, criterion, loader = _opacus("hooks", sigma=1.0, seed=3)
+        probe = WhiteBoxProbe.attach(optimizer, m=500, out=tmp_path / f"p{probed}") if probed else None
+        _train(model, optimizer, criterion, loader, steps)
+        after[probed] = (torch.get_rng_state(), [p.detach().clone().reshape(-1) for p in optimizer.params], probe)
+    assert torch.equal(after[False][0], after[True][0])
+    if steps > 1:
+        return
+    probe = after[True][2]
+    assert np.fromfile(probe.out / "whitebox_transcript.f32", dtype="<f4").size == 500
+    touched = {(k, off) for k, off in probe.where}
+    for k, (a, b) in enumerate(zip(after[False][1], after[True][1])):
+        keep = torch.ones_like(a, dtype=torch.bool)
+        for kk, off in touched:
+            if kk == k:
+                keep[off] = False
+        assert torch.allclose(a[keep], b[keep], atol=1e-6)  # only the canary coordinates moved
+
+
+def test_the_docs_plain_pytorch_example_runs_as_written(tmp_path, monkeypatch):
+    text = (Path(__file__).resolve().parents[1] / "docs" / "auditing.md").read_text()
+    code = re.search(r"\*\*Any PyTorch DP-SGD loop\*\*.*?```python\n(.*?)```", text, re.S).group(1)
+    assert len(code.strip().splitlines()) <= 30
+    monkeypatch.chdir(tmp_path)
+    scope = {}
+    exec(compile(code, "docs/auditing.md", "exec"), scope)
+    assert not scope["result"].violation and scope["result"].epsilon_lower_bound > 0
+
+
+def _scalar_run(tmp_path, noise: float, steps: int = 300, m: int = 200):
+    rng = np.random.default_rng(1)
+    C, p = 1.0, 0.5
+    probe = WhiteBoxProbe(kind="scalar", m=m, clip=C, sample_rate=p, out=tmp_path / f"scalar{noise}")
+    for t in range(steps):
+        data = np.clip(rng.normal(0, 1, rng.binomial(100, p)), -C, C).sum()
+        probe.observe(t, data + probe.canary_sum(t) + rng.normal(0, noise * C))
+    return probe
+
+
+def test_scalar_releases_are_audited_the_same_way(tmp_path):
+    assert _scalar_run(tmp_path, 0.0).audit(claimed_eps=1.0, delta=1e-5).violation
+    honest = _scalar_run(tmp_path, 20.0).audit(claimed_eps=8.0, delta=1e-5)
+    assert not honest.violation
+
+
+def test_bad_input_is_one_line(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(DPAuditError, match="need as many trainable coordinates"):
+        WhiteBoxProbe(list(model.parameters()), m=100, clip=1.0, sample_rate=0.1, out=tmp_path / "a")
+    with pytest.raises(DPAuditError, match="takes an Opacus DPOptimizer"):
+        WhiteBoxProbe.attach(torch.optim.SGD(model.parameters(), lr=0.1), m=4, out=tmp_path / "b")
+    probe = WhiteBoxProbe(list(model.parameters()), m=4, clip=1.0, sample_rate=0.5, out=tmp_path / "c")
+    probe.canary_gradients(0)
+    with pytest.raises(DPAuditError, match="expected the release of step 0, got step 1"):
+        probe.observe(1, [torch.zeros(2, 3), torch.zeros(2)])
+    with pytest.raises(DPAuditError, match="not empty"):
+        WhiteBoxProbe(list(model.parameters()), m=4, clip=1.0, sample_rate=0.5, out=tmp_path / "c")
+    with pytest.raises(DPAuditError, match="m = 4; resume it as it was"):
+        WhiteBoxProbe(list(model.parameters()), m=5, clip=1.0, sample_rate=0.5, out=tmp_path / "c", resume=True)
+
+
+def test_a_probe_resumed_after_a_crash_keeps_only_complete_releases(tmp_path):
+    model = torch.nn.Linear(30, 2)
+    params = list(model.parameters())
+    probe = WhiteBoxProbe(params, m=8, clip=1.0, sample_rate=0.5, out=tmp_path / "p")
+    for t in range(3):
+        probe.observe(t, [c + torch.randn_like(c) for c in probe.canary_gradients(t)])
+    probe.close()
+    with open(tmp_path / "p" / "whitebox_transcript.f32", "ab") as fh:
+        fh.write(b"\0" * 10)  # killed in the middle of the fourth row
+    again = WhiteBoxProbe(params, m=8, clip=1.0, sample_rate=0.5, out=tmp_path / "p", resume=True)
+    assert again.step == 3 and (tmp_path / "p" / "whitebox_transcript.f32").stat().st_size == 3 * 8 * 4
+    again.observe(3, [c + torch.randn_like(c) for c in again.canary_gradients(3)])
+    assert again.audit(claimed_eps=50.0, delta=1e-5, report=False).m == 8
