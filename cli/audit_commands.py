@@ -233,6 +233,38 @@ def audit_transcript(
             members=members)
 
 
+@bounded("dpaudit audit sampler", LONG_TIMEOUT, None)
+def audit_sampler(
+    log: Annotated[Path, typer.Option("--log", help="The run's batches: one a line, a JSON list of example indices "
+                                                    "or indices separated by commas or spaces.")],
+    dataset_size: Annotated[Optional[int], typer.Option(
+        "--dataset-size", "-N", help="Examples in the dataset (default: the largest index + 1).")] = None,
+    p: Annotated[Optional[float], typer.Option("--p", help="The sampling rate the run claims (default: estimated "
+                                                           "from the batches).")] = None,
+    alpha: AlphaOpt = 0.05,
+    as_json: JsonOpt = False,
+) -> None:
+    """Test whether a run's batches are Poisson sampled (what the accountants assume); exit 1 when they are not,
+    naming what the sampler looks like (fixed-size, shuffled epochs, cyclic, balls-in-bins, with replacement)."""
+    from dpaudit.audit.sampler import analyse_batches, read_log
+
+    verdict = analyse_batches(read_log(log), dataset_size=dataset_size, sample_rate=p, alpha=alpha)
+    if as_json:
+        emit_json({"command": "audit sampler", "log": str(log), **verdict.to_dict()})
+    else:
+        style = "green" if verdict.poisson_accounting_valid else "bold red"
+        console.print(f"[{style}]{escape(verdict.verdict)}[/{style}]", highlight=False)
+        for name in ("batch sizes", "inclusions per example"):
+            t = verdict.tests[name]
+            console.print(f"  {name}: dispersion {t['dispersion']:.3g} (1 for Poisson; p too uniform "
+                          f"{t['p_too_uniform']:.2g}, too variable {t['p_too_variable']:.2g})", highlight=False)
+        for note in verdict.notes:
+            console.print(f"  note: {escape(note)}", highlight=False)
+    if not verdict.poisson_accounting_valid:
+        raise typer.Exit(1)
+
+
 app.command("scores")(audit_scores)
+app.command("sampler")(audit_sampler)
 app.command("transcript")(audit_transcript)
 app.command("checkpoint")(audit_checkpoint)

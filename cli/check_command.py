@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 from rich.markup import escape
@@ -20,6 +20,10 @@ def check(
     config: Annotated[Path, typer.Argument(help="Training config (YAML or TOML) with the privacy keys.")],
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds the check may take (exit 2 past it).")] = DEFAULT_TIMEOUT,
     max_memory: MaxMemoryOpt = DEFAULT_MAX_MEMORY,
+    sampler_log: Annotated[Optional[Path], typer.Option(
+        "--sampler-log", help="A log of the run's batch indices (one batch a line): gate the sampler too. The "
+                              "config is accounted as Poisson sampling, so a sampler that is not Poisson fails "
+                              "(exit 1).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Gate a training config on its privacy budget (for CI and pre-commit): exit 0 within budget, 1 over it,
@@ -27,13 +31,32 @@ def check(
     cfg = load_privacy_config(config)
     with time_budget(timeout, "dpaudit check", max_memory):
         report, passed = _judge(cfg, config)
+        if sampler_log is not None:
+            from dpaudit.audit.sampler import analyse_batches, read_log
+
+            sampled = analyse_batches(read_log(sampler_log), dataset_size=cfg.dataset_size,
+                                      sample_rate=cfg.sampling_rate)
+            report["sampler"] = {"log": str(sampler_log), **sampled.to_dict()}
+            passed = passed and sampled.poisson_accounting_valid
+            report["passed"] = passed
+    sampler = report.get("sampler")
     if as_json:
         emit_json(report)
-    elif passed:
+        if not passed:
+            raise typer.Exit(1)
+        return
+    if sampler is not None:
+        style = "green" if sampler["poisson_accounting_valid"] else "bold red"
+        console.print(f"[{style}]sampler[/{style}] {escape(sampler['log'])}: {escape(sampler['verdict'])}",
+                      highlight=False)
+    if passed:
         how = "calibrated" if cfg.sigma is None else "configured"
         console.print(f"[bold green]PASS[/bold green] {escape(str(config))}: {how} sigma = {fmt(report['sigma'])} "
                       f"spends eps <= {fmt(report['epsilon'])} <= target {cfg.target_epsilon:g} "
                       f"(delta = {cfg.delta:g}, {report['accountant']})")
+    elif sampler is not None and not sampler["poisson_accounting_valid"] and report["epsilon"] <= cfg.target_epsilon:
+        console.print(f"[bold red]FAIL[/bold red] {escape(str(config))}: its eps <= {fmt(report['epsilon'])} was "
+                      "accounted for Poisson sampling, which its sampler is not")
     else:
         hint = (f"; sigma >= {fmt(report['minimal_sigma'])} would meet it" if report["minimal_sigma"] is not None
                 else "")

@@ -3,7 +3,7 @@
 from dpaudit.errors import DPAuditError
 
 __version__ = "0.1.0"
-__all__ = ["CanaryScoreAuditor", "DPAuditError", "WhiteBoxProbe", "Mechanism", "NeighboringRelation", "__version__", "calibrate",
+__all__ = ["CanaryScoreAuditor", "DPAuditError", "SamplerAudit", "WhiteBoxProbe", "Mechanism", "NeighboringRelation", "__version__", "calibrate",
            "delta", "epsilon", "max_steps"]
 _API = {"calibrate", "delta", "epsilon", "max_steps", "Mechanism", "NeighboringRelation"}
 
@@ -14,6 +14,10 @@ def __getattr__(name: str):
         from dpaudit.audit.auditor import CanaryScoreAuditor
 
         return CanaryScoreAuditor
+    if name == "SamplerAudit":
+        from dpaudit.audit.sampler import SamplerAudit
+
+        return SamplerAudit
     if name == "WhiteBoxProbe":
         from dpaudit.training.probe import WhiteBoxProbe
 

@@ -33,6 +33,7 @@ class PrivacyConfig:
     delta: float
     target_epsilon: float
     accountant: str | None
+    dataset_size: int | None = None  # when the config gives it (a sampler log is checked against it)
 
     def schedule(self, sigma: float) -> Mechanism:
         return Mechanism(self.mechanism, sigma, self.sampling_rate, self.steps)
@@ -159,15 +160,15 @@ def load_privacy_config(path: Path) -> PrivacyConfig:
             raise DPAuditError(f"config needs delta for the {mechanism} mechanism")
         delta = facts.default_delta
     check_delta(delta, allow_zero=facts.pure_dp)
-    p = sampling_rate_from(_number(data, "batch_size", int), _number(data, "dataset_size", int),
-                           _number(data, "sampling_rate"))
+    n = _number(data, "dataset_size", int)
+    p = sampling_rate_from(_number(data, "batch_size", int), n, _number(data, "sampling_rate"))
     steps = steps_from(_number(data, "steps", int), _number(data, "epochs"), p)
     if steps > MAX_STEPS:
         raise DPAuditError(f"config schedule has {steps:.3g} steps; dpaudit check accounts up to {MAX_STEPS:.0e}")
     accountant = data.get("accountant")
     if accountant is not None and not isinstance(accountant, str):
         raise DPAuditError("config accountant must be a name")
-    config = PrivacyConfig(mechanism, sigma, p, steps, delta, target, accountant)
+    config = PrivacyConfig(mechanism, sigma, p, steps, delta, target, accountant, n)
     if sigma is not None:
         config.schedule(sigma)  # validates sigma
     return config
