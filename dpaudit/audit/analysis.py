@@ -53,6 +53,9 @@ class AuditResult:
     bounds: dict[str, Bound]
     headline: str
     roc: RocSummary = field(repr=False)
+    # A white-box probe given the model: trainable tensors the DP optimizer never clips or noises. Any finite
+    # claim is then false for them, whatever the canaries say.
+    unprotected: tuple = ()
 
     @property
     def epsilon_lower_bound(self) -> float:
@@ -64,10 +67,16 @@ class AuditResult:
 
     @property
     def violation(self) -> bool:
-        return self.claimed_epsilon is not None and self.epsilon_lower_bound > self.claimed_epsilon
+        return bool(self.unprotected) or (self.claimed_epsilon is not None
+                                          and self.epsilon_lower_bound > self.claimed_epsilon)
 
     @property
     def verdict(self) -> str:
+        if self.unprotected:
+            names = ", ".join(self.unprotected[:3]) + (f" and {len(self.unprotected) - 3} more"
+                                                       if len(self.unprotected) > 3 else "")
+            return (f"VIOLATION: {len(self.unprotected)} trainable tensors are updated outside DP (no clipping, no "
+                    f"noise): {names}")
         if self.claimed_epsilon is None:
             return f"empirical eps >= {self.epsilon_lower_bound:.3f} (no claimed eps given)"
         if self.violation:
@@ -90,6 +99,7 @@ class AuditResult:
             "auc": self.roc.auc,
             "tpr_at_fpr": {f"{k:g}": v for k, v in self.roc.tpr_at_fpr.items()},
             "bounds": {k: b.to_dict() for k, b in self.bounds.items()},
+            **({"unprotected_parameters": list(self.unprotected)} if self.unprotected else {}),
         }
 
 

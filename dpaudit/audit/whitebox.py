@@ -114,4 +114,6 @@ def audit_run_folder(run_dir: Path, *, claimed_epsilon: float | None, delta: flo
              "other statistics": {k: r.epsilon_lower_bound for k, r in results.items() if k != best}}
     result = results[best]
     result.alpha = alpha  # the family-wise level; each bound inside was computed at alpha / len(stats)
+    unprotected = (_run_config(Path(run_dir)).get("probe") or {}).get("unprotected_parameters") or []
+    result.unprotected = tuple(str(n) for n in unprotected)
     return result, stats[best], members, facts

@@ -14,10 +14,11 @@ the user's batches nor their noise).
   clipped sum of scalars. Released: the step's noisy sum (4 bytes a step).
 
 With Opacus (``WhiteBoxProbe.attach(optimizer)``) the probe attaches through the optimizer's seams, as its
-accountant hook does: before ``add_noise`` it puts the sampled canaries into ``p.summed_grad`` - in the
+accountant hook does: it puts the sampled canaries into ``p.summed_grad`` once a step - in the
 per-sample-gradient modes (hooks, functorch, expanded weights) as extra per-sample rows that the
-optimizer's own ``clip_and_accumulate`` clips; in ghost / fast gradient clipping, where the per-example
-norms are taken in the loss's backward pass that no canary enters, clipped by the probe at the optimizer's
+optimizer's own ``clip_and_accumulate`` clips, right after (and at the clip norm of) the examples'
+clipping; in ghost / fast gradient clipping, where the per-example norms are taken in the loss's backward
+pass that no canary enters, just before ``add_noise``, clipped by the probe at the optimizer's
 ``max_grad_norm`` (the report says so) - and after ``scale_grad`` its step hook (chained before the
 accountant's) reads the release back, times ``expected_batch_size x accumulated_iterations`` when the loss
 is a mean, which is the noisy sum again.
@@ -47,7 +48,8 @@ class WhiteBoxProbe:
     (``kind="scalar"`` for DP-ZO-style scalar releases), or ``WhiteBoxProbe.attach(dp_optimizer, ...)``."""
 
     def __init__(self, params=None, *, m: int = 1000, clip: float, sample_rate: float, out, kind: str = "gradient",
-                 gain: float = GAIN, seed: int = 0, resume: bool = False, _source: str = "plain PyTorch loop"):
+                 gain: float = GAIN, seed: int = 0, resume: bool = False, model=None,
+                 _source: str = "plain PyTorch loop"):
         if kind not in KINDS:
             raise DPAuditError(f"unknown probe kind {kind!r}; use gradient or scalar")
         if not (clip > 0 and math.isfinite(clip)):
@@ -61,6 +63,11 @@ class WhiteBoxProbe:
         self._sampler = np.random.default_rng(np.random.SeedSequence())  # secret, never written
         self.source, self.bypass = _source, None
         self.step = 0
+        # Given the model, every trainable tensor must be among the noised ones (a LoRA group left out of the
+        # DP optimizer is trained without clipping or noise: the audit reports it as a violation).
+        noised = {id(p) for p in self.params}
+        self.unprotected = [] if model is None or kind != "gradient" else [
+            name for name, p in model.named_parameters() if p.requires_grad and id(p) not in noised]
         if resume:
             self._resume(m)
         else:
@@ -133,7 +140,8 @@ class WhiteBoxProbe:
     def _write_spec(self, **extra) -> None:
         spec = {"format": "dpaudit-probe/1", "kind": self.kind, "run_id": self.run_id, "m": self.canaries.m,
                 "clip": self.clip, "sample_rate": self.rate, "gain": self.canaries.gain, "source": self.source,
-                "canaries_bypass": self.bypass, "transcript": TRANSCRIPT, "floats_per_step": self.width, **extra}
+                "canaries_bypass": self.bypass, "transcript": TRANSCRIPT, "floats_per_step": self.width,
+                "unprotected_parameters": self.unprotected, **extra}
         old = read_spec(self.out) if (self.out / PROBE).exists() else {}
         atomic_write_json(self.out / PROBE, {**old, **spec})
 
@@ -201,9 +209,10 @@ class WhiteBoxProbe:
     # -- Opacus ------------------------------------------------------------------------------------------
     @classmethod
     def attach(cls, optimizer, *, m: int = 1000, out, sample_rate: float | None = None, accountant=None,
-               gain: float = GAIN, seed: int = 0, resume: bool = False) -> "WhiteBoxProbe":
+               gain: float = GAIN, seed: int = 0, resume: bool = False, model=None) -> "WhiteBoxProbe":
         """Attach to an Opacus ``DPOptimizer`` (any grad_sample_mode, after ``make_private`` or
-        ``make_private_with_epsilon``); the user's training loop stays as it is."""
+        ``make_private_with_epsilon``); the user's training loop stays as it is. Given ``model``, the audit
+        also checks that every trainable tensor is noised by this optimizer."""
         try:
             from opacus.optimizers import DPOptimizer
             from opacus.optimizers.optimizer_fast_gradient_clipping import DPOptimizerFastGradientClipping
@@ -219,26 +228,44 @@ class WhiteBoxProbe:
         ghost = isinstance(optimizer, DPOptimizerFastGradientClipping)
         probe = cls(optimizer.params, m=m, clip=float(optimizer.max_grad_norm if np.isscalar(optimizer.max_grad_norm)
                                                        else max(optimizer.max_grad_norm)),
-                    sample_rate=rate, out=out, gain=gain, seed=seed, resume=resume,
+                    sample_rate=rate, out=out, gain=gain, seed=seed, resume=resume, model=model,
                     _source=f"Opacus {type(optimizer).__name__}")
         probe.bypass = OPACUS_BYPASS if ghost else None
         probe.accountant = accountant
         probe._write_spec(optimizer=type(optimizer).__name__,
                           noise_multiplier=float(optimizer.noise_multiplier),
                           expected_batch_size=optimizer.expected_batch_size)
-        add_noise, previous_hook = optimizer.add_noise, optimizer.step_hook
+        previous_hook, injected = optimizer.step_hook, [False]
 
-        def add_noise_with_canaries():
-            probe._inject(optimizer, ghost)
-            add_noise()
+        def once_a_step():
+            if not injected[0]:  # gradient accumulation clips several times a step; canaries enter once
+                probe._inject(optimizer, ghost)
+                injected[0] = True
+
+        if ghost:  # the sums arrive clipped: the canaries join them just before the noise
+            add_noise = optimizer.add_noise
+
+            def add_noise_with_canaries():
+                once_a_step()
+                add_noise()
+
+            optimizer.add_noise = add_noise_with_canaries
+        else:  # in the same call as the examples' clipping, at whatever clip norm it uses then
+            clip_and_accumulate = optimizer.clip_and_accumulate
+
+            def clip_with_canaries():
+                clip_and_accumulate()
+                once_a_step()
+
+            optimizer.clip_and_accumulate = clip_with_canaries
 
         def step_hook(opt):
+            injected[0] = False
             scale = opt.expected_batch_size * opt.accumulated_iterations if opt.loss_reduction == "mean" else 1.0
             probe.observe(probe.step, [p.grad for p in opt.params], scale)
             if previous_hook is not None:
                 previous_hook(opt)
 
-        optimizer.add_noise = add_noise_with_canaries
         optimizer.attach_step_hook(step_hook)  # chained before the accountant's, which still runs
         return probe
 
@@ -254,24 +281,35 @@ class WhiteBoxProbe:
                 k, off = self.where[i]
                 self.params[k].summed_grad.view(-1)[off] += value * signs[i]
             return
-        # Per-sample modes: the canaries are rows of per-sample gradients (zero but at their coordinate; the
-        # other tensors' rows are stride-0 zero views), clipped and summed by the optimizer's own code.
-        held = [p.grad_sample for p in self.params]
+        # Per-sample modes: the canaries are rows of per-sample gradients (zero but at their coordinate),
+        # clipped and summed by the optimizer's own clip_and_accumulate. It runs on a view of the optimizer
+        # that holds only the tensors the sampled canaries sit on: a canary's row is zero everywhere else, so
+        # the other tensors would add nothing to its norm or its sum, only a pass over every weight.
+        from types import SimpleNamespace
+
+        owners = sorted({self.where[i][0] for i in sampled})
         rows = len(sampled)
+        held = {k: getattr(self.params[k], "grad_sample", None) for k in owners}
         try:
-            for k, p in enumerate(self.params):
-                owned = [(r, off) for r, i in enumerate(sampled) for kk, off in [self.where[i]] if kk == k]
-                if owned:
-                    g = torch.zeros((rows, p.numel()), dtype=p.dtype, device=p.device)
-                    for r, off in owned:
-                        g[r, off] = self.canaries.gain * self.clip * signs[sampled[r]]
-                    p.grad_sample = g.view(rows, *p.shape)
-                else:
-                    p.grad_sample = torch.zeros((1, *p.shape), dtype=p.dtype, device=p.device).expand(rows, *p.shape)
-            type(optimizer).clip_and_accumulate(optimizer)
+            for k in owners:
+                p = self.params[k]
+                g = torch.zeros((rows, p.numel()), dtype=p.dtype, device=p.device)
+                for r, i in enumerate(sampled):
+                    kk, off = self.where[i]
+                    if kk == k:
+                        g[r, off] = self.canaries.gain * self.clip * signs[i]
+                p.grad_sample = g.view(rows, *p.shape)
+            view = SimpleNamespace(params=[self.params[k] for k in owners], max_grad_norm=optimizer.max_grad_norm,
+                                   _get_flat_grad_sample=optimizer._get_flat_grad_sample)
+            view.grad_samples = [p.grad_sample for p in view.params]
+            norms = getattr(optimizer, "max_grad_norms", None)  # per-layer clipping: each tensor its own
+            if norms is not None:
+                index = {id(p): n for p, n in zip(optimizer.params, norms)}
+                view.max_grad_norms = [index[id(p)] for p in view.params]
+            type(optimizer).clip_and_accumulate(view)
         finally:
-            for p, g in zip(self.params, held):
-                p.grad_sample = g
+            for k, g in held.items():
+                self.params[k].grad_sample = g
 
     # -- the audit ---------------------------------------------------------------------------------------
     def close(self) -> None:

@@ -1,0 +1,84 @@
+"""What the two user scripts share: the embedded model and data, the bugs they can plant, and how a user
+would compute sigma (Opacus' get_noise_multiplier, fed what the user believes)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+N, B, T, SEQ, DELTA, M = 1000, 64, 200, 32, 1e-5, 1000
+
+# Modelled on real reports; each changes the released noise, the clipping or the claim, except the last two.
+BUGS = {
+    "none": "correct",
+    "sigma-over-batch": "noise multiplier divided by the batch size",
+    "noise-other-clip": "noise scaled to C/10 while clipping at C",
+    "accountant-n-10x": "accountant told N ten times too large (p/10)",
+    "accountant-per-epoch": "accountant stepped once per epoch",
+    "no-clipping": "clipping disabled (max_grad_norm = inf), noise for C",
+    "shuffle-as-poisson": "fixed-size shuffled batches accounted as Poisson (opacus#80)",
+    "floor-normalisation": "opacus#819: the average taken over floor(N p)",
+    "lora-group-left-out": "an adapter group left out of the noised parameters (opacus#820)",
+}
+
+
+def arguments(description: str) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--bug", default="none", choices=sorted(BUGS))
+    ap.add_argument("--eps", type=float, default=1.0, help="the eps the run claims (sigma calibrated to it)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True, help="probe folder")
+    ap.add_argument("--steps", type=int, default=T)
+    ap.add_argument("--m", type=int, default=M)
+    ap.add_argument("--mode", default="hooks", help="Opacus grad_sample_mode (opacus script)")
+    ap.add_argument("--threads", type=int, default=1)
+    return ap.parse_args()
+
+
+def data_and_model(seed: int):
+    """The embedded architecture (RMSNorm weights frozen: Opacus' hooks do not cover them), N synthetic
+    sentences, tokenized."""
+    import torch
+
+    from dpaudit.models.corpus import sentences
+    from dpaudit.models.embedded import build_model, build_tokenizer
+    from dpaudit.training.data import tokenize
+
+    corpus = sentences(N, seed=1)
+    tok = build_tokenizer(sentences(2000, seed=0))
+    torch.manual_seed(seed)
+    model = build_model(tok, seed=seed)
+    model.config.use_cache = False
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.requires_grad_(False)
+    data = tokenize(tok, corpus, SEQ)
+    full = data.batch(range(N))
+    return model, full["input_ids"], full["attention_mask"]
+
+
+def noise_multiplier(bug: str, eps: float, steps: int) -> tuple[float, float, int]:
+    """(sigma, the sample rate the accountant is told, the steps it is told): what the user computes."""
+    from opacus.accountants.utils import get_noise_multiplier
+
+    p, told_steps = B / N, steps
+    if bug == "accountant-n-10x":
+        p = B / (10 * N)
+    if bug == "accountant-per-epoch":
+        told_steps = max(1, math.ceil(steps * B / N))  # one accountant step an epoch
+    sigma = get_noise_multiplier(target_epsilon=eps, target_delta=DELTA, sample_rate=p, steps=told_steps,
+                                 accountant="prv")
+    return sigma, p, told_steps
+
+
+def report(args, script: str, result, seconds: float, extra: dict | None = None) -> None:
+    print(json.dumps({"script": script, "bug": args.bug, "eps": args.eps, "seed": args.seed,
+                      "bound": result.epsilon_lower_bound, "claimed": result.claimed_epsilon,
+                      "violation": result.violation, "verdict": result.verdict, "seconds": round(seconds, 1),
+                      **(extra or {})}))
+
+
+def clock() -> float:
+    return time.perf_counter()
