@@ -33,6 +33,9 @@ def private_copy(args, seed: int):
 
     torch.manual_seed(seed)
     model, data = bench_model(args)
+    if args.mode == "ghost":  # Opacus' ghost clipping refuses tied weights: the output layer gets its own copy
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+        model.config.tie_word_embeddings = False
     for name, p in model.named_parameters():
         if "norm" in name:
             p.requires_grad_(False)
@@ -55,14 +58,11 @@ def private_copy(args, seed: int):
         optimizer.zero_grad()
         logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
         target = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
-        # one loss per example (what per-sample clipping needs): the mean over its tokens
-        token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none")
-        per_example = token.sum(1) / mask[:, 1:].sum(1).clamp(min=1)
-        if args.mode == "ghost":
-            criterion.criterion = lambda output, _t: output  # the per-example losses are the output
-            criterion(per_example, None).backward()
-        else:
-            per_example.mean().backward()
+        if args.mode == "ghost":  # Opacus' criterion takes each sequence's mean over its tokens
+            criterion(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), shape=logits.shape).backward()
+        else:  # one loss per example (what per-sample clipping needs): the mean over its tokens
+            token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none")
+            (token.sum(1) / mask[:, 1:].sum(1).clamp(min=1)).mean().backward()
         optimizer.step()
 
     return optimizer, step, engine

@@ -98,7 +98,7 @@ def test_bad_inputs_exit_2_with_one_line(audit_setup, tiny_model_dir, tmp_path):
         (trained, other, "another tokenizer"),
         (tiny_model_dir, root / "canaries.json", "absent"),
         (trained, no_members, "member set is empty"),
-        (broken, root / "canaries.json", "cannot load"),
+        (broken, root / "canaries.json", "is not valid JSON"),
         (tmp_path / "nowhere", root / "canaries.json", "not found"),
     ]
     for model, canaries, message in cases:

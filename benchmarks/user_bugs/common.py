@@ -37,9 +37,10 @@ def arguments(description: str) -> argparse.Namespace:
     return ap.parse_args()
 
 
-def data_and_model(seed: int):
-    """The embedded architecture (RMSNorm weights frozen: Opacus' hooks do not cover them), N synthetic
-    sentences, tokenized."""
+def data_and_model(seed: int, untie: bool = False):
+    """The embedded architecture (RMSNorm weights frozen: Opacus' hooks do not cover them; ``untie``: the
+    output layer gets its own copy of the embedding, as Opacus' ghost clipping refuses tied weights), N
+    synthetic sentences, tokenized."""
     import torch
 
     from dpaudit.models.corpus import sentences
@@ -51,6 +52,9 @@ def data_and_model(seed: int):
     torch.manual_seed(seed)
     model = build_model(tok, seed=seed)
     model.config.use_cache = False
+    if untie:
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+        model.config.tie_word_embeddings = False
     for name, p in model.named_parameters():
         if "norm" in name:
             p.requires_grad_(False)

@@ -23,7 +23,7 @@ def main() -> None:
     args = arguments(__doc__)
     torch.set_num_threads(args.threads)
     began = clock()
-    model, ids, mask = data_and_model(args.seed)
+    model, ids, mask = data_and_model(args.seed, untie=args.mode == "ghost")
     sigma, _, _ = noise_multiplier(args.bug, args.eps, args.steps)
     C = 1.0
     noise, clip = sigma, C
@@ -46,7 +46,6 @@ def main() -> None:
     criterion = torch.nn.CrossEntropyLoss(reduction="mean")
     if args.mode == "ghost":
         model, optimizer, criterion, loader = engine.make_private(criterion=criterion, **kw)
-        criterion.criterion = lambda output, _target: output  # the model's per-example losses are the output
     else:
         model, optimizer, loader = engine.make_private(**kw)
     if args.bug == "noise-other-clip":  # noise drawn for C / 10 while the clipping uses C
@@ -76,13 +75,12 @@ def main() -> None:
             if plain is not None:
                 plain.zero_grad()
             logits = model(input_ids=x).logits[:, :-1]
-            token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:].masked_fill(keep[:, 1:] == 0, -100),
-                                                      reduction="none")
-            per_example = token.sum(1) / keep[:, 1:].sum(1).clamp(min=1)
-            if args.mode == "ghost":
-                criterion(per_example, None).backward()
+            target = x[:, 1:].masked_fill(keep[:, 1:] == 0, -100)
+            if args.mode == "ghost":  # Opacus' criterion takes each sequence's mean over its tokens
+                criterion(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), shape=logits.shape).backward()
             else:
-                per_example.mean().backward()
+                token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none")
+                (token.sum(1) / keep[:, 1:].sum(1).clamp(min=1)).mean().backward()
             optimizer.step()
             if plain is not None:
                 plain.step()
