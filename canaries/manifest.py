@@ -5,7 +5,6 @@ It is the only place membership is written down: the secrets and the augmented d
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 

@@ -2,7 +2,6 @@
 lost, every command is bounded, exit codes mean one thing, outputs are safe. (Kills at every rename and
 release write: tests/test_faults.py.)"""
 
-import dataclasses
 import fcntl
 import json
 import os

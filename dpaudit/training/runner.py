@@ -4,10 +4,8 @@ the DP-ZO (seed, scalar) log and checkpoints in the run folder; resume from the 
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -254,6 +252,8 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
         if cfg.trainable == "lora":
             raise DPAuditError("resuming a LoRA run is not supported; start it again")
         previous = _read_json(run_dir / RUN_CONFIG, "run config")
+        if previous is not None and not isinstance(previous.get("config"), dict):
+            raise DPAuditError(f"{run_dir / RUN_CONFIG} is not a run config dpaudit wrote")
         if previous is not None:
             before, now = _plan(previous["config"]), _plan(_config_for_state(cfg))
             if before != now:  # names only: values are the user's and are not echoed
