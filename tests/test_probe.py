@@ -167,3 +167,26 @@ def test_a_probe_resumed_after_a_crash_keeps_only_complete_releases(tmp_path):
     assert again.step == 3 and (tmp_path / "p" / "whitebox_transcript.f32").stat().st_size == 3 * 8 * 4
     again.observe(3, [c + torch.randn_like(c) for c in again.canary_gradients(3)])
     assert again.audit(claimed_eps=50.0, delta=1e-5, report=False).m == 8
+
+
+def test_canary_examples_pass_through_the_users_own_clipping(tmp_path):
+    """A loop that clips per-example gradients gets the canaries as rows before its clipping: clipped, they
+    are C on their coordinate; a loop that forgets to clip releases gain x C, and the audit shows it."""
+    model = torch.nn.Linear(40, 5)
+    params = list(model.parameters())
+    for clips in (True, False):
+        probe = WhiteBoxProbe(params, m=100, clip=1.0, sample_rate=0.5, out=tmp_path / f"clips{clips}")
+        gen = torch.Generator().manual_seed(0)
+        for step in range(150):
+            rows = probe.canary_examples(step)
+            assert all(r.shape[1:] == p.shape for r, p in zip(rows, params))
+            flat = torch.cat([r.reshape(len(rows[0]), -1) for r in rows], 1)
+            norms = flat.norm(dim=1)
+            factor = (1.0 / (norms + 1e-6)).clamp(max=1.0) if clips else torch.ones_like(norms)
+            summed = [torch.einsum("i,i...", factor, r) for r in rows]
+            probe.observe(step, [s + 8.0 * torch.randn(s.shape, generator=gen) for s in summed])
+        from dpaudit import epsilon
+
+        claimed = epsilon(sigma=8.0, p=0.5, steps=150, delta=1e-5).epsilon  # 3.26: what the loop spends
+        result = probe.audit(claimed_eps=claimed, delta=1e-5, report=False)
+        assert result.violation is (not clips), result.verdict

@@ -1,5 +1,6 @@
 """A user's own DP-SGD loop in plain PyTorch (torch.func per-example gradients), audited with the
-framework-free WhiteBoxProbe; --bug plants one of common.BUGS. Prints one JSON line."""
+framework-free WhiteBoxProbe (its canaries as per-example rows, clipped by the loop's own clipping);
+--bug plants one of common.BUGS. Prints one JSON line."""
 
 from __future__ import annotations
 
@@ -48,14 +49,14 @@ def main() -> None:
             idx = np.flatnonzero(rng.random(N) < p)
         batches.append(idx.tolist())
         x, keep = ids[idx], mask[idx]
-        summed = {k: torch.zeros_like(v) for k, v in dp.items()}
-        if len(idx):
-            g = per_example({k: v.detach() for k, v in dp.items()}, x, keep)
-            norms = torch.sqrt(sum((t.reshape(len(idx), -1) ** 2).sum(1) for t in g.values()))
-            factor = torch.ones_like(norms) if args.bug == "no-clipping" else (C / (norms + 1e-6)).clamp(max=1.0)
-            summed = {k: torch.einsum("i,i...", factor, t) for k, t in g.items()}
-        for (k, s), c in zip(summed.items(), probe.canary_gradients(step)):
-            s += c
+        canaries = probe.canary_examples(step)  # per-example rows that our own clipping acts on
+        g = per_example({k: v.detach() for k, v in dp.items()}, x, keep) if len(idx) else \
+            {k: torch.zeros((0, *v.shape)) for k, v in dp.items()}
+        g = {k: torch.cat([t, c]) for (k, t), c in zip(g.items(), canaries)}
+        rows = len(idx) + len(canaries[0])
+        norms = torch.sqrt(sum((t.reshape(rows, -1) ** 2).sum(1) for t in g.values()))
+        factor = torch.ones_like(norms) if args.bug == "no-clipping" else (C / (norms + 1e-6)).clamp(max=1.0)
+        summed = {k: torch.einsum("i,i...", factor, t) for k, t in g.items()}
         std = sigma * C / (B if args.bug == "sigma-over-batch" else 1) / (10 if args.bug == "noise-other-clip" else 1)
         released = {k: s + std * torch.randn(s.shape, generator=gen) for k, s in summed.items()}
         expected = math.floor(N * p - 0.5) if args.bug == "floor-normalisation" else N * p

@@ -180,6 +180,22 @@ class WhiteBoxProbe:
             grads[k].view(-1)[off] += value * signs[i]
         return grads
 
+    def canary_examples(self, step: int):
+        """The sampled canaries as per-example gradients *before* clipping, for a loop that clips per-example
+        gradients itself: one tensor per parameter, shaped (k, *parameter shape) for the k canaries sampled
+        this step (each gain x C on its coordinate). Put them beside the batch's per-example gradients, so
+        your own clipping acts on them (a loop that does not clip then shows); k rows of every parameter:
+        where memory is short, add ``canary_gradients`` after your clipping instead."""
+        import torch
+
+        self._need("gradient")
+        sampled, signs = self._begin(step), self.canaries.signs(step)
+        rows = [torch.zeros((len(sampled), *p.shape), dtype=p.dtype, device=p.device) for p in self.params]
+        for r, i in enumerate(sampled):
+            k, off = self.where[i]
+            rows[k][r].view(-1)[off] = self.canaries.gain * self.clip * signs[i]
+        return rows
+
     def canary_sum(self, step: int) -> float:
         """What to add to the step's clipped sum of scalars before noise (scalar probes)."""
         self._need("scalar")
