@@ -36,9 +36,7 @@ def guard_new_file(path: Path, force: bool) -> None:
 def guard_new_folder(path: Path, force: bool) -> None:
     """Refuse to write into a non-empty folder the user already has, unless told to; --force only ever
     reuses a folder dpaudit made (it holds the marker), never one of the user's."""
-    from dpaudit.lock import LOCK, MARKER, is_marked
-
-    from dpaudit.lock import assert_unlocked
+    from dpaudit.lock import LOCK, MARKER, assert_unlocked, is_marked
 
     path = Path(path)
     if path.is_symlink() or (path.exists() and not path.is_dir()):

@@ -390,8 +390,3 @@ def read_spec(folder: Path) -> dict:
         raise DPAuditError(f"{folder} holds no dpaudit probe (probe.json)")
     return spec
 
-
-def is_probe(folder: Path) -> bool:
-    return (Path(folder) / PROBE).is_file() and not (Path(folder) / "run_config.json").is_file()
-
-
