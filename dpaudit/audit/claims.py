@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dpaudit import run_folder
+
 MAX_BYTES = 1 << 20
 
 
@@ -37,15 +39,15 @@ def run_claims(path: Path) -> dict | None:
     """The claims of the run that produced ``path`` (a model folder or a scores file), or None."""
     path = Path(path)
     for folder in (path.parent, path, path.parent.parent):
-        config = _json(folder / "run_config.json")
+        config = _json(folder / run_folder.RUN_CONFIG)
         if config and isinstance(config.get("config"), dict):
-            cfg, ledger = config["config"], _json(folder / "privacy_ledger.json") or {}
+            cfg, ledger = config["config"], _json(folder / run_folder.LEDGER) or {}
             return {"source": str(folder), "method": cfg.get("method"), "delta": _number(cfg.get("delta")),
                     "epsilon": _number(ledger.get("epsilon_total", ledger.get("epsilon_planned"))),
                     "sigma": _number(config.get("sigma")),
                     "sampling rate p": _number(config.get("sampling_rate")), "steps": _number(cfg.get("steps")),
                     "mechanism": cfg.get("mechanism"), "white_box": bool(cfg.get("white_box"))}
-        probe = _json(folder / "probe.json")
+        probe = _json(folder / run_folder.PROBE)
         if probe and probe.get("format") == "dpaudit-probe/1":
             return {"source": str(folder), "delta": _number(probe.get("delta")),
                     "epsilon": _number(probe.get("claimed_epsilon")), "white_box": True,

@@ -14,34 +14,23 @@ Gaussian audit applies.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
+from dpaudit import run_folder
 from dpaudit.errors import DPAuditError
 
 
 def _run_config(run_dir: Path) -> dict:
     """What the scoring needs of a run folder (run_config.json), or of a probe's folder (probe.json)."""
-    if (run_dir / "probe.json").is_file() and not (run_dir / "run_config.json").is_file():
+    if run_folder.is_probe_folder(run_dir):
         from dpaudit.training.probe import read_spec
 
         spec = read_spec(run_dir)
         method = "dp-sgd" if spec["kind"] == "gradient" else "scalar-sum"
         return {"config": {"method": method, "clip": spec["clip"]}, "probe": spec}
-    try:
-        return json.loads((run_dir / "run_config.json").read_text())
-    except (OSError, ValueError, RecursionError) as exc:
-        raise DPAuditError(f"{run_dir} is not a readable run folder: {exc}") from None
-
-
-def _zo_log(run_dir: Path) -> tuple[np.ndarray, np.ndarray]:
-    try:
-        rows = [json.loads(line) for line in (run_dir / "zo_steps.jsonl").read_text().splitlines()]
-        return np.array([r["seed"] for r in rows], dtype=np.uint64), np.array([r["scalar"] for r in rows], float)
-    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
-        raise DPAuditError(f"{run_dir} has no readable DP-ZO log: {exc}") from None
+    return run_folder.run_config(run_dir)
 
 
 def public_noise(seeds: np.ndarray, kind: str, scale: float) -> np.ndarray:
@@ -82,7 +71,7 @@ def transcript_scores(run_dir: Path) -> tuple[dict[str, np.ndarray], np.ndarray,
         stats = {"alignment": (signs * releases).sum(0) / clip}
         name = "white-box-dp-sgd"
     else:
-        seeds, scalars = _zo_log(run_dir)
+        seeds, scalars = run_folder.zo_log(run_dir)
         steps = len(scalars)
         batch = float(meta.get("expected_batch_size") or cfg["batch_size"])
         sums = scalars * 2 * float(cfg["phi"]) * batch

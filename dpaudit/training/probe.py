@@ -35,9 +35,9 @@ import numpy as np
 
 from dpaudit.atomic import atomic_write_json
 from dpaudit.errors import DPAuditError
+from dpaudit.run_folder import PROBE
 from dpaudit.training.whitebox import GAIN, TRANSCRIPT, WhiteBoxCanaries
 
-PROBE = "probe.json"
 KINDS = ("gradient", "scalar")
 OPACUS_BYPASS = ("ghost (fast gradient clipping): Opacus clips each example in the loss's backward pass, which "
                  "canaries never enter, so the probe clips them itself at the optimizer's max_grad_norm")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from dpaudit import run_folder
 from dpaudit.errors import DPAuditError
 
 
@@ -18,15 +18,12 @@ def replay_run(run_dir: Path, base_model: Path | None = None):
     from dpaudit.training.zo import replay
 
     run_dir = Path(run_dir)
-    try:
-        meta = json.loads((run_dir / "run_config.json").read_text())
-        steps = [(int(r["seed"]), float(r["scalar"]))
-                 for r in map(json.loads, (run_dir / "zo_steps.jsonl").read_text().splitlines())]
-    except (OSError, KeyError, ValueError, TypeError, RecursionError) as exc:
-        raise DPAuditError(f"{run_dir} is not a readable DP-ZO run folder: {exc}") from None
+    meta = run_folder.run_config(run_dir)
     cfg = meta["config"]
-    if cfg["method"] != "dp-zo":
+    if cfg.get("method") != "dp-zo":
         raise DPAuditError("only DP-ZO runs can be replayed from their log (DP-SGD releases whole gradients)")
+    seeds, scalars = run_folder.zo_log(run_dir)
+    steps = [(int(a), float(b)) for a, b in zip(seeds, scalars)]
     base = Path(base_model or meta["base_model"])
     model, tokenizer = load_causal_lm(base, dtype=torch.bfloat16 if cfg["bf16"] else None)
     torch.manual_seed(cfg["seed"])

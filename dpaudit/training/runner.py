@@ -15,6 +15,7 @@ import numpy as np
 from dpaudit.accounting.budget import TimeUp
 from dpaudit.atomic import atomic_write_json, save_model_folder
 from dpaudit.errors import DPAuditError, Interrupted
+from dpaudit import run_folder
 from dpaudit.progress import progress_bar
 from dpaudit.training import checkpoint
 from dpaudit.training.directions import DEFAULT_DIRECTION, DIRECTIONS
@@ -251,9 +252,7 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
     if resume:
         if cfg.trainable == "lora":
             raise DPAuditError("resuming a LoRA run is not supported; start it again")
-        previous = _read_json(run_dir / RUN_CONFIG, "run config")
-        if previous is not None and not isinstance(previous.get("config"), dict):
-            raise DPAuditError(f"{run_dir / RUN_CONFIG} is not a run config dpaudit wrote")
+        previous = run_folder.run_config(run_dir, required=False)
         if previous is not None:
             before, now = _plan(previous["config"]), _plan(_config_for_state(cfg))
             if before != now:  # names only: values are the user's and are not echoed
@@ -261,7 +260,7 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
                 raise DPAuditError(f"{run_dir} holds a run with another configuration (not as it was started: "
                                    f"{', '.join(differ)}; pass the run's own), or use a new folder")
             base_model = str(previous.get("base_model", base_model))  # the original, never a checkpoint
-        previous_ledger = _read_json(run_dir / LEDGER, "privacy ledger")
+        previous_ledger = run_folder.ledger(run_dir)
         released_before = _released_steps(run_dir, previous_ledger, cfg)
         if (run_dir / "model").is_dir():
             raise DPAuditError(f"the run in {run_dir} is complete; there is nothing to resume")
@@ -330,7 +329,7 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
     discarded = max(0, released_before - start)
     header["steps_discarded_by_resume"] = discarded
     header["overspend_allowed"] = cfg.allow_overspend
-    ledger = PrivacyLedger(run_dir / LEDGER, header, plan, cfg.steps + discarded)
+    ledger = PrivacyLedger(run_dir / run_folder.LEDGER, header, plan, cfg.steps + discarded)
     if discarded and ledger.total_epsilon > max(ledger.planned_epsilon, cfg.target_epsilon) and not cfg.allow_overspend:
         raise DPAuditError(f"resuming would spend eps {ledger.total_epsilon:.4g} > the planned "
                            f"{ledger.planned_epsilon:.4g}: {discarded} steps ran after the last checkpoint and count "
@@ -339,7 +338,7 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
     if main:
         # DP-ZO directions come from the generator of the device the weights live on (CPU and CUDA
         # streams differ), so a replay must draw them on the same kind of device.
-        atomic_write_json(run_dir / RUN_CONFIG, {"config": _config_for_state(cfg), "base_model": base_model,
+        atomic_write_json(run_dir / run_folder.RUN_CONFIG, {"config": _config_for_state(cfg), "base_model": base_model,
                                                         "sigma": sigma, "sampling_rate": rate, "examples": n,
                                                         "expected_batch_size": batch_size,
                                                         "direction_device": params[0].device.type,
@@ -358,7 +357,7 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
                         noise=cfg.mechanism if cfg.private and noise_sigma > 0 else None, sigma=noise_sigma,
                         direction=cfg.direction, clip_examples=not cfg.bug.skip_clipping,
                         micro_batch=cfg.micro_batch, stream=STREAM)
-        log_path = run_dir / ZO_LOG
+        log_path = run_dir / run_folder.ZO_LOG
         if main:
             _truncate_log(log_path, start)
         trainer = ZOTrainer(model, params, zo, run_seed=cfg.seed, expected_batch=batch_size, private=cfg.private,
@@ -379,7 +378,7 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
                                     micro_batch=cfg.micro_batch, sharding=sharding)
         saved = run_dir / checkpoint.FINAL
         if start and (saved / checkpoint.OPTIMIZER).is_file():
-            was_sharded = _read_json(saved / checkpoint.STATE, "checkpoint state").get("sharded", False)
+            was_sharded = run_folder.read_json(saved / checkpoint.STATE, "checkpoint state").get("sharded", False)
             if was_sharded != sharded:
                 raise DPAuditError(f"the checkpoint in {run_dir} was saved {'with' if was_sharded else 'without'} "
                                    "--shard over several processes; resume it the same way")
@@ -435,21 +434,8 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
                        last_loss=last_loss, accountant=ledger.accountant, relation=ledger.relation)
 
 
-RUN_CONFIG, LEDGER, ZO_LOG = "run_config.json", "privacy_ledger.json", "zo_steps.jsonl"
 # What the ledger accounts: a resume that changes any of them would re-account the steps already taken.
 RESUME_IDENTITY = ("method", "mechanism", "sigma", "clip", "delta", "sampling_rate", "examples", "data_sha256")
-
-
-def _read_json(path: Path, what: str) -> dict | None:
-    """A run file we wrote, read back with a size cap; None when absent, one line when it is not ours."""
-    from dpaudit.safe_json import load_json_file
-
-    if not path.exists():
-        return None
-    data = load_json_file(path, what, max_bytes=16 << 20)
-    if not isinstance(data, dict):
-        raise DPAuditError(f"{path} is not a {what} dpaudit wrote")
-    return data
 
 
 def _released_steps(run_dir: Path, ledger: dict | None, cfg: TrainConfig) -> int:
@@ -461,12 +447,9 @@ def _released_steps(run_dir: Path, ledger: dict | None, cfg: TrainConfig) -> int
     if ledger is not None:
         counted = ledger.get("steps_executed")
         if type(counted) is not int or counted < 0:
-            raise DPAuditError(f"{run_dir / LEDGER} does not say how many steps ran; refusing to resume a run whose "
+            raise DPAuditError(f"{run_dir / run_folder.LEDGER} does not say how many steps ran; refusing to resume a run whose "
                                "spending is unknown")
-    log = run_dir / ZO_LOG
-    if log.is_file():
-        with open(log, "rb") as fh:
-            counted = max(counted, sum(block.count(b"\n") for block in iter(lambda: fh.read(1 << 20), b"")))
+    counted = max(counted, run_folder.log_lines(run_dir))
     transcript = run_dir / TRANSCRIPT
     if cfg.white_box and transcript.is_file():
         counted = max(counted, transcript.stat().st_size // (4 * cfg.white_box))

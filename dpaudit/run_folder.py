@@ -1,0 +1,80 @@
+"""A run folder's layout: the one module that knows its file names and how to read them back.
+
+    run_config.json        the run's configuration (no secret seed), base model, sigma, p, N
+    privacy_ledger.json    accountant, relation, steps executed (written ahead), eps spent
+    zo_steps.jsonl         DP-ZO: the (seed, scalar) log, one step a line
+    whitebox_canaries.json white-box canaries (0600: membership), whitebox_transcript.f32 (DP-SGD releases)
+    probe.json             a WhiteBoxProbe's folder instead of a run's (training/probe.py)
+    checkpoint/            sealed resume checkpoint (training/checkpoint.py), model/ the finished model
+
+Readers cap sizes and turn anything malformed into one DPAuditError (torch-free: the auditors use them).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from dpaudit.errors import DPAuditError
+
+RUN_CONFIG = "run_config.json"
+LEDGER = "privacy_ledger.json"
+ZO_LOG = "zo_steps.jsonl"
+PROBE = "probe.json"
+MODEL = "model"
+MAX_JSON = 16 << 20
+
+
+def read_json(path: Path, what: str) -> dict | None:
+    """A run file dpaudit wrote, or None when it is absent; one line when it is not ours."""
+    from dpaudit.safe_json import load_json_file
+
+    path = Path(path)
+    if not path.exists():
+        return None
+    data = load_json_file(path, what, max_bytes=MAX_JSON)
+    if not isinstance(data, dict):
+        raise DPAuditError(f"{path} is not a {what} dpaudit wrote")
+    return data
+
+
+def run_config(folder: Path, required: bool = True) -> dict | None:
+    """The folder's run_config.json (its "config" section checked)."""
+    meta = read_json(Path(folder) / RUN_CONFIG, "run config")
+    if meta is None:
+        if required:
+            raise DPAuditError(f"{folder} is not a run folder (no {RUN_CONFIG})")
+        return None
+    if not isinstance(meta.get("config"), dict):
+        raise DPAuditError(f"{Path(folder) / RUN_CONFIG} is not a run config dpaudit wrote")
+    return meta
+
+
+def ledger(folder: Path) -> dict | None:
+    return read_json(Path(folder) / LEDGER, "privacy ledger")
+
+
+def is_probe_folder(folder: Path) -> bool:
+    return (Path(folder) / PROBE).is_file() and not (Path(folder) / RUN_CONFIG).is_file()
+
+
+def zo_log(folder: Path) -> tuple[np.ndarray, np.ndarray]:
+    """(seeds, scalars) of a DP-ZO run's log."""
+    import json
+
+    path = Path(folder) / ZO_LOG
+    try:
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+        return np.array([r["seed"] for r in rows], dtype=np.uint64), np.array([r["scalar"] for r in rows], float)
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise DPAuditError(f"{folder} has no readable DP-ZO log: {type(exc).__name__}") from None
+
+
+def log_lines(folder: Path) -> int:
+    """Lines in the DP-ZO log, counted in blocks (what a run released, whatever its ledger says)."""
+    path = Path(folder) / ZO_LOG
+    if not path.is_file():
+        return 0
+    with open(path, "rb") as fh:
+        return sum(block.count(b"\n") for block in iter(lambda: fh.read(1 << 20), b""))
