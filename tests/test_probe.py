@@ -190,3 +190,40 @@ def test_canary_examples_pass_through_the_users_own_clipping(tmp_path):
         claimed = epsilon(sigma=8.0, p=0.5, steps=150, delta=1e-5).epsilon  # 3.26: what the loop spends
         result = probe.audit(claimed_eps=claimed, delta=1e-5, report=False)
         assert result.violation is (not clips), result.verdict
+
+
+def test_attach_after_make_private_with_epsilon(tmp_path):
+    from opacus import PrivacyEngine
+
+    torch.manual_seed(0)
+    X, y = _data()
+    model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, y), batch_size=B)
+    engine = PrivacyEngine(accountant="prv")
+    model, optimizer, loader = engine.make_private_with_epsilon(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader, target_epsilon=4.0,
+        target_delta=1e-5, epochs=5, max_grad_norm=1.0)
+    probe = WhiteBoxProbe.attach(optimizer, m=200, out=tmp_path / "probe", accountant=engine.accountant)
+    _train(model, optimizer, torch.nn.CrossEntropyLoss(), loader, 5 * len(loader))
+    result = probe.audit(delta=1e-5)
+    assert result.claimed_epsilon == pytest.approx(4.0, rel=0.05) and not result.violation
+
+
+def test_opacus_ddp_rank_zero_plants_and_reads_the_reduced_release(tmp_path):
+    """Two gloo processes (Opacus DPDDP): rank 0's probe plants the canaries once and reads the gradient
+    after the all-reduce (what every rank applies); the other rank's probe does nothing."""
+    import os
+    import subprocess
+    import sys
+
+    worker = Path(__file__).with_name("probe_ddp_worker.py")
+    for sigma, violation in (("0", "True"), ("1", "False")):
+        out = tmp_path / f"ddp{sigma}"
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                               str(worker), str(out), sigma, "1" if sigma == "0" else "30"], capture_output=True,
+                              text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                          "CUDA_VISIBLE_DEVICES": ""})
+        assert done.returncode == 0, done.stderr[-2000:]
+        line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT"))
+        assert line.split()[1] == violation and line.split()[3] == "40", line
+        assert (out / "whitebox_transcript.f32").stat().st_size == 40 * 200 * 4

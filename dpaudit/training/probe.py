@@ -242,6 +242,9 @@ class WhiteBoxProbe:
             raise DPAuditError("the optimizer does not say its sample rate (no Opacus accountant hook is attached); "
                                "pass sample_rate=")
         ghost = isinstance(optimizer, DPOptimizerFastGradientClipping)
+        rank = int(getattr(optimizer, "rank", 0) or 0)  # Opacus' distributed optimizers know their rank
+        if rank != 0:
+            return _Passive()  # rank 0 plants the canaries and reads the release; the others train as they are
         probe = cls(optimizer.params, m=m, clip=float(optimizer.max_grad_norm if np.isscalar(optimizer.max_grad_norm)
                                                        else max(optimizer.max_grad_norm)),
                     sample_rate=rate, out=out, gain=gain, seed=seed, resume=resume, model=model,
@@ -275,13 +278,27 @@ class WhiteBoxProbe:
 
             optimizer.clip_and_accumulate = clip_with_canaries
 
+        def read(opt, ranks: int = 1) -> None:
+            scale = opt.expected_batch_size * opt.accumulated_iterations if opt.loss_reduction == "mean" else 1.0
+            probe.observe(probe.step, [p.grad for p in opt.params], scale * ranks)
+
+        distributed = hasattr(optimizer, "reduce_gradients")
+
         def step_hook(opt):
             injected[0] = False
-            scale = opt.expected_batch_size * opt.accumulated_iterations if opt.loss_reduction == "mean" else 1.0
-            probe.observe(probe.step, [p.grad for p in opt.params], scale)
+            if not distributed:
+                read(opt)
             if previous_hook is not None:
                 previous_hook(opt)
 
+        if distributed:  # the release is the sum over the ranks: read it once reduced (DDP: after the hook)
+            reduce_gradients = optimizer.reduce_gradients
+
+            def reduce_then_read():
+                reduce_gradients()
+                read(optimizer, optimizer.world_size if optimizer.loss_reduction == "mean" else 1)
+
+            optimizer.reduce_gradients = reduce_then_read
         optimizer.attach_step_hook(step_hook)  # chained before the accountant's, which still runs
         return probe
 
@@ -368,6 +385,19 @@ class WhiteBoxProbe:
                        **{k: v for k, v in facts.items() if not isinstance(v, dict)}}
             write_report(self.out / "report", result, scores, members, context)
         return result
+
+
+class _Passive:
+    """What ``attach`` returns on a rank other than 0 of a distributed run: it plants and records nothing
+    (rank 0's probe does, once for the whole run), and its audit is rank 0's to make."""
+
+    step = 0
+
+    def close(self) -> None:
+        pass
+
+    def audit(self, *args, **kwargs):
+        return None
 
 
 def _hooked_sample_rate(optimizer) -> float | None:
