@@ -24,6 +24,13 @@ SigmaOpt = Annotated[float, typer.Option("--sigma", "-s", help="Noise multiplier
 EpsOpt = Annotated[float, typer.Option("--eps", "-e", help="Target epsilon.")]
 
 
+def _one_step_note(m, steps, epochs) -> list[str]:
+    """Said, never assumed silently: a sampled schedule without -T / --epochs is one step."""
+    if steps is None and epochs is None and m.sampling_rate < 1:
+        return ["no -T/--steps or --epochs given: this is ONE step (a single sampled release), not a training run"]
+    return []
+
+
 def _print_assumptions(lines: list[str]) -> None:
     console.print("[bold]Assumptions[/bold]")
     for line in lines:
@@ -44,7 +51,7 @@ def calibrate(
     template = schedule(mech, 1.0, p, batch_size, dataset_size, steps, epochs)
     name = accountant or default_accountant(template, d)
     cal = calibrate_sigma(template, eps, d, name, rtol=rtol, options=accountant_options(name, mc_samples, seed, not as_json))
-    lines = assumptions(template, d, cal.result)
+    lines = assumptions(template, d, cal.result) + _one_step_note(template, steps, epochs)
     if as_json:
         emit_json({
             "command": "calibrate", "mechanism": mech, "sampling_rate": template.sampling_rate,
@@ -81,7 +88,7 @@ def epsilon_cmd(
     m = schedule(mech, sigma, p, batch_size, dataset_size, steps, epochs)
     name = accountant or default_accountant(m, d)
     res = epsilon(m, d, name, accountant_options(name, mc_samples, seed, not as_json, mc_workers, mc_backend))
-    lines = assumptions(m, d, res)
+    lines = assumptions(m, d, res) + _one_step_note(m, steps, epochs)
     if as_json:
         emit_json({"command": "epsilon", "sigma": sigma, "sampling_rate": m.sampling_rate, "steps": m.steps,
                    "result": res.to_json(), "assumptions": lines})
@@ -187,8 +194,8 @@ def compare(
                 else:
                     cal = calibrate_sigma(m, eps, d, name, options=opts)
                     res, value = cal.result, cal.sigma
-            except DPAuditError as exc:
-                rows.append({"accountant": name, "skipped": str(exc)})
+            except DPAuditError as exc:  # its budget ran out, or it refused: the row says so, and the last line
+                rows.append({"accountant": name, "skipped": str(exc), "cut_short": True})
                 continue
         rows.append({"accountant": name, "value": json_float(value), "seconds": time.perf_counter() - start,
                      "relation": res.relation, "guarantee": res.guarantee,
@@ -198,7 +205,8 @@ def compare(
 
     if as_json:
         emit_json({"command": "compare", "quantity": what, "mechanism": mech, "sigma": sigma, "target_epsilon": eps,
-                   "sampling_rate": m.sampling_rate, "steps": m.steps, "delta": d, "rows": rows})
+                   "sampling_rate": m.sampling_rate, "steps": m.steps, "delta": d, "rows": rows,
+                   "cut_short": [r["accountant"] for r in rows if r.get("cut_short")]})
         return
     table = Table(title=f"{what} by accountant — {m.kind}, p={m.sampling_rate:g}, T={m.steps}, delta={d:g}")
     for col in ("accountant", what, "time (s)", "guarantee"):
@@ -209,6 +217,10 @@ def compare(
         else:
             table.add_row(r["accountant"], fmt(float(r["value"])), f"{r['seconds']:.3f}", r["guarantee"])
     console.print(table)
+    cut = [r["accountant"] for r in rows if r.get("cut_short")]
+    if cut:
+        console.print(f"[yellow]cut short (no answer within the budget, or refused): {', '.join(cut)}; "
+                      "see their rows (--timeout, --max-memory)[/yellow]", highlight=False)
 
 
 @bounded("dpaudit plot")

@@ -67,7 +67,7 @@ def present(result: AuditResult, context: dict, as_json: bool, *, report: Path |
         d = result.to_dict()
         table = Table(title="membership-inference audit", show_header=False)
         for k, v in context.items():
-            table.add_row(k, escape(str(v)))
+            table.add_row(k, escape("-" if v is None else str(v)))  # a non-private run has no sigma: "-", not None
         table.add_row("canaries", f"m = {result.m} ({result.members} members)")
         table.add_row("score", escape(result.score.name))
         table.add_row("AUC", f"{result.roc.auc:.4f}")

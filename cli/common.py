@@ -18,7 +18,10 @@ from dpaudit.accounting.mechanism import Mechanism, schedule  # noqa: F401 - sch
 from dpaudit.accounting.noise import noise, resolve_delta  # noqa: F401 - resolve_delta: likewise
 from dpaudit.errors import DPAuditError
 
-console = Console()
+# On a terminal, rich fits the text to the window; elsewhere (a pipe, a log, CI) nothing is wrapped or cut:
+# a value split across lines, a truncated path or a canary broken mid-token would be copied wrong.
+_TTY = sys.stdout.isatty()
+console = Console(soft_wrap=not _TTY, width=None if _TTY else 100_000)
 err_console = Console(stderr=True, soft_wrap=True)  # an error stays one line, however long
 
 MechOpt = Annotated[str, typer.Option("--mech", help="Noise mechanism: gaussian or laplace.")]

@@ -194,10 +194,17 @@ def replay_cmd(
     run: Annotated[Path, typer.Option("--run", help="A DP-ZO run folder (run_config.json, zo_steps.jsonl).")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the replayed model.")],
     base: Annotated[Optional[Path], typer.Option("--base", help="Base model (default: the run's).")] = None,
+    tolerance: Annotated[Optional[float], typer.Option(
+        "--tolerance", help="Largest |weight difference| to the run's model that still matches (default: 1e-5 "
+                            "float32, 1e-2 bf16: the same operations replayed on the same kind of device). "
+                            "Over it: exit 1.")] = None,
     force: ForceOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Rebuild a DP-ZO model from the base weights and the (seed, scalar) log, and compare it with the run's."""
+    """Rebuild a DP-ZO model from the base weights and the (seed, scalar) log, and compare it with the run's
+    (exit 1 when they differ beyond --tolerance: the log does not explain the model)."""
+    import torch
+
     from dpaudit.models.loading import load_causal_lm
     from dpaudit.training.replay import max_weight_difference, replay_run
 
@@ -205,9 +212,17 @@ def replay_cmd(
     guard_new_folder(out, force)
     model, tok = replay_run(run, base)
     save_model_folder(out, model, tok)
-    diff = None
+    diff, verdict = None, "no finished model in the run to compare with"
+    bf16 = next(model.parameters()).dtype != torch.float32
+    tolerance = tolerance if tolerance is not None else (1e-2 if bf16 else 1e-5)
     if (run / "model").is_dir():
         diff = max_weight_difference(model, load_causal_lm(run / "model")[0])
-    summary = {"command": "replay", "output": str(out), "max_abs_difference_to_run_model": diff}
-    emit(summary, as_json, f"replayed into {out}" + (f"; max |difference| to the run's model: {diff:.3g}"
-                                                       if diff is not None else ""))
+        verdict = (f"matches the run's model (max |difference| {diff:.3g} <= tolerance {tolerance:g})"
+                   if diff <= tolerance else
+                   f"DIFFERS from the run's model (max |difference| {diff:.3g} > tolerance {tolerance:g}): the "
+                   "(seed, scalar) log does not explain the model")
+    summary = {"command": "replay", "output": str(out), "max_abs_difference_to_run_model": diff,
+               "tolerance": tolerance, "matches": diff is not None and diff <= tolerance, "verdict": verdict}
+    emit(summary, as_json, f"replayed into {out}; {verdict}")
+    if diff is not None and diff > tolerance:
+        raise typer.Exit(1)  # the model holds more than its public log: the run's claim does not hold

@@ -186,7 +186,13 @@ def test_replay_command_rebuilds_the_run_model(zo_run, tiny_model_dir, tmp_path)
     out = dpaudit("replay", "--run", zo_run.run_dir, "-o", tmp_path / "replayed", "--json")
     assert out.returncode == 0, out.stderr
     moved = max_weight_difference(load_causal_lm(zo_run.model_dir)[0], load_causal_lm(tiny_model_dir)[0])
-    assert json.loads(out.stdout)["max_abs_difference_to_run_model"] < 1e-3 * moved
+    summary = json.loads(out.stdout)
+    assert summary["max_abs_difference_to_run_model"] < 1e-3 * moved and summary["matches"]
+    assert summary["verdict"].startswith("matches the run's model") and summary["tolerance"] == 1e-5
+    # A tolerance below what the replay reaches is a mismatch: exit 1 (the log would not explain the model).
+    strict = dpaudit("replay", "--run", zo_run.run_dir, "-o", tmp_path / "strict", "--tolerance", "1e-300")
+    if summary["max_abs_difference_to_run_model"] > 1e-300:
+        assert strict.returncode == 1 and "DIFFERS" in strict.stdout
     again = dpaudit("replay", "--run", zo_run.run_dir, "-o", tmp_path / "replayed")
     assert again.returncode == 2 and "not empty" in again.stderr  # never overwritten silently
 

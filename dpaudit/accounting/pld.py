@@ -495,7 +495,9 @@ def epsilon(mech: Mechanism, delta: float, grid: float | None = None,
         eps = max(best.values())
     details = {"discretisation": rungs[int(min(range(len(rung_eps)), key=rung_eps.__getitem__))],
                "grids": [{"grid": g, "epsilon": e} for g, e in zip(rungs, rung_eps)],
-               "converged": limited is None and (grid is None), "limited_by": limited}
+               # whether this evaluation refined its grid to convergence (False on a fixed grid, as a
+               # calibration's search uses): not the calibration's own `converged`
+               "grid_refined_to_convergence": limited is None and (grid is None), "limited_by": limited}
     if not math.isfinite(eps) or limited is not None:
         alt = _alternative(mech, delta)
         if alt is not None and alt.epsilon < eps:

@@ -148,9 +148,9 @@ def _finish(out: Path, cfg: TrainConfig, base: Path, audit: AuditResult, result:
     context = {
         "method": cfg.method + ("" if result.private else " (non-private baseline)"),
         "claimed eps": _claim(cfg, result) if claimed is not None else "inf (no DP)",
-        "delta": cfg.delta, "sigma": float(f"{result.sigma:.6g}") if result.sigma else None,
-        "mechanism": cfg.mechanism if result.private else None,
-        "accountant": result.accountant, "relation": result.relation,
+        "delta": cfg.delta, "sigma": float(f"{result.sigma:.6g}") if result.sigma else "none (non-private)",
+        "mechanism": cfg.mechanism if result.private else "none (non-private)",
+        "accountant": result.accountant or "none (non-private)", "relation": result.relation,
         "sampling rate p": round(result.sampling_rate, 6), "steps": result.steps, "examples": result.examples,
         "trainable": cfg.trainable, "model": str(base),
         "noise": "DISABLED (unsafe test setting)" if cfg.unsafe_disable_noise else "on" if result.private else "off",
