@@ -80,6 +80,38 @@ def make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, bat
                        accountant=accountant, max_memory=parse_memory(max_memory) if max_memory else None, **extra)
 
 
+# train's flag -> the run config's key (run_config.json "config"), for --resume
+_RESUMED = {"method": "method", "delta": "delta", "mech": "mechanism", "clip": "clip", "lr": "lr",
+            "optimizer": "optimizer", "steps": "steps", "batch_size": "batch_size", "phi": "phi",
+            "direction": "direction", "trainable": "trainable", "bf16": "bf16", "seed": "seed",
+            "accountant": "accountant", "save_every": "save_every", "white_box": "white_box",
+            "plant_bug": "plant_bug", "per_sample_grads": "per_sample_grads", "micro_batch": "micro_batch",
+            "shard": "shard"}
+
+
+def _resumed_flags(out: Path, flags: dict) -> dict:
+    """``flags`` with every one left at its default replaced by the value the run was started with."""
+    import click
+
+    from dpaudit import run_folder
+
+    saved = run_folder.run_config(out, required=False) if out.is_dir() else None
+    ctx = click.get_current_context(silent=True)
+    if saved is None or ctx is None:
+        return flags
+    config = saved["config"]
+    defaulted = {name for name in flags if ctx.get_parameter_source(name) in (None, click.core.ParameterSource.DEFAULT)}
+    for name, key in _RESUMED.items():
+        if name in defaulted and key in config:
+            flags[name] = config[key]
+    if {"eps", "sigma"} <= defaulted:  # the claim: a target eps (calibrated) or a given sigma
+        if config.get("sigma") is not None:
+            flags["eps"], flags["sigma"] = None, float(config["sigma"])
+        else:
+            flags["eps"], flags["sigma"] = str(config.get("target_epsilon")), None
+    return flags
+
+
 @bounded("dpaudit train", None, False)
 def train_cmd(
     model: Annotated[Path, typer.Option("--model", help="Local Hugging Face causal-LM directory.")],
@@ -109,6 +141,15 @@ def train_cmd(
     from dpaudit.training.texts import detect_format, read_texts
     from dpaudit.training.runner import train
 
+    if resume:  # the run folder knows how it was started: only the flags that change need repeating
+        given = _resumed_flags(out, dict(method=method, eps=eps, sigma=sigma, delta=delta, mech=mech, clip=clip,
+                                         lr=lr, optimizer=optimizer, steps=steps, batch_size=batch_size, phi=phi,
+                                         direction=direction, trainable=trainable, bf16=bf16, seed=seed,
+                                         accountant=accountant, save_every=save_every, white_box=white_box,
+                                         plant_bug=plant_bug, per_sample_grads=per_sample_grads,
+                                         micro_batch=micro_batch, shard=shard))
+        (method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction, trainable, bf16,
+         seed, accountant, save_every, white_box, plant_bug, per_sample_grads, micro_batch, shard) = given.values()
     cfg = make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction,
                       trainable, bf16, seed, secret_seed, accountant, save_every=save_every, white_box=white_box,
                       plant_bug=plant_bug, allow_overspend=allow_overspend, per_sample_grads=per_sample_grads,

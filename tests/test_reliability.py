@@ -379,3 +379,18 @@ def test_white_box_membership_is_not_a_batch_stream():
     for step in range(50):  # a batch stream is default_rng([secret, step])
         assert not np.array_equal(members, np.random.default_rng([12345, step]).random(1000) < 0.5)
     assert WhiteBoxCanaries.make(1000, seed=0, membership_seed=12345).members.tolist() == members.tolist()
+
+
+def test_resume_takes_the_runs_own_flags(tiny_model_dir, tmp_path):
+    data = tmp_path / "d.txt"
+    data.write_text("\n".join(TEXTS))
+    run = tmp_path / "run"
+    first = dpaudit("train", "--model", tiny_model_dir, "-d", data, "-o", run, "--method", "dp-zo", "--sigma", "2",
+                    "-T", "3", "-B", "8", "--lr", "1e-3", "--save-every", "2", "--json")
+    assert first.returncode == 0, first.stderr
+    # Only --resume: every flag comes from the run folder (a mismatch would be refused before "complete").
+    again = dpaudit("train", "--model", tiny_model_dir, "-d", data, "-o", run, "--resume")
+    assert_one_line_error(again)
+    assert "is complete" in again.stderr
+    changed = dpaudit("train", "--model", tiny_model_dir, "-d", data, "-o", run, "--resume", "-T", "5")
+    assert "not as it was started: steps" in changed.stderr
