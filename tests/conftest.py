@@ -42,3 +42,22 @@ def llama_like_dir(tmp_path_factory) -> Path:
     tok = build_tokenizer(sentences(500, seed=7))
     model = build_model(tok, seed=1, attention_bias=False, mlp_bias=False)
     return save_model_folder(tmp_path_factory.mktemp("llama") / "model", model, tok)
+
+
+# The fast tier (`pytest -m "not slow"`: accounting, statistics, CLI and input handling, about 3 minutes on
+# 2 cores) leaves out whatever builds or trains a model, launches torchrun or trains with Opacus. CI runs
+# everything.
+SLOW_FIXTURES = {"tiny_model_dir", "llama_like_dir"}
+SLOW_MODULES = {"test_distributed", "test_probe", "test_whitebox", "test_audit_run", "test_gguf_e2e",
+                "test_audit_e2e", "test_trainers", "test_faults", "test_lora_new_tokens", "test_dp_sgd_clipping",
+                "test_mc_scale", "test_threads", "test_memory", "test_opacus_accountant"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: builds or trains a model (left out of the fast tier)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or item.module.__name__ in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)

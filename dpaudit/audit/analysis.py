@@ -23,7 +23,8 @@ from dpaudit.audit.scores import Score, get_score
 from dpaudit.errors import DPAuditError
 
 HEADLINES = ("auto", "gaussian", "fdp-gdp", "fdp", "steinke", "steinke-two-sided", "fdp-gdp-hull", "steinke-hull")
-TOP_K = "one-sided top-k guesses for 12 counts k fixed in advance (label-free), alpha split over them"
+TOP_K = ("one-sided top-k guesses for counts k on a grid fixed in advance (at most 12, equal ones merged; "
+         "label-free), alpha split over the distinct ones")
 HULL = ("one-sided guesses at ROC-hull thresholds, alpha split over the hull's vertices (jax_privacy's rule; the "
         "hull is chosen with the labels, so this is slightly optimistic at the null)")
 

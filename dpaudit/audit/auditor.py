@@ -33,7 +33,7 @@ class TopGuesses:
     (0.2 % ... 100 %, 12 counts). The guess sets depend on the ranking alone, never on the labels, so
     Bonferroni over the 12 holds exactly."""
     fractions: tuple[float, ...] = ONE_SIDED_FRACTIONS
-    name = "one-sided, top-k for 12 counts k fixed in advance"
+    name = "one-sided, top-k for counts k on a geometric grid fixed in advance (at most 12; equal ones merged)"
     two_sided = False
 
     def candidates(self, scores: np.ndarray, members: np.ndarray, seed: int) -> list[Candidate]:

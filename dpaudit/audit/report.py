@@ -56,6 +56,7 @@ def markdown(result: AuditResult, context: dict) -> str:
         f"**Verdict:** {d['verdict']}", "",
         f"**Headline eps lower bound:** {_num(d['epsilon_lower_bound'])} ({head['bound']}, delta = {result.delta:g}, "
         f"alpha = {result.alpha:g}). Why it is valid: {head['why_valid']}. Valid for: {head['valid_for']}.", "",
+        *_reach(result, d), 
         *(f"- {md(k)}: {md(v)}" for k, v in context.items()),
         f"- canaries: m = {result.m} ({result.members} members, {result.nonmembers} non-members)",
         f"- score: {result.score.name}: {result.score.description}", "",
@@ -71,9 +72,27 @@ def markdown(result: AuditResult, context: dict) -> str:
           f"{b['guesses']} ({b['tests']}) | {b['at'] or '-'} | "
           f"{_kv(b)} | {_num(b['ceiling'])} | {b['valid_for']} |"
           for name, b in d["bounds"].items()),
+        "", "Columns: *guesses* is how the guess sets were chosen (fixed before the labels were looked at) and, "
+        "in brackets, how many distinct guess sets alpha was split over (equal sets are merged, so this can be "
+        "fewer than the grid's counts); *at* is the guess set that gave the bound; *k guesses, v right* its size "
+        "and correct guesses; *ceiling* is what the bound would be had all k guesses been right, the most this "
+        "audit could certify with that guess set at this m and alpha.",
         "", "![ROC](roc.png)", "",
     ]
     return "\n".join(lines)
+
+
+def _reach(result: AuditResult, d: dict) -> list[str]:
+    """In words a reviewer reads: what this audit could have refuted (its power), beside "consistent"."""
+    ceiling = d["bounds"][d["headline"]["bound"]].get("ceiling")
+    if result.violation or ceiling is None or isinstance(ceiling, str):
+        return []
+    return [f"**What this audit can refute:** with m = {result.m} canaries at alpha = {result.alpha:g}, the headline "
+            f"bound cannot exceed {ceiling:.3g}, even with every guess right: a claim above eps = {ceiling:.3g} could "
+            "not have been refuted by this audit whatever the run leaked, and claims near it only by a strong leak. "
+            "\"Consistent\" means no evidence of leakage beyond the claim, not a proof of privacy (more canaries, or "
+            "a white-box audit, reach further).",
+            ""]
 
 
 def scores_csv(scores: np.ndarray, members: np.ndarray) -> str:
