@@ -152,7 +152,7 @@ def audit_scores(
     score = score or context.pop("score", None) or "unnamed"  # the report's score, read with its claims
     scores, members = read_scores(scores_file)
     result = analyse(scores, members, claimed_epsilon=claimed_eps, delta=delta, alpha=alpha, guess_counts=guesses,
-                     score=score, headline=headline)
+                     score=score, headline=headline, mechanism=context.get("mechanism"))
     present(result, {"scores": str(scores_file), **context}, as_json, report=report, force=force, scores=scores,
             members=members)
 
@@ -204,7 +204,7 @@ def audit_checkpoint(
     scores, members = score_checkpoint(model, manifest, score=score, base=base, batch_size=batch_size,
                                        show_progress=not as_json)
     result = analyse(scores, members, claimed_epsilon=claimed_eps, delta=delta, alpha=alpha, guess_counts=guesses,
-                     score=score, headline=headline)
+                     score=score, headline=headline, mechanism=context.get("mechanism"))
     present(result, {"model": str(model), "canary manifest": str(canaries), **context}, as_json, report=report,
             force=True, scores=scores, members=members)
 

@@ -19,7 +19,8 @@ MethodOpt = Annotated[str, typer.Option("--method", help="dp-zo or dp-sgd.")]
 EpsOpt = Annotated[Optional[str], typer.Option(
     "--eps", help="Target eps (sigma is calibrated); 'inf' for the non-private baseline.")]
 SigmaOpt = Annotated[Optional[float], typer.Option("--sigma", help="Noise multiplier to use (eps is reported).")]
-TrainDeltaOpt = Annotated[float, typer.Option("--delta", help="Target delta.")]
+TrainDeltaOpt = Annotated[Optional[float], typer.Option(
+    "--delta", help="Target delta (default: 1e-5 for gaussian; 0, pure eps-DP, for laplace).")]
 TrainMechOpt = Annotated[str, typer.Option("--mech", help="Noise: gaussian, or laplace (dp-zo only).")]
 ClipOpt = Annotated[Optional[float], typer.Option("--clip", help="C (default: dp-zo 0.05, dp-sgd 1.0).")]
 LrOpt = Annotated[Optional[float], typer.Option("--lr", help="Learning rate (default: dp-sgd 5e-3 AdamW, dp-zo 3e-5).")]
@@ -71,7 +72,11 @@ PlantBugOpt = Annotated[Optional[str], typer.Option(
 def make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction, trainable,
                 bf16, seed, secret_seed, accountant, max_memory=None, **extra):
     from dpaudit.accounting.budget import parse_memory
+    from dpaudit.accounting.noise import resolve_delta
     from dpaudit.training.runner import TrainConfig
+
+    if mech in ("gaussian", "laplace"):  # an unknown one is refused by TrainConfig, naming it
+        delta = resolve_delta(mech, delta)
 
     return TrainConfig(method=method, target_epsilon=parse_eps(eps, sigma), sigma=sigma, delta=delta,
                        mechanism=mech, clip=clip, lr=lr, optimizer=optimizer,
@@ -117,7 +122,7 @@ def train_cmd(
     model: Annotated[Path, typer.Option("--model", help="Local Hugging Face causal-LM directory.")],
     data: Annotated[Path, typer.Option("--data", "-d", help="Training data: .jsonl, .txt or .csv.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Run folder (ledger, logs, checkpoint, model).")],
-    method: MethodOpt = "dp-sgd", eps: EpsOpt = None, sigma: SigmaOpt = None, delta: TrainDeltaOpt = 1e-5,
+    method: MethodOpt = "dp-sgd", eps: EpsOpt = None, sigma: SigmaOpt = None, delta: TrainDeltaOpt = None,
     mech: TrainMechOpt = "gaussian", clip: ClipOpt = None, lr: LrOpt = None, optimizer: OptimizerOpt = "adamw",
     steps: TrainStepsOpt = None, batch_size: TrainBatchOpt = 64, phi: PhiOpt = 1e-3,
     direction: DirectionOpt = DEFAULT_DIRECTION, trainable: TrainableOpt = "full", bf16: Bf16Opt = False,
@@ -167,7 +172,7 @@ def train_cmd(
 @bounded("dpaudit audit run", None, False)
 def audit_run(
     out: Annotated[Path, typer.Option("--out", "-o", help="Output folder.")] = Path("dpaudit-run"),
-    method: MethodOpt = "dp-sgd", eps: EpsOpt = "1", sigma: SigmaOpt = None, delta: TrainDeltaOpt = 1e-5,
+    method: MethodOpt = "dp-sgd", eps: EpsOpt = "1", sigma: SigmaOpt = None, delta: TrainDeltaOpt = None,
     mech: TrainMechOpt = "gaussian", clip: ClipOpt = None, lr: LrOpt = None, optimizer: OptimizerOpt = "adamw",
     steps: TrainStepsOpt = None,
     batch_size: Annotated[Optional[int], typer.Option(

@@ -113,3 +113,20 @@ def test_clopper_pearson_bound():
 def test_bad_scores_are_refused(scores, members, message):
     with pytest.raises(ValueError, match=message):
         analyse(scores, members)
+
+
+def test_the_automatic_headline_fits_the_mechanism():
+    """A Laplace run's trade-off curve is not Gaussian: its headline is valid for any (eps, delta)-DP
+    mechanism; a Gaussian one keeps the Gaussian-family bound."""
+    import numpy as np
+
+    from dpaudit.audit.analysis import analyse
+
+    rng = np.random.default_rng(0)
+    members = rng.random(400) < 0.5
+    scores = rng.normal(members * 0.5, 1)
+    laplace = analyse(scores, members, claimed_epsilon=4.0, delta=1e-5, mechanism="laplace")
+    gaussian = analyse(scores, members, claimed_epsilon=4.0, delta=1e-5, mechanism="gaussian")
+    pure = analyse(scores, members, claimed_epsilon=4.0, delta=0.0, mechanism="laplace")
+    assert laplace.headline == "fdp" and laplace.headline_bound.valid_for.startswith("any")
+    assert gaussian.headline == "fdp-gdp" and pure.headline == "steinke"

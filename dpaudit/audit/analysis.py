@@ -113,12 +113,17 @@ def check_audit_parameters(alpha: float, delta: float, claimed_epsilon: float | 
         raise DPAuditError(f"claimed eps must be a finite number >= 0, got {claimed_epsilon}")
 
 
-def choose_headline(score: Score, delta: float, headline: str = "auto") -> str:
+def choose_headline(score: Score, delta: float, headline: str = "auto", mechanism: str | None = None) -> str:
+    """The headline bound, fixed before the scores are seen. ``auto`` fits the mechanism: a Gaussian-shaped
+    run (DP-SGD, Gaussian DP-ZO) headlines the Gaussian-family bounds; a Laplace run, whose trade-off curve is
+    not Gaussian, one valid for any (eps, delta)-DP mechanism (steinke at delta = 0, else fdp)."""
     if headline not in HEADLINES:
         raise DPAuditError(f"unknown headline bound {headline!r}; use {', '.join(HEADLINES)}")
     if headline == "auto":
         if delta == 0:
             return "steinke"
+        if mechanism is not None and mechanism != "gaussian":
+            return "fdp"
         return "gaussian" if score.gaussian_sum else "fdp-gdp"
     if headline in ("gaussian", "fdp-gdp", "fdp-gdp-hull") and delta == 0:
         raise DPAuditError(f"the {headline} bound needs delta > 0 (a Gaussian curve has no finite pure eps)")
@@ -127,7 +132,7 @@ def choose_headline(score: Score, delta: float, headline: str = "auto") -> str:
 
 def analyse(scores, members, *, claimed_epsilon: float | None = None, delta: float = 0.0,
             alpha: float = 0.05, guess_counts: list[int] | None = None, seed: int = 0,
-            score: str = "unnamed", headline: str = "auto") -> AuditResult:
+            score: str = "unnamed", headline: str = "auto", mechanism: str | None = None) -> AuditResult:
     """Audit canary scores (higher = member). Guess counts and the headline rule are fixed before looking
     at the scores; each bound pays for the guess sets it tries (Bonferroni)."""
     check_audit_parameters(alpha, delta, claimed_epsilon)
@@ -137,7 +142,7 @@ def analyse(scores, members, *, claimed_epsilon: float | None = None, delta: flo
         raise DPAuditError(f"delta = {delta:g} >= 1/m = {1 / m:.3g}: a claim with delta this large allows "
                            "leaking a canary outright, so no audit of m canaries can bound eps (vacuous)")
     kind = get_score(score)
-    head = choose_headline(kind, delta, headline)
+    head = choose_headline(kind, delta, headline, mechanism)
     counts = GuessCounts(tuple(guess_counts) if guess_counts else None)
     resolved = counts.resolve(m)
     if resolved[0] < 1 or resolved[-1] > m:

@@ -112,7 +112,8 @@ def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model
                    show_progress=show_progress)
     scores, members = score_checkpoint(result.model_dir, manifest, show_progress=show_progress)
     claimed = result.epsilon if math.isfinite(result.epsilon) else None
-    audit = analyse(scores, members, claimed_epsilon=claimed, delta=cfg.delta, alpha=settings.alpha, score="neg-loss")
+    audit = analyse(scores, members, claimed_epsilon=claimed, delta=cfg.delta, alpha=settings.alpha, score="neg-loss",
+                    mechanism=cfg.mechanism if cfg.private else None)
     return _finish(out, cfg, base, audit, result, scores, members, {})
 
 

@@ -95,7 +95,9 @@ def audit_run_folder(run_dir: Path, *, claimed_epsilon: float | None, delta: flo
 
     stats, members, name, facts = transcript_scores(run_dir)
     share = alpha / len(stats)
+    mechanism = _run_config(Path(run_dir))["config"].get("mechanism")
     results = {k: analyse(v, members, claimed_epsilon=claimed_epsilon, delta=delta, alpha=share, score=name,
+                          mechanism=mechanism if isinstance(mechanism, str) else None,
                           headline=headline) for k, v in stats.items()}
     best = max(results, key=lambda k: results[k].epsilon_lower_bound)
     facts = {**facts, "statistic": best, "statistics tried": len(stats),
