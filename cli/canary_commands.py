@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from dpaudit.atomic import guard_new_file, guard_new_folder, refuse_overlap, save_model_folder
-from dpaudit.cli.common import LONG_TIMEOUT, ForceOpt, JsonOpt, bounded, emit
+from dpaudit.cli.common import LONG_TIMEOUT, ForceOpt, JsonOpt, ThreadsOpt, bounded, emit
+from dpaudit.threads import set_threads
 
 app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Make new-token canaries and put them into data and models.")
 ManifestOpt = Annotated[Path, typer.Option("--canaries", "-c", help="Canary manifest (JSON) from `canaries make`.")]
@@ -17,13 +18,14 @@ ManifestOpt = Annotated[Path, typer.Option("--canaries", "-c", help="Canary mani
 @app.command("make")
 @bounded("dpaudit canaries make", LONG_TIMEOUT, None)
 def make(
-    tokenizer: Annotated[Path, typer.Option("--tokenizer", "-t", help="Local tokenizer or model directory.")],
+    tokenizer: Annotated[Path, typer.Option("--tokenizer", "-t", help="Local tokenizer or model: a Hugging Face folder, a hub-cache folder or a .gguf file.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Manifest to write (JSON).")],
     m: Annotated[int, typer.Option("-m", "--count", help="Number of canaries.")] = 1000,
     seed: Annotated[int, typer.Option("--seed", help="Seed for secrets, prefixes and membership.")] = 0,
     prefix_length: Annotated[int, typer.Option("--prefix-length", help="Random prefix tokens per canary.")] = 8,
     template: Annotated[Optional[str], typer.Option(
         "--template", help="Use this text as every canary's prefix instead of random tokens.")] = None,
+    threads: ThreadsOpt = None,
     force: ForceOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
@@ -31,6 +33,7 @@ def make(
     from dpaudit.canaries.generate import make_canaries
     from dpaudit.models.hf import load_tokenizer
 
+    set_threads(threads)  # a GGUF tokenizer is converted (with its model) on first use
     refuse_overlap(output, {"tokenizer": tokenizer})
     guard_new_file(output, force)
     manifest = make_canaries(load_tokenizer(tokenizer), m, seed, prefix_length, template, name_or_path=str(tokenizer))
@@ -70,9 +73,10 @@ def insert(
 @app.command("extend")
 @bounded("dpaudit canaries extend", LONG_TIMEOUT, None)
 def extend(
-    model: Annotated[Path, typer.Option("--model", help="Local Hugging Face causal-LM directory.")],
+    model: Annotated[Path, typer.Option("--model", help="Local causal LM: a Hugging Face folder, a hub-cache folder or a .gguf file.")],
     canaries: ManifestOpt,
     output: Annotated[Path, typer.Option("--output", "-o", help="Directory for the extended model.")],
+    threads: ThreadsOpt = None,
     force: ForceOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
@@ -81,6 +85,7 @@ def extend(
     from dpaudit.canaries.manifest import load_manifest
     from dpaudit.models.loading import load_causal_lm
 
+    set_threads(threads)
     refuse_overlap(output, {"model": model, "canary manifest": canaries}, folder_output=True)
     guard_new_folder(output, force)
     manifest = load_manifest(canaries)

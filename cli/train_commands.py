@@ -119,7 +119,7 @@ def _resumed_flags(out: Path, flags: dict) -> dict:
 
 @bounded("dpaudit train", None, False)
 def train_cmd(
-    model: Annotated[Path, typer.Option("--model", help="Local Hugging Face causal-LM directory.")],
+    model: Annotated[Path, typer.Option("--model", help="Local causal LM: a Hugging Face folder, a hub-cache folder or a .gguf file.")],
     data: Annotated[Path, typer.Option("--data", "-d", help="Training data: .jsonl, .txt or .csv.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Run folder (ledger, logs, checkpoint, model).")],
     method: MethodOpt = "dp-sgd", eps: EpsOpt = None, sigma: SigmaOpt = None, delta: TrainDeltaOpt = None,
@@ -244,6 +244,7 @@ def replay_cmd(
         "--tolerance", help="Largest |weight difference| to the run's model that still matches (default: 1e-5 "
                             "float32, 1e-2 bf16: the same operations replayed on the same kind of device). "
                             "Over it: exit 1.")] = None,
+    threads: ThreadsOpt = None,
     force: ForceOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
@@ -254,6 +255,7 @@ def replay_cmd(
     from dpaudit.models.loading import load_causal_lm
     from dpaudit.training.replay import max_weight_difference, replay_run
 
+    set_threads(threads)
     refuse_overlap(out, {"run": run, "base model": base}, folder_output=True)
     guard_new_folder(out, force)
     model, tok = replay_run(run, base)
