@@ -33,5 +33,6 @@ if __name__ == "__main__":
     cfg = TrainConfig(method=method, target_epsilon=4.0, steps=6, batch_size=12, lr=lr, secret_seed=11,
                       shard="shard" in options, direction="sphere" if "sphere" in options else "rademacher",
                       bf16="bf16" in options, micro_batch=3 if "micro" in options else 0,
-                      save_every=2 if "save" in options else 0, allow_overspend="resume" in options)
+                      save_every=2 if "save" in options else 0, allow_overspend="resume" in options,
+                      white_box=64 if "whitebox" in options else 0)
     train(model, TEXTS, run, cfg, resume="resume" in options, show_progress=False)

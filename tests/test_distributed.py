@@ -80,6 +80,23 @@ def test_sharded_dp_zo_matches_one_process(sharded_zo, tiny_model_dir):
     assert meta["sharded"] is True and meta["config"]["shard"] is True
 
 
+def test_a_sharded_dp_zo_run_takes_white_box_canaries_as_one_process_does(tiny_model_dir, tmp_path):
+    """DP-ZO's white-box canaries join the summed scalar once, on every rank alike: a sharded run plants the
+    same canaries, releases the same (seed, scalar) log and audits to the same bound as one process."""
+    from cli_helpers import dpaudit
+
+    launch(tiny_model_dir, tmp_path / "one", "dp-zo", 1, "whitebox")
+    launch(tiny_model_dir, tmp_path / "two", "dp-zo", 2, "shard", "whitebox")
+    logs = [zo_log(tmp_path / d) for d in ("one", "two")]
+    assert [r["scalar"] for r in logs[0]] == pytest.approx([r["scalar"] for r in logs[1]], rel=1e-5, abs=1e-7)
+    bounds = []
+    for d in ("one", "two"):
+        out = dpaudit("audit", "transcript", "--run", tmp_path / d, "--json")
+        assert out.returncode in (0, 1), out.stderr
+        bounds.append(json.loads(out.stdout)["epsilon_lower_bound"])
+    assert bounds[0] == pytest.approx(bounds[1], rel=1e-3)
+
+
 def test_a_sharded_dp_zo_run_replays_on_one_process(sharded_zo):
     from dpaudit.training.replay import replay_run
 

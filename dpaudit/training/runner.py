@@ -96,7 +96,9 @@ class TrainConfig:
             why = ("LoRA (its adapters are small; plain torchrun data parallelism suits it)" if self.trainable == "lora"
                    else "--per-sample-grads materialise (sharded DP-SGD uses ghost clipping)"
                    if self.method == "dp-sgd" and self.per_sample_grads == "materialise"
-                   else "white-box canaries" if self.white_box else "planted bugs" if self.plant_bug else None)
+                   else "white-box DP-SGD canaries (they sit on single coordinates of the sharded weights; DP-ZO's "
+                        "scalar canaries shard fine)" if self.white_box and self.method == "dp-sgd"
+                   else "planted bugs" if self.plant_bug else None)
             if why:
                 raise DPAuditError(f"--shard does not run with {why}")
 
@@ -296,8 +298,9 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
     secret = cfg.secret_seed if cfg.secret_seed is not None else _shared_entropy(world)
     canaries = None
     if cfg.white_box:
-        if world.size > 1:
-            raise DPAuditError("white-box canaries are planted in one process; run without torchrun")
+        if world.size > 1 and cfg.method == "dp-sgd":  # DP-ZO's canaries join the summed scalar, once
+            raise DPAuditError("white-box DP-SGD canaries are planted in one process; run without torchrun "
+                               "(DP-ZO's run under torchrun, --shard too)")
         canaries = (WhiteBoxCanaries.load(run_dir) if start else
                     WhiteBoxCanaries.make(cfg.white_box, seed=cfg.seed, membership_seed=int(secret)))
         if cfg.method == "dp-sgd" and not canaries.coordinates:
