@@ -22,11 +22,18 @@ def save_figure(fig, path: Path) -> Path:
 
 def epsilon_curve(xs: Sequence[float], eps: Sequence[float], *, x_label: str, title: str, path: Path,
                   target: float | None = None, marker: float | None = None, log_x: bool = True) -> Path:
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(xs, eps, marker="o", markersize=3)
-    if log_x:
-        ax.set_xscale("log")
-    ax.set_yscale("log")
+    ax.plot(xs, eps, marker="o", markersize=3, label=f"eps (upper bound) at each {x_label.split(' (')[0]}")
+    plain = FuncFormatter(lambda v, _pos: f"{v:g}")  # 0.3, 2, 40: never 3x10^-1 squeezed beside 4x10^-1
+    axes = ((ax.xaxis, ax.set_xscale) if log_x else ()), (ax.yaxis, ax.set_yscale)
+    for axis, set_scale in filter(None, axes):
+        set_scale("log")
+        axis.set_major_locator(LogLocator(base=10))
+        axis.set_major_formatter(plain)
+        axis.set_minor_locator(LogLocator(base=10, subs=(2.0, 5.0)))
+        axis.set_minor_formatter(plain if _decades(axis, xs if axis is ax.xaxis else eps) <= 2 else NullFormatter())
     if target is not None:
         ax.axhline(target, color="tab:red", linestyle="--", label=f"target eps = {target:g}")
     if marker is not None:
@@ -35,9 +42,16 @@ def epsilon_curve(xs: Sequence[float], eps: Sequence[float], *, x_label: str, ti
     ax.set_ylabel("epsilon (upper bound)")
     ax.set_title(title, fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
-    if target is not None or marker is not None:
-        ax.legend()
+    ax.legend(fontsize=8)
     return save_figure(fig, path)
+
+
+def _decades(axis, values) -> float:
+    """How many powers of ten the values span (minor labels only where few major ones show)."""
+    import math
+
+    positive = [v for v in values if v > 0 and math.isfinite(v)]
+    return math.log10(max(positive) / min(positive)) if positive else 0.0
 
 
 def roc_plot(fpr, tpr, auc: float, path: Path, score: str = "-loss of the secret") -> Path:
