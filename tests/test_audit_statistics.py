@@ -130,3 +130,20 @@ def test_the_automatic_headline_fits_the_mechanism():
     pure = analyse(scores, members, claimed_epsilon=4.0, delta=0.0, mechanism="laplace")
     assert laplace.headline == "fdp" and laplace.headline_bound.valid_for.startswith("any")
     assert gaussian.headline == "fdp-gdp" and pure.headline == "steinke"
+
+
+def test_the_headline_help_is_built_from_the_registry_the_audit_uses():
+    import re
+
+    from cli_helpers import dpaudit
+    from dpaudit.audit.analysis import HEADLINES, choose_headline
+    from dpaudit.audit.headlines import AUTO_RULE
+    from dpaudit.audit.scores import get_score
+
+    text = " ".join(dpaudit("audit", "scores", "--help").stdout.split()).replace("- ", "-")  # click breaks at "-"
+    assert all(re.search(rf"\b{re.escape(h)}\b", text) for h in HEADLINES)
+    assert " ".join(AUTO_RULE.split()) in text
+    # The rule in words is the rule in code.
+    white, plain = get_score("white-box-dp-sgd"), get_score("neg-loss")
+    assert choose_headline(plain, 0.0) == "steinke" and choose_headline(plain, 1e-5, mechanism="laplace") == "fdp"
+    assert choose_headline(white, 1e-5) == "gaussian" and choose_headline(plain, 1e-5) == "fdp-gdp"

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 
 from dpaudit.audit.auditor import Bound, CanaryScoreAuditor, GuessCounts, HullThresholds, TopGuesses
 from dpaudit.audit.guesses import check_scores
+from dpaudit.audit.headlines import HEADLINES
 from dpaudit.audit.roc import RocSummary, summarise
 from dpaudit.audit.scores import Score, get_score
 from dpaudit.errors import DPAuditError
 
-HEADLINES = ("auto", "gaussian", "fdp-gdp", "fdp", "steinke", "steinke-two-sided", "fdp-gdp-hull", "steinke-hull")
 TOP_K = ("one-sided top-k guesses for counts k on a grid fixed in advance (at most 12, equal ones merged; "
          "label-free), alpha split over the distinct ones")
 HULL = ("one-sided guesses at ROC-hull thresholds, alpha split over the hull's vertices (jax_privacy's rule; the "
