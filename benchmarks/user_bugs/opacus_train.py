@@ -84,6 +84,8 @@ def main() -> None:
             optimizer.step()
             if plain is not None:
                 plain.step()
+                for p in left_out:  # Opacus' hooks record per-sample gradients for them too; the user clears
+                    p.grad_sample = None  # them (else the next backward refuses to accumulate)
             step += 1
     result = probe.audit(claimed_eps=args.eps, delta=DELTA, report=False)
     sampler = SamplerAudit(batches, steps=len(batches), dataset_size=N, sample_rate=B / N).run()
