@@ -21,7 +21,8 @@ TEXTS = [f"Alice number {i} lives in Paris and likes bread." for i in range(30)]
 # --- the ledger: a resume keeps what it accounts ---------------------------------------------------------
 
 def test_resume_refuses_other_data_naming_what_differs(tiny_model_dir, tmp_path, monkeypatch):
-    from dpaudit.training import runner, zo
+    from dpaudit import run_folder
+    from dpaudit.training import zo
     from dpaudit.training.runner import TrainConfig, train
 
     cfg = TrainConfig(method="dp-zo", sigma=1.0, steps=6, batch_size=8, lr=1e-3, save_every=2, secret_seed=1,
@@ -50,7 +51,7 @@ def test_resume_refuses_other_data_naming_what_differs(tiny_model_dir, tmp_path,
     result = train(tiny_model_dir, TEXTS, run, cfg, resume=True, show_progress=False)
     assert result.epsilon >= before["epsilon_spent"]
     # The resumed run records the base model it started from, not its own checkpoint (replay needs it).
-    assert json.loads((run / runner.RUN_CONFIG).read_text())["base_model"] == str(tiny_model_dir)
+    assert json.loads((run / run_folder.RUN_CONFIG).read_text())["base_model"] == str(tiny_model_dir)
 
 
 def test_a_ledger_that_does_not_say_what_ran_refuses_the_resume(tiny_model_dir, tmp_path):
