@@ -95,22 +95,15 @@ def present(result: AuditResult, context: dict, as_json: bool, *, report: Path |
 MAX_SCORES = 1_000_000  # rows of a scores CSV (white-box DP-SGD audits use 1000; canary audits up to 1e5)
 
 
-def _count_lines(path: Path) -> int:
-    """Lines in a file, counted in blocks before anything is parsed (bounded memory)."""
-    try:
-        with open(path, "rb") as fh:
-            return sum(block.count(b"\n") for block in iter(lambda: fh.read(1 << 20), b"")) + 1
-    except OSError as exc:
-        raise DPAuditError(f"cannot read scores file {path}: {exc.strerror}") from None
-
-
 def read_scores(path: Path):
     """(scores, members) as numpy arrays from a score,member CSV."""
     import numpy as np
 
     if not path.is_file():
         raise DPAuditError(f"scores file not found: {path}")
-    rows_at_most = _count_lines(path)
+    from dpaudit.safe_json import count_newlines
+
+    rows_at_most = count_newlines(path, "scores file") + 1
     if rows_at_most > MAX_SCORES + 1:
         raise DPAuditError(f"{path} has {rows_at_most - 1} rows; an audit takes at most {MAX_SCORES} canaries' scores")
     try:

@@ -73,8 +73,7 @@ def zo_log(folder: Path) -> tuple[np.ndarray, np.ndarray]:
 
 def log_lines(folder: Path) -> int:
     """Lines in the DP-ZO log, counted in blocks (what a run released, whatever its ledger says)."""
+    from dpaudit.safe_json import count_newlines
+
     path = Path(folder) / ZO_LOG
-    if not path.is_file():
-        return 0
-    with open(path, "rb") as fh:
-        return sum(block.count(b"\n") for block in iter(lambda: fh.read(1 << 20), b""))
+    return count_newlines(path, "DP-ZO log") if path.is_file() else 0

@@ -11,6 +11,15 @@ from dpaudit.errors import DPAuditError
 MAX_BYTES = 64 << 20
 
 
+def count_newlines(path: Path, what: str) -> int:
+    """Newlines in a file, counted in 1 MiB blocks before anything is parsed (bounded memory)."""
+    try:
+        with open(path, "rb") as fh:
+            return sum(block.count(b"\n") for block in iter(lambda: fh.read(1 << 20), b""))
+    except OSError as exc:
+        raise DPAuditError(f"cannot read {what} {path}: {exc.strerror or type(exc).__name__}") from None
+
+
 def loads(text: str | bytes, what: str):
     """Parse ``text``; a malformed or absurdly nested document is one DPAuditError naming ``what``."""
     try:
