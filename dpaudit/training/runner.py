@@ -249,7 +249,7 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
 
     world = setup_world()
     run_dir = Path(run_dir)
-    start, released_before, previous, previous_ledger = 0, 0, None, None
+    start, released_before, previous, previous_ledger, found = 0, 0, None, None, None
     base_model = str(model_dir)
     if resume:
         if cfg.trainable == "lora":
@@ -266,13 +266,13 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
         released_before = _released_steps(run_dir, previous_ledger, cfg)
         if (run_dir / "model").is_dir():
             raise DPAuditError(f"the run in {run_dir} is complete; there is nothing to resume")
-        if world.is_main:
-            checkpoint.newest_intact(run_dir)  # the newest verified copy, moved to checkpoint/
+        if world.is_main:  # the newest verified copy, moved to checkpoint/ (hashed once, here)
+            found = checkpoint.newest_intact(run_dir)
     elif run_dir.exists() and _has_content(run_dir):
         raise DPAuditError(f"run folder {run_dir} is not empty; pass --resume to continue it or use a new folder")
     world.barrier()  # every rank has checked the folder before rank 0 writes to it
     if resume:
-        step = checkpoint.intact_step(run_dir / checkpoint.FINAL)
+        step = (found[1] if found else None) if world.is_main else checkpoint.intact_step(run_dir / checkpoint.FINAL)
         if step is not None:
             start, model_dir = step, run_dir / checkpoint.FINAL
     if world.is_main:
