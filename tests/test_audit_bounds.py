@@ -135,3 +135,17 @@ def test_bad_audit_parameters_are_refused(kwargs, message):
     scores, members = _simulated(1.0, 200, rng)
     with pytest.raises(DPAuditError, match=message):
         analyse(scores, members, **kwargs)
+
+
+@pytest.mark.parametrize("p,sigma,steps", [(0.5, 8.0, 150), (0.064, 8.0, 1000), (0.01, 4.0, 1000), (0.25, 4.0, 100),
+                                           (1.0, 4.0, 10)])
+def test_the_gaussian_headline_reads_a_subsampled_run_below_its_accounted_eps(p, sigma, steps):
+    """The white-box score of a Poisson-subsampled Gaussian run shifts by at most mu = p sqrt(T) / sigma (each
+    inclusion adds <= C against noise sigma C a step). The headline converts mu through G_mu, which is not the
+    subsampled mechanism's curve; it stays valid only if G_mu's eps at that mu is <= the run's accounted eps.
+    Checked here against the PLD accountant (equal at p = 1, where the run is exactly mu-GDP)."""
+    from dpaudit import epsilon
+
+    delta = 1e-5
+    accounted = epsilon(sigma=sigma, p=p, steps=steps, delta=delta).epsilon
+    assert gdp.epsilon_from_mu(p * steps ** 0.5 / sigma, delta) <= accounted * (1 + 1e-6)

@@ -15,6 +15,7 @@ from dpaudit.errors import DPAuditError
 
 warnings.filterwarnings("ignore", module="opacus")
 N, B = 512, 64
+SEED = 0  # the probes' secret_seed: membership and canary sampling fixed, so every verdict here is reproducible
 
 
 def _data():
@@ -57,7 +58,7 @@ def _train(model, optimizer, criterion, loader, steps: int) -> None:
 @pytest.mark.parametrize("mode", ["hooks", "functorch", "ew", "ghost"])
 def test_an_optimizer_without_noise_is_a_violation_in_every_mode(mode, tmp_path):
     engine, model, optimizer, criterion, loader = _opacus(mode, sigma=0.0)
-    probe = WhiteBoxProbe.attach(optimizer, m=200, out=tmp_path / "probe")
+    probe = WhiteBoxProbe.attach(optimizer, m=200, out=tmp_path / "probe", secret_seed=SEED)
     assert probe.rate == pytest.approx(B / N)  # the sample rate PrivacyEngine gave its accountant
     _train(model, optimizer, criterion, loader, 40)
     result = probe.audit(claimed_eps=1.0, delta=1e-5)
@@ -70,7 +71,7 @@ def test_an_optimizer_without_noise_is_a_violation_in_every_mode(mode, tmp_path)
 
 def test_a_correct_opacus_run_is_consistent_and_the_cli_reads_the_same_folder(tmp_path):
     engine, model, optimizer, criterion, loader = _opacus("hooks", sigma=1.0)
-    probe = WhiteBoxProbe.attach(optimizer, m=200, out=tmp_path / "probe", accountant=engine.accountant)
+    probe = WhiteBoxProbe.attach(optimizer, m=200, out=tmp_path / "probe", secret_seed=SEED, accountant=engine.accountant)
     _train(model, optimizer, criterion, loader, 60)
     result = probe.audit(delta=1e-5)  # claimed eps: the accountant's after the 60 steps taken
     assert sum(h[2] for h in engine.accountant.history) == 60 and result.claimed_epsilon == pytest.approx(
@@ -95,7 +96,7 @@ def test_attaching_a_probe_changes_neither_the_users_rng_nor_their_noise(tmp_pat
     after = {}
     for probed in (False, True):
         engine, model, optimizer, criterion, loader = _opacus("hooks", sigma=1.0, seed=3)
-        probe = WhiteBoxProbe.attach(optimizer, m=500, out=tmp_path / f"p{probed}") if probed else None
+        probe = WhiteBoxProbe.attach(optimizer, m=500, out=tmp_path / f"p{probed}", secret_seed=SEED) if probed else None
         _train(model, optimizer, criterion, loader, steps)
         after[probed] = (torch.get_rng_state(), [p.detach().clone().reshape(-1) for p in optimizer.params], probe)
     assert torch.equal(after[False][0], after[True][0])
@@ -125,7 +126,7 @@ def test_the_docs_plain_pytorch_example_runs_as_written(tmp_path, monkeypatch):
 def _scalar_run(tmp_path, noise: float, steps: int = 300, m: int = 200):
     rng = np.random.default_rng(1)
     C, p = 1.0, 0.5
-    probe = WhiteBoxProbe(kind="scalar", m=m, clip=C, sample_rate=p, out=tmp_path / f"scalar{noise}")
+    probe = WhiteBoxProbe(kind="scalar", m=m, clip=C, sample_rate=p, out=tmp_path / f"scalar{noise}", secret_seed=SEED)
     for t in range(steps):
         data = np.clip(rng.normal(0, 1, rng.binomial(100, p)), -C, C).sum()
         probe.observe(t, data + probe.canary_sum(t) + rng.normal(0, noise * C))
@@ -157,13 +158,14 @@ def test_bad_input_is_one_line(tmp_path):
 def test_a_probe_resumed_after_a_crash_keeps_only_complete_releases(tmp_path):
     model = torch.nn.Linear(30, 2)
     params = list(model.parameters())
-    probe = WhiteBoxProbe(params, m=8, clip=1.0, sample_rate=0.5, out=tmp_path / "p")
+    seed = 1  # of 8 canaries, seed 0 draws no member (1 in 256), and an audit needs both kinds
+    probe = WhiteBoxProbe(params, m=8, clip=1.0, sample_rate=0.5, out=tmp_path / "p", secret_seed=seed)
     for t in range(3):
         probe.observe(t, [c + torch.randn_like(c) for c in probe.canary_gradients(t)])
     probe.close()
     with open(tmp_path / "p" / "whitebox_transcript.f32", "ab") as fh:
         fh.write(b"\0" * 10)  # killed in the middle of the fourth row
-    again = WhiteBoxProbe(params, m=8, clip=1.0, sample_rate=0.5, out=tmp_path / "p", resume=True)
+    again = WhiteBoxProbe(params, m=8, clip=1.0, sample_rate=0.5, out=tmp_path / "p", secret_seed=seed, resume=True)
     assert again.step == 3 and (tmp_path / "p" / "whitebox_transcript.f32").stat().st_size == 3 * 8 * 4
     again.observe(3, [c + torch.randn_like(c) for c in again.canary_gradients(3)])
     assert again.audit(claimed_eps=50.0, delta=1e-5, report=False).m == 8
@@ -175,7 +177,7 @@ def test_canary_examples_pass_through_the_users_own_clipping(tmp_path):
     model = torch.nn.Linear(40, 5)
     params = list(model.parameters())
     for clips in (True, False):
-        probe = WhiteBoxProbe(params, m=100, clip=1.0, sample_rate=0.5, out=tmp_path / f"clips{clips}")
+        probe = WhiteBoxProbe(params, m=100, clip=1.0, sample_rate=0.5, out=tmp_path / f"clips{clips}", secret_seed=SEED)
         gen = torch.Generator().manual_seed(0)
         for step in range(150):
             rows = probe.canary_examples(step)
@@ -203,7 +205,7 @@ def test_attach_after_make_private_with_epsilon(tmp_path):
     model, optimizer, loader = engine.make_private_with_epsilon(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader, target_epsilon=4.0,
         target_delta=1e-5, epochs=5, max_grad_norm=1.0)
-    probe = WhiteBoxProbe.attach(optimizer, m=200, out=tmp_path / "probe", accountant=engine.accountant)
+    probe = WhiteBoxProbe.attach(optimizer, m=200, out=tmp_path / "probe", secret_seed=SEED, accountant=engine.accountant)
     _train(model, optimizer, torch.nn.CrossEntropyLoss(), loader, 5 * len(loader))
     result = probe.audit(delta=1e-5)
     assert result.claimed_epsilon == pytest.approx(4.0, rel=0.05) and not result.violation
