@@ -77,3 +77,11 @@ def log_lines(folder: Path) -> int:
 
     path = Path(folder) / ZO_LOG
     return count_newlines(path, "DP-ZO log") if path.is_file() else 0
+
+
+def truncate_log(path: Path, steps: int) -> None:
+    """Keep the first ``steps`` lines of the DP-ZO log (a resumed run rewrites what followed)."""
+    if not path.exists():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines()[:steps]
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")

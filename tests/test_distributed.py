@@ -97,6 +97,23 @@ def test_a_sharded_dp_zo_run_takes_white_box_canaries_as_one_process_does(tiny_m
     assert bounds[0] == pytest.approx(bounds[1], rel=1e-3)
 
 
+@pytest.mark.parametrize("layout", [("shard",), ()], ids=["sharded", "data-parallel"])
+def test_dp_sgd_white_box_canaries_under_torchrun_read_what_one_process_reads(tiny_model_dir, tmp_path, layout):
+    """DP-SGD's gradient canaries (training/probe.py) on two processes: sharded, each joins the one slice
+    holding its coordinate and the ranks' readings are summed; data-parallel, rank 0 adds them once and reads
+    the reduced release. Either way the transcript is one process's (the noise streams are the same)."""
+    import numpy as np
+
+    from dpaudit.training.whitebox import TRANSCRIPT
+
+    launch(tiny_model_dir, tmp_path / "one", "dp-sgd", 1, "whitebox")
+    launch(tiny_model_dir, tmp_path / "two", "dp-sgd", 2, *layout, "whitebox")
+    rows = [np.fromfile(tmp_path / d / TRANSCRIPT, dtype="<f4").reshape(-1, 64) for d in ("one", "two")]
+    assert rows[0].shape == rows[1].shape == (6, 64)
+    assert np.abs(rows[0]).max() > 1  # a release was read, canaries and noise included
+    assert np.allclose(rows[0], rows[1], rtol=1e-3, atol=1e-3), np.abs(rows[0] - rows[1]).max()
+
+
 def test_a_sharded_dp_zo_run_replays_on_one_process(sharded_zo):
     from dpaudit.training.replay import replay_run
 
@@ -171,9 +188,11 @@ def test_a_rank_without_its_own_gpu_is_refused(monkeypatch):
 
 @pytest.mark.parametrize("extra,named", [(["--trainable", "lora"], "LoRA"),
                                          (["--per-sample-grads", "materialise"], "materialise"),
-                                         (["--white-box", "8"], "white-box")])
-def test_what_shard_does_not_run_with_is_refused_in_one_line(tiny_model_dir, tmp_path, extra, named):
+                                         (["--plant-bug", "no-clip"], "planted bugs")])
+def test_what_shard_does_not_run_with_is_refused_in_one_line(tiny_model_dir, tmp_path, extra, named, monkeypatch):
     from cli_helpers import assert_one_line_error, dpaudit
+
+    monkeypatch.setenv("DPAUDIT_ALLOW_BUGS", "1")  # past the planted-bug gate, to the --shard check
 
     data = tmp_path / "d.txt"
     data.write_text("".join(f"line {i}\n" for i in range(20)))

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from dpaudit.training import checkpoint, whitebox, zo
+from dpaudit.training import checkpoint, probe, whitebox, zo
 from dpaudit.training.runner import TrainConfig, train
 
 TEXTS = [f"Alice number {i} lives in Paris and likes bread." for i in range(30)]
@@ -62,7 +62,7 @@ def _patch(monkeypatch, events) -> None:
 
     monkeypatch.setattr(os, "replace", replace)
     monkeypatch.setattr(zo, "open", killable_open, raising=False)  # the DP-ZO (seed, scalar) log
-    monkeypatch.setattr(whitebox, "open", killable_open, raising=False)  # the DP-SGD white-box transcript
+    monkeypatch.setattr(probe, "open", killable_open, raising=False)  # the DP-SGD white-box transcript
 
 
 def _released(run) -> int:

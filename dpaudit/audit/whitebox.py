@@ -41,12 +41,14 @@ def public_noise(seeds: np.ndarray, kind: str, scale: float) -> np.ndarray:
     return np.array([draw(np.random.default_rng(int(s)), scale) for s in seeds])
 
 
-def transcript_scores(run_dir: Path) -> tuple[dict[str, np.ndarray], np.ndarray, str, dict]:
-    """({statistic: scores}, members, score name, facts) for a white-box run folder."""
+def transcript_scores(run_dir: Path, meta: dict | None = None
+                      ) -> tuple[dict[str, np.ndarray], np.ndarray, str, dict]:
+    """({statistic: scores}, members, score name, facts) for a white-box run folder (``meta``: its
+    ``_run_config``, when the caller has read it)."""
     from dpaudit.training.whitebox import TRANSCRIPT, WhiteBoxCanaries, step_signs
 
     run_dir = Path(run_dir)
-    meta = _run_config(run_dir)
+    meta = meta if meta is not None else _run_config(run_dir)
     cfg = meta["config"]
     canaries = WhiteBoxCanaries.load(run_dir)
     clip, method = float(cfg["clip"]), cfg["method"]
@@ -93,9 +95,10 @@ def audit_run_folder(run_dir: Path, *, claimed_epsilon: float | None, delta: flo
     With several statistics each gets alpha / their number, and the larger headline is kept."""
     from dpaudit.audit.analysis import analyse
 
-    stats, members, name, facts = transcript_scores(run_dir)
+    meta = _run_config(Path(run_dir))  # read once
+    stats, members, name, facts = transcript_scores(run_dir, meta)
     share = alpha / len(stats)
-    mechanism = _run_config(Path(run_dir))["config"].get("mechanism")
+    mechanism = meta["config"].get("mechanism")
     results = {k: analyse(v, members, claimed_epsilon=claimed_epsilon, delta=delta, alpha=share, score=name,
                           mechanism=mechanism if isinstance(mechanism, str) else None,
                           headline=headline) for k, v in stats.items()}
@@ -105,6 +108,6 @@ def audit_run_folder(run_dir: Path, *, claimed_epsilon: float | None, delta: flo
              "other statistics": {k: r.epsilon_lower_bound for k, r in results.items() if k != best}}
     result = results[best]
     result.alpha = alpha  # the family-wise level; each bound inside was computed at alpha / len(stats)
-    unprotected = (_run_config(Path(run_dir)).get("probe") or {}).get("unprotected_parameters") or []
+    unprotected = (meta.get("probe") or {}).get("unprotected_parameters") or []
     result.unprotected = tuple(str(n) for n in unprotected)
     return result, stats[best], members, facts

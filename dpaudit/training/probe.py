@@ -3,7 +3,7 @@
 The probe plants m canaries where DP acts and reads what DP releases, as the bundled trainers' --white-box
 does (training/whitebox.py holds the canaries, their signs and the transcript format; audit/whitebox.py
 scores it). Each canary is a member with probability 1/2 (membership from fresh OS entropy, written 0600,
-never the secret that draws it) and, as a member, is Poisson-sampled at each step with the run's rate p
+never the secret that draws it; ``secret_seed=`` makes it reproducible, for tests and benchmarks only) and, as a member, is Poisson-sampled at each step with the run's rate p
 from the probe's own generator (never the user's torch or numpy state: attaching a probe changes neither
 the user's batches nor their noise).
 
@@ -39,6 +39,7 @@ from dpaudit.run_folder import PROBE
 from dpaudit.training.whitebox import GAIN, TRANSCRIPT, WhiteBoxCanaries
 
 KINDS = ("gradient", "scalar")
+SAMPLING_DOMAIN = 0x77627370  # "wbsp": the canaries' per-step sampling, apart from membership's stream
 OPACUS_BYPASS = ("ghost (fast gradient clipping): Opacus clips each example in the loss's backward pass, which "
                  "canaries never enter, so the probe clips them itself at the optimizer's max_grad_norm")
 
@@ -49,7 +50,7 @@ class WhiteBoxProbe:
 
     def __init__(self, params=None, *, m: int = 1000, clip: float, sample_rate: float, out, kind: str = "gradient",
                  gain: float = GAIN, seed: int = 0, resume: bool = False, model=None,
-                 _source: str = "plain PyTorch loop"):
+                 secret_seed: int | None = None, _source: str = "plain PyTorch loop"):
         if kind not in KINDS:
             raise DPAuditError(f"unknown probe kind {kind!r}; use gradient or scalar")
         if not (clip > 0 and math.isfinite(clip)):
@@ -60,7 +61,10 @@ class WhiteBoxProbe:
         self.params = [p for p in (params or []) if p.requires_grad]
         if kind == "gradient" and not self.params:
             raise DPAuditError("a gradient probe needs the trainable parameters")
-        self._sampler = np.random.default_rng(np.random.SeedSequence())  # secret, never written
+        # Membership and the canaries' sampling are secret: fresh OS entropy, never written. ``secret_seed``
+        # makes both reproducible, for tests and benchmarks only (whoever knows it knows the members).
+        self.secret_seed = secret_seed
+        self._sampler = np.random.default_rng(np.random.SeedSequence(secret_seed, spawn_key=(SAMPLING_DOMAIN,)))
         self.source, self.bypass = _source, None
         self.step = 0
         # Given the model, every trainable tensor must be among the noised ones (a LoRA group left out of the
@@ -75,6 +79,30 @@ class WhiteBoxProbe:
         self._fh = open(self.out / TRANSCRIPT, "ab")
         self._sampled = np.zeros(0, int)
 
+    @classmethod
+    def for_run(cls, params, canaries: WhiteBoxCanaries, *, clip: float, sample_rate: float, out, start_step: int,
+                write: bool = True) -> "WhiteBoxProbe":
+        """The bundled DP-SGD trainer's probe (``train --white-box``): the same injection and reading as a
+        user's, on canaries the run made (membership from its secret seed, coordinates over every trainable
+        tensor) and sampled as members of its dataset (``begin(step, sampled)``). The run folder's
+        run_config.json describes it (no probe.json); a resumed run rewrites the steps after its checkpoint,
+        so the transcript is cut back to ``start_step`` rows. ``write`` False: a rank that writes nothing."""
+        probe = cls.__new__(cls)
+        probe.kind, probe.clip, probe.rate, probe.out = "gradient", float(clip), float(sample_rate), Path(out)
+        probe.params, probe.canaries, probe.secret_seed = list(params), canaries, None
+        probe.run_id, probe.source, probe.bypass, probe.unprotected = canaries.run_id, "dpaudit train", None, []
+        probe._sampler, probe._sampled, probe.step = None, np.zeros(0, int), start_step
+        probe.where = probe._locate(canaries.coordinates)
+        probe._fh = None
+        if write:
+            path = probe.out / TRANSCRIPT
+            keep = start_step * probe.width * 4
+            if path.exists() and path.stat().st_size > keep:
+                with open(path, "r+b") as fh:
+                    fh.truncate(keep)
+            probe._fh = open(path, "ab")
+        return probe
+
     # -- folder ------------------------------------------------------------------------------------------
     def _start(self, m: int, gain: float, seed: int) -> None:
         from dpaudit.lock import MARKER, mark
@@ -84,7 +112,8 @@ class WhiteBoxProbe:
                                "the probe written there)")
         self.out.mkdir(parents=True, exist_ok=True)
         mark(self.out)
-        self.canaries = WhiteBoxCanaries.make(m, seed=seed, membership_seed=int.from_bytes(os.urandom(8), "little"))
+        membership = self.secret_seed if self.secret_seed is not None else int.from_bytes(os.urandom(8), "little")
+        self.canaries = WhiteBoxCanaries.make(m, seed=seed, membership_seed=membership)
         self.canaries.gain = float(gain)
         if self.kind == "gradient":
             self.canaries.coordinates = self._place(m)
@@ -141,7 +170,9 @@ class WhiteBoxProbe:
         spec = {"format": "dpaudit-probe/1", "kind": self.kind, "run_id": self.run_id, "m": self.canaries.m,
                 "clip": self.clip, "sample_rate": self.rate, "gain": self.canaries.gain, "source": self.source,
                 "canaries_bypass": self.bypass, "transcript": TRANSCRIPT, "floats_per_step": self.width,
-                "unprotected_parameters": self.unprotected, **extra}
+                "unprotected_parameters": self.unprotected,
+                "membership": "from secret_seed (reproducible: tests and benchmarks only)"
+                if self.secret_seed is not None else "OS entropy", **extra}
         old = read_spec(self.out) if (self.out / PROBE).exists() else {}
         atomic_write_json(self.out / PROBE, {**old, **spec})
 
@@ -154,12 +185,41 @@ class WhiteBoxProbe:
         return self.canaries.m
 
     # -- one step ----------------------------------------------------------------------------------------
-    def _begin(self, step: int) -> np.ndarray:
+    def begin(self, step: int, sampled: np.ndarray | None = None) -> np.ndarray:
+        """The canaries that join step ``step``: Poisson-sampled at the probe's rate from its own generator, or
+        ``sampled`` (canary ids) where the trainer samples them as examples of its dataset."""
         if step != self.step:
             raise DPAuditError(f"the probe expected step {self.step}, got {step}: steps are observed in order, once")
-        members = self.canaries.member_ids
-        self._sampled = members[self._sampler.random(members.size) < self.rate]
+        if sampled is None:
+            members = self.canaries.member_ids
+            sampled = members[self._sampler.random(members.size) < self.rate]
+        self._sampled = np.asarray(sampled, int)
         return self._sampled
+
+    def add_to_summed_grad(self, params, max_grad_norm: float) -> None:
+        """The step's sampled canaries, each clipped at ``max_grad_norm``, added to ``p.summed_grad`` (Opacus'
+        clipped sum, before noise): ghost clipping's route, and the bundled trainer's."""
+        self.add_to_slices([(p.summed_grad, 0, p.numel()) for p in params], max_grad_norm)
+
+    def add_to_slices(self, slices, max_grad_norm: float) -> None:
+        """The same into sharded sums: ``slices`` holds, per parameter, (this rank's slice of the clipped sum,
+        its first flat position, the parameter's size); a canary joins the one slice holding its coordinate."""
+        value, signs = self._value(max_grad_norm), self.canaries.signs(self.step)
+        for i in self._sampled:
+            k, off = self.where[i]
+            grad, at, _ = slices[k]
+            if at <= off < at + grad.numel():
+                grad.view(-1)[off - at] += value * signs[i]
+
+    def observe_slices(self, step: int, slices, scale: float, all_sum) -> None:
+        """``observe`` for sharded releases: each rank reads the canary coordinates its slices hold, and
+        ``all_sum`` (a numpy vector summed over the ranks) puts the row together; every rank calls it."""
+        row = np.zeros(self.m)
+        for i, (k, off) in enumerate(self.where):
+            grad, at, _ = slices[k]
+            if at <= off < at + grad.numel():
+                row[i] = float(grad.reshape(-1)[off - at]) * scale
+        self._record(step, np.asarray(all_sum(row), float))
 
     def _value(self, max_grad_norm: float) -> float:
         """A canary's clipped size: gain x C brought to the clip norm the optimizer uses."""
@@ -172,7 +232,7 @@ class WhiteBoxProbe:
         import torch
 
         self._need("gradient")
-        sampled, signs = self._begin(step), self.canaries.signs(step)
+        sampled, signs = self.begin(step), self.canaries.signs(step)
         grads = [torch.zeros_like(p) for p in self.params]
         value = self._value(self.clip)
         for i in sampled:
@@ -189,7 +249,7 @@ class WhiteBoxProbe:
         import torch
 
         self._need("gradient")
-        sampled, signs = self._begin(step), self.canaries.signs(step)
+        sampled, signs = self.begin(step), self.canaries.signs(step)
         rows = [torch.zeros((len(sampled), *p.shape), dtype=p.dtype, device=p.device) for p in self.params]
         for r, i in enumerate(sampled):
             k, off = self.where[i]
@@ -199,14 +259,12 @@ class WhiteBoxProbe:
     def canary_sum(self, step: int) -> float:
         """What to add to the step's clipped sum of scalars before noise (scalar probes)."""
         self._need("scalar")
-        sampled, signs = self._begin(step), self.canaries.signs(step)
+        sampled, signs = self.begin(step), self.canaries.signs(step)
         return float(self._value(self.clip) * signs[sampled].sum())
 
     def observe(self, step: int, released, scale: float = 1.0) -> None:
         """Record the step's release: for gradient probes the noisy gradient sum (one tensor per parameter,
         or anything ``scale`` times which is that sum); for scalar probes the noisy sum."""
-        if step != self.step:
-            raise DPAuditError(f"the probe expected the release of step {self.step}, got step {step}")
         if self.kind == "gradient":
             flat = [r.detach().reshape(-1) for r in released]
             if len(flat) != len(self.params):
@@ -214,8 +272,14 @@ class WhiteBoxProbe:
             row = np.array([float(flat[k][off]) * scale for k, off in self.where])
         else:
             row = np.array([float(released) * scale])
-        self._fh.write(row.astype("<f4").tobytes())
-        self._fh.flush()
+        self._record(step, row)
+
+    def _record(self, step: int, row: np.ndarray) -> None:
+        if step != self.step:
+            raise DPAuditError(f"the probe expected the release of step {self.step}, got step {step}")
+        if self._fh is not None:
+            self._fh.write(row.astype("<f4").tobytes())
+            self._fh.flush()
         self.step += 1
 
     def _need(self, kind: str) -> None:
@@ -225,7 +289,8 @@ class WhiteBoxProbe:
     # -- Opacus ------------------------------------------------------------------------------------------
     @classmethod
     def attach(cls, optimizer, *, m: int = 1000, out, sample_rate: float | None = None, accountant=None,
-               gain: float = GAIN, seed: int = 0, resume: bool = False, model=None) -> "WhiteBoxProbe":
+               gain: float = GAIN, seed: int = 0, resume: bool = False, model=None,
+               secret_seed: int | None = None) -> "WhiteBoxProbe":
         """Attach to an Opacus ``DPOptimizer`` (any grad_sample_mode, after ``make_private`` or
         ``make_private_with_epsilon``); the user's training loop stays as it is. Given ``model``, the audit
         also checks that every trainable tensor is noised by this optimizer."""
@@ -248,7 +313,7 @@ class WhiteBoxProbe:
         probe = cls(optimizer.params, m=m, clip=float(optimizer.max_grad_norm if np.isscalar(optimizer.max_grad_norm)
                                                        else max(optimizer.max_grad_norm)),
                     sample_rate=rate, out=out, gain=gain, seed=seed, resume=resume, model=model,
-                    _source=f"Opacus {type(optimizer).__name__}")
+                    secret_seed=secret_seed, _source=f"Opacus {type(optimizer).__name__}")
         probe.bypass = OPACUS_BYPASS if ghost else None
         probe.accountant = accountant
         probe._write_spec(optimizer=type(optimizer).__name__,
@@ -305,15 +370,11 @@ class WhiteBoxProbe:
     def _inject(self, optimizer, ghost: bool) -> None:
         import torch
 
-        sampled, signs = self._begin(self.step), self.canaries.signs(self.step)
+        sampled, signs = self.begin(self.step), self.canaries.signs(self.step)
         if not sampled.size:
             return
         if ghost:
-            value = self._value(float(optimizer.max_grad_norm))
-            for i in sampled:
-                k, off = self.where[i]
-                self.params[k].summed_grad.view(-1)[off] += value * signs[i]
-            return
+            return self.add_to_summed_grad(self.params, float(optimizer.max_grad_norm))
         # Per-sample modes: the canaries are rows of per-sample gradients (zero but at their coordinate),
         # clipped and summed by the optimizer's own clip_and_accumulate. It runs on a view of the optimizer
         # that holds only the tensors the sampled canaries sit on: a canary's row is zero everywhere else, so
@@ -346,7 +407,7 @@ class WhiteBoxProbe:
 
     # -- the audit ---------------------------------------------------------------------------------------
     def close(self) -> None:
-        if not self._fh.closed:
+        if self._fh is not None and not self._fh.closed:
             self._fh.close()
 
     def audit(self, claimed_eps: float | None = None, delta: float | None = None, *, accountant=None,

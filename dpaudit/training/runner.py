@@ -19,14 +19,9 @@ from dpaudit import run_folder
 from dpaudit.progress import progress_bar
 from dpaudit.training import checkpoint
 from dpaudit.training.directions import DEFAULT_DIRECTION, DIRECTIONS
+from dpaudit.training.methods import METHODS
 from dpaudit.training.plan import PrivacyPlan
 
-METHODS = ("dp-zo", "dp-sgd")
-# Defaults tuned on the embedded default (see docs/trainers.md); every one can be overridden.
-METHOD_DEFAULTS = {
-    "dp-zo": {"lr": 3e-5, "clip": 0.05, "steps": 3000},
-    "dp-sgd": {"lr": 5e-3, "clip": 1.0, "steps": 300},
-}
 
 
 @dataclass
@@ -59,19 +54,21 @@ class TrainConfig:
     micro_batch: int = 0                 # at most this many examples per forward/backward (0: the whole batch)
     max_memory: int | None = None        # refuse a step estimated above this many bytes (training/memory.py)
     shard: bool = False                  # under torchrun: weights, gradients, optimizer state sharded (FSDP2)
+    stop_on_divergence: bool = False     # stop (else warn once) when the loss rises well above its start
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            raise DPAuditError(f"unknown method {self.method!r}; use dp-zo or dp-sgd")
+            raise DPAuditError(f"unknown method {self.method!r}; use {' or '.join(METHODS)}")
         if self.mechanism not in ("gaussian", "laplace"):
             raise DPAuditError(f"unknown mechanism {self.mechanism!r}; use gaussian or laplace")
         if self.direction not in DIRECTIONS:
             raise DPAuditError(f"unknown direction {self.direction!r}; use {', '.join(DIRECTIONS)}")
-        if self.mechanism == "laplace" and self.method == "dp-sgd":
-            raise DPAuditError("DP-SGD clips an L2 norm and adds Gaussian noise; --mech laplace is for dp-zo")
+        if self.mechanism not in METHODS[self.method].mechanisms:
+            raise DPAuditError("DP-SGD clips an L2 norm and adds Gaussian noise; --mech laplace is for dp-zo"
+                               if self.method == "dp-sgd" else f"{self.method} does not add {self.mechanism} noise")
         if not (self.target_epsilon > 0):
             raise DPAuditError(f"target eps must be > 0 (inf for non-private), got {self.target_epsilon}")
-        for k, v in METHOD_DEFAULTS[self.method].items():
+        for k, v in METHODS[self.method].defaults.items():
             if getattr(self, k) is None:
                 setattr(self, k, v)
         if self.batch_size < 0:
@@ -92,12 +89,10 @@ class TrainConfig:
         self.bug = planted_bug(self.plant_bug, self.method)
         if self.white_box and not self.private:
             raise DPAuditError("a white-box audit needs a private run (give --eps or --sigma)")
-        if self.shard:
+        if self.shard:  # the one list of what sharding does not run with (white-box canaries shard: probe.py)
             why = ("LoRA (its adapters are small; plain torchrun data parallelism suits it)" if self.trainable == "lora"
                    else "--per-sample-grads materialise (sharded DP-SGD uses ghost clipping)"
                    if self.method == "dp-sgd" and self.per_sample_grads == "materialise"
-                   else "white-box DP-SGD canaries (they sit on single coordinates of the sharded weights; DP-ZO's "
-                        "scalar canaries shard fine)" if self.white_box and self.method == "dp-sgd"
                    else "planted bugs" if self.plant_bug else None)
             if why:
                 raise DPAuditError(f"--shard does not run with {why}")
@@ -243,9 +238,9 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
     from dpaudit.training.new_tokens import new_token_ids
     from dpaudit.training.sampling import poisson_batch, shuffled_batches
     from dpaudit.training.shard import Sharding, full_state_dict, shard_model
-    from dpaudit.training.streams import STREAM, step_key
+    from dpaudit.training.streams import STREAM
     from dpaudit.training.trainable import select_trainable, trainable_parameters
-    from dpaudit.training.whitebox import TRANSCRIPT, GradientCanaryHook, TranscriptWriter, WhiteBoxCanaries
+    from dpaudit.training.whitebox import WhiteBoxCanaries
 
     world = setup_world()
     run_dir = Path(run_dir)
@@ -298,9 +293,6 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
     secret = cfg.secret_seed if cfg.secret_seed is not None else _shared_entropy(world)
     canaries = None
     if cfg.white_box:
-        if world.size > 1 and cfg.method == "dp-sgd":  # DP-ZO's canaries join the summed scalar, once
-            raise DPAuditError("white-box DP-SGD canaries are planted in one process; run without torchrun "
-                               "(DP-ZO's run under torchrun, --shard too)")
         canaries = (WhiteBoxCanaries.load(run_dir) if start else
                     WhiteBoxCanaries.make(cfg.white_box, seed=cfg.seed, membership_seed=int(secret)))
         if cfg.method == "dp-sgd" and not canaries.coordinates:
@@ -353,45 +345,28 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
     rng = np.random.default_rng([int(secret), start])
     batches = None if cfg.private else shuffled_batches(n, batch_size, rng)
     noise_sigma = 0.0 if cfg.unsafe_disable_noise else plan.noise_sigma(cfg.bug)
-    if cfg.method == "dp-zo":
-        from dpaudit.training.zo import ZOSettings, ZOTrainer
+    from dpaudit.training.methods import TrainerSetup
 
-        zo = ZOSettings(lr=cfg.lr, phi=cfg.phi, clip=cfg.clip if cfg.private else None,
-                        noise=cfg.mechanism if cfg.private and noise_sigma > 0 else None, sigma=noise_sigma,
-                        direction=cfg.direction, clip_examples=not cfg.bug.skip_clipping,
-                        micro_batch=cfg.micro_batch, stream=STREAM)
-        log_path = run_dir / run_folder.ZO_LOG
-        if main:
-            _truncate_log(log_path, start)
-        trainer = ZOTrainer(model, params, zo, run_seed=cfg.seed, expected_batch=batch_size, private=cfg.private,
-                            rng=rng, log_path=log_path if main else None, bug=cfg.bug, canaries=canaries,
-                            clip=cfg.clip, all_sum=world.sum, sharding=sharding)
-    else:
-        from dpaudit.training.sgd import FirstOrderTrainer
-
-        hook = GradientCanaryHook(canaries, params, cfg.clip) if canaries is not None else None
-        transcript = TranscriptWriter(run_dir / TRANSCRIPT, start, canaries.m) if hook and main else None
-        trainer = FirstOrderTrainer(model, params, lr=cfg.lr, private=cfg.private, clip=cfg.clip,
-                                    sigma=noise_sigma, expected_batch_size=batch_size,
-                                    # fresh for each (re)start: a step redone after --resume must not
-                                    # reuse the noise its first attempt released with another batch
-                                    noise_seed=step_key(int(secret), start),
-                                    optimizer=cfg.optimizer, world_size=world.size, hook=hook, bug=cfg.bug,
-                                    transcript=transcript, per_sample_grads=cfg.per_sample_grads,
-                                    micro_batch=cfg.micro_batch, sharding=sharding)
-        saved = run_dir / checkpoint.FINAL
-        if start and (saved / checkpoint.OPTIMIZER).is_file():
-            was_sharded = run_folder.read_json(saved / checkpoint.STATE, "checkpoint state").get("sharded", False)
-            if was_sharded != sharded:
-                raise DPAuditError(f"the checkpoint in {run_dir} was saved {'with' if was_sharded else 'without'} "
-                                   "--shard over several processes; resume it the same way")
-            try:
-                state = torch.load(saved / checkpoint.OPTIMIZER, weights_only=True)
-                trainer.load_state_dict(state)
-            except Exception as exc:  # sealed by our checksum, so only a file made to look like ours gets here
-                raise DPAuditError(f"cannot read the optimizer state in {saved}: {type(exc).__name__}") from None
+    trainer = METHODS[cfg.method].build(TrainerSetup(
+        cfg=cfg, model=model, params=params, run_dir=run_dir, rate=rate, batch_size=batch_size,
+        noise_sigma=noise_sigma, secret=int(secret), start=start, main=main, canaries=canaries, world=world,
+        sharding=sharding, rng=rng))
+    saved = run_dir / checkpoint.FINAL
+    if start and (saved / checkpoint.OPTIMIZER).is_file():
+        was_sharded = run_folder.read_json(saved / checkpoint.STATE, "checkpoint state").get("sharded", False)
+        if was_sharded != sharded:
+            raise DPAuditError(f"the checkpoint in {run_dir} was saved {'with' if was_sharded else 'without'} "
+                               "--shard over several processes; resume it the same way")
+        try:
+            state = torch.load(saved / checkpoint.OPTIMIZER, weights_only=True)
+            trainer.load_state_dict(state)
+        except Exception as exc:  # sealed by our checksum, so only a file made to look like ours gets here
+            raise DPAuditError(f"cannot read the optimizer state in {saved}: {type(exc).__name__}") from None
 
     last_loss, interrupted_at = None, start
+    from dpaudit.training.divergence import DivergenceWatch
+
+    watch = DivergenceWatch()
     began = time.perf_counter()
     label = f"{cfg.method}{'' if cfg.private else ' (non-private)'}"
     try:
@@ -406,6 +381,7 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
                 interrupted_at = step
                 last_loss = trainer.run_step(step, batch, len(idx), sampled)
                 interrupted_at = step + 1
+                _watch_divergence(watch, step, last_loss if len(idx) else None, cfg, ledger, world)
                 advance(1, f"step {step + 1}, loss {last_loss:.4g}, eps spent {ledger.spent(step + 1 + discarded):.4g}")
                 due = cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps
                 if due and cfg.trainable != "lora":  # LoRA adapters are merged once, at export
@@ -435,6 +411,23 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
                        epsilon=ledger.total_epsilon, delta=cfg.delta, sampling_rate=rate, steps=cfg.steps,
                        examples=n, seconds=seconds, seconds_per_step=seconds / max(1, cfg.steps - start),
                        last_loss=last_loss, accountant=ledger.accountant, relation=ledger.relation)
+
+
+def _watch_divergence(watch, step: int, loss: float, cfg: TrainConfig, ledger, world) -> None:
+    """Warn once when rank 0's loss diverges; with --stop-on-divergence every rank stops at that step (under
+    torchrun rank 0's verdict is all-reduced, one float a step, so no rank is left waiting in a collective)."""
+    why = watch.update(step, loss) if world.is_main and not watch.warned else None
+    stop = cfg.stop_on_divergence and (world.sum(1.0 if why else 0.0) if world.size > 1 else why is not None)
+    if stop:
+        raise DPAuditError(f"stopped: {why or 'the training loss diverged on rank 0'}; lower --lr (now {cfg.lr:g}) "
+                           f"and start again (the ledger counts {ledger.recorded} steps, eps "
+                           f"{ledger.spent(ledger.recorded):.4g})")
+    if why:
+        import sys
+
+        watch.warned = True
+        print(f"warning: {why}; lower --lr (now {cfg.lr:g}), or pass --stop-on-divergence to stop such a run",
+              file=sys.stderr)
 
 
 # What the ledger accounts: a resume that changes any of them would re-account the steps already taken.
@@ -493,7 +486,7 @@ def _config_for_state(cfg: TrainConfig) -> dict:
 
 
 # How a step is computed, not what it computes: a resume may change them.
-EXECUTION_ONLY = ("per_sample_grads", "micro_batch", "max_memory", "shard")
+EXECUTION_ONLY = ("per_sample_grads", "micro_batch", "max_memory", "shard", "stop_on_divergence")
 
 
 def _plan(config: dict) -> dict:
@@ -506,11 +499,3 @@ def _export(run_dir: Path, model, tokenizer, weights: dict | None = None) -> Pat
     from dpaudit.training.trainable import merged
 
     return save_model_folder(run_dir / "model", merged(model), tokenizer, state_dict=weights)
-
-
-def _truncate_log(path: Path, steps: int) -> None:
-    """Keep the first ``steps`` lines of the DP-ZO log (a resumed run rewrites what followed)."""
-    if not path.exists():
-        return
-    lines = path.read_text(encoding="utf-8").splitlines()[:steps]
-    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")

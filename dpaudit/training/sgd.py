@@ -30,8 +30,10 @@ def _audited(cls):
     noise (white-box canaries join it; "no-clip" skips clipping) and the release (read by the auditor;
     "actual-batch" divides by the realised batch size). With neither set it is Opacus, unchanged."""
 
+    distributed = hasattr(cls, "reduce_gradients")
+
     class Audited(cls):
-        hook = None                 # GradientCanaryHook or None
+        probe = None                # the run's WhiteBoxProbe (probe.py) or None
         skip_clipping = False
         realised_batch: int | None = None   # set per step when the "actual-batch" bug is planted
         noise_key: int = 0                  # the step's noise stream (streams.step_key), set per step
@@ -51,10 +53,10 @@ def _audited(cls):
             data parallelism on rank 0 only, before the ranks' sums are added."""
             from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
-            if self.hook is not None:
-                self.hook.add_to_sum(self.params, float("inf") if self.skip_clipping else self.max_grad_norm)
             std = self.noise_multiplier * self.max_grad_norm
             adds = getattr(self, "rank", 0) == 0
+            if self.probe is not None and adds:  # canaries join once: rank 0's sum, as its noise does
+                self.probe.add_to_summed_grad(self.params, float("inf") if self.skip_clipping else self.max_grad_norm)
             for i, p in enumerate(self.params):
                 _check_processed_flag(p.summed_grad)
                 if adds and std > 0:
@@ -68,8 +70,16 @@ def _audited(cls):
             else:
                 for p in self.params:
                     p.grad /= max(1, self.realised_batch)
-            if self.hook is not None:  # what the auditor sees, in units of the expected batch's sum
-                self.hook.read_release(self.params, self.expected_batch_size * self.accumulated_iterations)
+            if self.probe is not None and not distributed:  # the release, in units of the expected batch's sum
+                self.probe.observe(self.probe.step, [p.grad for p in self.params],
+                                   self.expected_batch_size * self.accumulated_iterations)
+
+        def reduce_gradients(self):
+            """Data parallelism: the release is the ranks' average (each scaled by B / world), read once reduced."""
+            super().reduce_gradients()
+            if self.probe is not None:
+                self.probe.observe(self.probe.step, [p.grad for p in self.params],
+                                   self.expected_batch_size * self.accumulated_iterations * self.world_size)
 
     Audited.__name__ = f"Audited{cls.__name__}"
     return Audited
@@ -98,9 +108,11 @@ class _NoisyShards:
     step's noise stream (the numbers one process adds to the whole sum), divides by the expected batch
     size, and the base optimizer updates its shards. No copy of a gradient is made."""
 
-    def __init__(self, base, params, std: float, expected_batch_size: float) -> None:
+    def __init__(self, base, params, std: float, expected_batch_size: float, clip: float = 1.0, probe=None,
+                 all_sum=None) -> None:
         self.original_optimizer, self.params = base, params
-        self.std, self.expected_batch_size = std, expected_batch_size
+        self.std, self.expected_batch_size, self.clip = std, expected_batch_size, clip
+        self.probe, self.all_sum = probe, all_sum  # white-box canaries; the ranks' sum of a numpy vector
         self.noise_key = 0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -113,10 +125,15 @@ class _NoisyShards:
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        for i, (grad, at, total) in enumerate(local_slices([p.grad for p in self.params])):
+        slices = list(local_slices([p.grad for p in self.params]))
+        if self.probe is not None:  # each canary joins the slice its coordinate lies in, on one rank
+            self.probe.add_to_slices(slices, self.clip)
+        for i, (grad, at, total) in enumerate(slices):
             if self.std > 0:
                 add_normal_(grad, self.noise_key, i, self.std, at, total)
             grad.div_(self.expected_batch_size)
+        if self.probe is not None:
+            self.probe.observe_slices(self.probe.step, slices, self.expected_batch_size, self.all_sum)
         self.original_optimizer.step()
 
 
@@ -312,25 +329,24 @@ def _ghost_module(model, clip: float):
 
 
 class FirstOrderTrainer:
-    """DP-SGD (or SGD) behind the trainers' common interface: ``run_step``, ``state_dict``, ``close``.
-    White-box canaries enter through ``hook`` (a GradientCanaryHook), whose reading of each release goes
-    to ``transcript``; planted bugs through ``bug``. ``per_sample_grads``: ghost or materialise (see the
+    """DP-SGD (or SGD) behind the trainer protocol (methods.Trainer).
+    White-box canaries enter through ``probe`` (the WhiteBoxProbe a user attaches to their own loop, made
+    by ``WhiteBoxProbe.for_run``), which reads each release into the transcript; planted bugs through
+    ``bug``. ``per_sample_grads``: ghost or materialise (see the
     module's docstring); ``micro_batch``: at most this many examples per forward/backward (0: all).
     ``noise_seed``: the secret key of the noise (streams.step_key(noise_seed, step) per step).
     ``sharding``: the model is sharded with FSDP2 over the ranks (shard.py; ghost clipping only)."""
 
     def __init__(self, model, params, *, lr: float, private: bool, clip: float = 1.0, sigma: float = 0.0,
                  expected_batch_size: int = 1, noise_seed: int = 0, optimizer: str = "adamw",
-                 world_size: int = 1, hook=None, bug=None, transcript=None, per_sample_grads: str = "ghost",
+                 world_size: int = 1, probe=None, bug=None, per_sample_grads: str = "ghost",
                  micro_batch: int = 0, sharding=None) -> None:
         if per_sample_grads not in PER_SAMPLE_GRADS:
             raise ValueError(f"unknown per-sample-grads mode {per_sample_grads!r}; use ghost or materialise")
-        if sharding is not None and (per_sample_grads != "ghost" or hook is not None or (bug and bug.name != "none")):
-            raise ValueError("sharded DP-SGD runs ghost clipping, without white-box canaries or planted bugs")
         self.private, self.params = private, params
         self.world_size = world_size
         self.bug = bug
-        self.hook, self.transcript = hook, transcript
+        self.probe = probe
         self.ghost = private and per_sample_grads == "ghost"
         self.micro_batch = micro_batch
         self.sharding, self.inner = sharding, model
@@ -353,7 +369,8 @@ class FirstOrderTrainer:
             # Opacus' hooks trip a torch notice when no input needs a gradient (token ids never do).
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             if sharding is not None:
-                self.optimizer = _NoisyShards(base, params, sigma * clip, expected_batch_size)
+                self.optimizer = _NoisyShards(base, params, sigma * clip, expected_batch_size, clip, probe,
+                                              lambda row: sharding.sum_array(row, params[0].device))
                 return
             # Distributed: each rank scales by B / world and the ranks average, so the update is
             # (sum of clipped gradients + one noise draw, on rank 0) / B, as in one process.
@@ -364,7 +381,7 @@ class FirstOrderTrainer:
                 cls = dp.DistributedDPOptimizer if world_size > 1 else dp.DPOptimizer
             self.optimizer = _audited(cls)(base, noise_multiplier=sigma, max_grad_norm=clip,
                                            expected_batch_size=expected_batch_size / world_size)
-            self.optimizer.hook = hook
+            self.optimizer.probe = probe
             self.optimizer.skip_clipping = skip_clipping
         else:
             self.model, self.optimizer = model, base
@@ -459,18 +476,15 @@ class FirstOrderTrainer:
 
     def run_step(self, step: int, batch, n_sampled: int, sampled_canaries) -> float:
         self.step_index = step
-        if self.hook is not None:
-            self.hook.begin_step(step, sampled_canaries)
-        loss = self.step(batch, n_sampled)
-        if self.transcript is not None:
-            self.transcript.write(self.hook.released)
-        return loss
+        if self.probe is not None:
+            self.probe.begin(step, sampled_canaries)
+        return self.step(batch, n_sampled)
 
     def close(self) -> None:
         """Ends the run: the transcript is closed, and gradients and optimizer state are freed before the
         model is exported (a sharded export gathers the whole model on rank 0)."""
-        if self.transcript is not None:
-            self.transcript.close()
+        if self.probe is not None:
+            self.probe.close()
         self.base_optimizer.zero_grad(set_to_none=True)
         self.base_optimizer.state.clear()
         for p in self.params:  # Opacus' references to the last clipped sum

@@ -10,6 +10,8 @@ step (public, from the canary seed), so the data's steady drift cancels out of t
 The transcript holds only canary-aligned numbers: for DP-SGD each step's released noisy sum at the m
 coordinates (m floats a step, whitebox_transcript.f32), for DP-ZO the (seed, scalar) log itself. The
 secret seed is never written. Scores are computed from the transcript by ``dpaudit.audit.whitebox``.
+Gradient canaries enter and are read by ``training.probe.WhiteBoxProbe``: the bundled trainer's and a user's
+loop's go the same way.
 """
 
 from __future__ import annotations
@@ -82,54 +84,3 @@ class WhiteBoxCanaries:
                        run_id=str(d["run_id"]) if d.get("run_id") else None)
         except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
             raise DPAuditError(f"{folder} has no readable white-box canary manifest: {exc}") from None
-
-
-class TranscriptWriter:
-    """Appends each step's m canary-aligned floats (float32) to the run folder; flushed every step."""
-
-    def __init__(self, path: Path, start_step: int, m: int):
-        self.path = Path(path)
-        keep = start_step * m * 4
-        if self.path.exists() and self.path.stat().st_size > keep:
-            with open(self.path, "r+b") as fh:
-                fh.truncate(keep)  # a resumed run rewrites the steps after its checkpoint
-        self.fh = open(self.path, "ab")
-
-    def write(self, row: np.ndarray) -> None:
-        self.fh.write(np.asarray(row, dtype="<f4").tobytes())
-        self.fh.flush()
-
-    def close(self) -> None:
-        self.fh.close()
-
-
-class GradientCanaryHook:
-    """DP-SGD: puts the sampled canaries' clipped gradients into the clipped sum, and reads the release."""
-
-    def __init__(self, canaries: WhiteBoxCanaries, params, clip: float):
-        self.canaries, self.clip = canaries, clip
-        sizes = np.cumsum([0] + [p.numel() for p in params])
-        self.where = []  # (parameter index, flat offset) of every canary coordinate
-        for j in canaries.coordinates:
-            k = int(np.searchsorted(sizes, j, side="right") - 1)
-            self.where.append((k, j - int(sizes[k])))
-        self.sampled: np.ndarray = np.zeros(0, int)
-        self.signs = np.zeros(canaries.m)
-        self.released = np.zeros(canaries.m)
-
-    def begin_step(self, step: int, sampled_canaries: np.ndarray) -> None:
-        self.sampled, self.signs = sampled_canaries, self.canaries.signs(step)
-
-    def add_to_sum(self, params, max_grad_norm: float) -> None:
-        """Each sampled canary's gradient is gain*C*s on its coordinate; the optimizer's clip norm applies."""
-        size = self.canaries.gain * self.clip
-        value = size * min(1.0, max_grad_norm / size)
-        for i in self.sampled:
-            k, off = self.where[i]
-            params[k].summed_grad.view(-1)[off] += value * self.signs[i]
-
-    def read_release(self, params, scale: float) -> np.ndarray:
-        """The released noisy gradient at the canary coordinates, times ``scale`` (back to a noisy sum)."""
-        flat = [p.grad.detach().reshape(-1) for p in params]
-        self.released = np.array([float(flat[k][off]) * scale for k, off in self.where])
-        return self.released

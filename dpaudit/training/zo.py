@@ -164,7 +164,7 @@ def public_seed(seed: int, step: int) -> int:
 
 
 class ZOTrainer:
-    """DP-ZO behind the trainers' common interface: ``run_step`` (one step, returns the loss),
+    """DP-ZO behind the trainer protocol (methods.Trainer): ``run_step`` (one step, returns the loss),
     ``state_dict`` (nothing beyond the weights) and ``close``. Its transcript is the (seed, scalar) log.
     White-box canaries and planted bugs enter here: sampled canaries add their loss differences to the
     clipped sum; "actual-batch" divides by the realised batch, "public-noise-seed" draws the noise from
@@ -206,6 +206,9 @@ class ZOTrainer:
 
     def state_dict(self) -> None:
         return None
+
+    def load_state_dict(self, state: dict) -> None:
+        """Nothing to load: a DP-ZO step keeps no optimizer state beyond the weights."""
 
     def close(self) -> None:
         if self.log is not None:

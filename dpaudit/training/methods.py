@@ -1,0 +1,100 @@
+"""The training methods: the protocol every trainer keeps, and each method registered once.
+
+A run (``runner.train``) owns everything around the steps: sampling, the write-ahead ledger, checkpoints,
+the run folder. A trainer owns one step and its optimizer state, behind four calls:
+
+    run_step(step, batch, n_sampled, sampled_canaries) -> mean loss   one DP step (batch: this rank's share)
+    state_dict() -> dict | None                                        what a checkpoint keeps beyond the weights
+    load_state_dict(state)                                             its inverse, on --resume
+    close()                                                            ends the run (transcripts closed, memory freed)
+
+``METHODS`` maps a method's name to its defaults, the noises it can add, the kind of white-box canary it
+takes and how its trainer is built from a ``TrainerSetup``; the CLI's choices and the run's checks read it,
+so a new method is one entry here. Trainer modules are imported only when one is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+
+class Trainer(Protocol):
+    def run_step(self, step: int, batch, n_sampled: int, sampled_canaries) -> float: ...
+
+    def state_dict(self) -> dict | None: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class TrainerSetup:
+    """What a run hands a method's builder."""
+    cfg: Any                 # runner.TrainConfig
+    model: Any
+    params: list
+    run_dir: Any
+    rate: float              # the Poisson sampling rate p
+    batch_size: int          # the expected batch size
+    noise_sigma: float       # the noise multiplier actually added (0 when noise is disabled)
+    secret: int              # the run's secret seed (noise keys)
+    start: int               # first step of this (re)start
+    main: bool               # rank 0: the one that writes
+    canaries: Any            # training.whitebox.WhiteBoxCanaries or None
+    world: Any               # training.distributed.World
+    sharding: Any            # training.shard.Sharding or None
+    rng: Any                 # numpy Generator: batches (and DP-ZO's noise)
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    defaults: dict
+    mechanisms: tuple[str, ...]   # noises its release can take
+    canaries: str                 # white-box canary kind: "scalar" (one released sum) or "gradient"
+    build: Callable[[TrainerSetup], Trainer]
+
+
+def _dp_zo(s: TrainerSetup) -> Trainer:
+    from dpaudit import run_folder
+    from dpaudit.training.streams import STREAM
+    from dpaudit.training.zo import ZOSettings, ZOTrainer
+
+    cfg = s.cfg
+    zo = ZOSettings(lr=cfg.lr, phi=cfg.phi, clip=cfg.clip if cfg.private else None,
+                    noise=cfg.mechanism if cfg.private and s.noise_sigma > 0 else None, sigma=s.noise_sigma,
+                    direction=cfg.direction, clip_examples=not cfg.bug.skip_clipping,
+                    micro_batch=cfg.micro_batch, stream=STREAM)
+    log_path = s.run_dir / run_folder.ZO_LOG
+    if s.main:
+        run_folder.truncate_log(log_path, s.start)
+    return ZOTrainer(s.model, s.params, zo, run_seed=cfg.seed, expected_batch=s.batch_size, private=cfg.private,
+                     rng=s.rng, log_path=log_path if s.main else None, bug=cfg.bug, canaries=s.canaries,
+                     clip=cfg.clip, all_sum=s.world.sum, sharding=s.sharding)
+
+
+def _dp_sgd(s: TrainerSetup) -> Trainer:
+    from dpaudit.training.probe import WhiteBoxProbe
+    from dpaudit.training.sgd import FirstOrderTrainer
+    from dpaudit.training.streams import step_key
+
+    cfg = s.cfg
+    probe = None if s.canaries is None else WhiteBoxProbe.for_run(
+        s.params, s.canaries, clip=cfg.clip, sample_rate=s.rate, out=s.run_dir, start_step=s.start, write=s.main)
+    return FirstOrderTrainer(s.model, s.params, lr=cfg.lr, private=cfg.private, clip=cfg.clip, sigma=s.noise_sigma,
+                             expected_batch_size=s.batch_size,
+                             # fresh for each (re)start: a step redone after --resume must not reuse the
+                             # noise its first attempt released with another batch
+                             noise_seed=step_key(s.secret, s.start),
+                             optimizer=cfg.optimizer, world_size=s.world.size, probe=probe, bug=cfg.bug,
+                             per_sample_grads=cfg.per_sample_grads, micro_batch=cfg.micro_batch,
+                             sharding=s.sharding)
+
+
+# Defaults tuned on the embedded default (see docs/trainers.md); every one can be overridden.
+METHODS: dict[str, Method] = {
+    "dp-zo": Method("dp-zo", {"lr": 3e-5, "clip": 0.05, "steps": 3000}, ("gaussian", "laplace"), "scalar", _dp_zo),
+    "dp-sgd": Method("dp-sgd", {"lr": 5e-3, "clip": 1.0, "steps": 300}, ("gaussian",), "gradient", _dp_sgd),
+}
