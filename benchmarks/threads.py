@@ -2,9 +2,13 @@
 its CPU quota) against 1, and against more threads than cores (what torch picks on a box whose core
 count exceeds the process's share), on a quiet machine and with competing busy processes.
 
-    .venv/bin/python benchmarks/threads.py [--busy 1] [--threads 1,2,4,8]
+    .venv/bin/python benchmarks/threads.py [--busy 1] [--late] [--threads 1,2,4,8] [--wait-policy active,passive]
 Each setting runs in its own subprocess (a DP-SGD step, ghost clipping, 17.1M-parameter model,
 B = 8 x 64 tokens, median of 5 steps); ratios are against the default in the same run.
+``--late``: the competing processes start after the default is picked (a quiet machine that gets busy
+mid-run, which no start-up sample sees). ``--wait-policy``: OpenMP's OMP_WAIT_POLICY for the workers
+(the CLI sets passive unless the user set it: a waiting thread sleeps instead of spinning on a core that
+another process needs).
 """
 
 from __future__ import annotations
@@ -53,33 +57,44 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", default="1,2,4,8")
     ap.add_argument("--busy", type=int, default=0, help="busy-loop processes competing for the cores")
+    ap.add_argument("--late", action="store_true", help="start the busy processes after the default is picked")
+    ap.add_argument("--wait-policy", default="passive", help="OMP_WAIT_POLICY values to compare (comma-separated)")
     ap.add_argument("--worker", type=int)
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker)))
         return
+    import os
+
     from dpaudit.threads import default_threads
 
     spinners = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(args.busy)]
+    if args.late:
+        default = default_threads()  # picked on the quiet machine; the load arrives afterwards
     for p in spinners:
         p.start()
     try:
         time.sleep(0.5)
-        default = default_threads()  # what dpaudit would pick now, with the competing load running
+        if not args.late:
+            default = default_threads()  # what dpaudit would pick now, with the competing load running
         counts = sorted({default, *(int(t) for t in args.threads.split(","))})
+        policies = [w.strip().upper() for w in args.wait_policy.split(",")]
         seconds = {}
-        for n in counts:
-            out = subprocess.run([sys.executable, __file__, "--worker", str(n)], capture_output=True, text=True,
-                                 check=True)
-            seconds[n] = json.loads(out.stdout.strip().splitlines()[-1])
+        for policy in policies:
+            for n in counts:
+                out = subprocess.run([sys.executable, __file__, "--worker", str(n)], capture_output=True, text=True,
+                                     check=True, env={**os.environ, "OMP_WAIT_POLICY": policy})
+                seconds[policy, n] = json.loads(out.stdout.strip().splitlines()[-1])
     finally:
         for p in spinners:
             p.terminate()
-    print(f"DP-SGD step (ghost), 17.1M parameters, B = 8 x 64 tokens; {args.busy} busy processes; "
-          f"default threads here: {default}")
-    print(f"{'threads':>8}{'s/step':>10}{'x default':>11}")
-    for n, s in seconds.items():
-        print(f"{n:>8}{s:>10.3f}{s / seconds[default]:>11.2f}{'  (default)' if n == default else ''}")
+    base = seconds[policies[-1], default]
+    print(f"DP-SGD step (ghost), 17.1M parameters, B = 8 x 64 tokens; {args.busy} busy processes"
+          f"{' (started after the default was picked)' if args.late else ''}; default threads: {default}")
+    print(f"{'wait policy':>12}{'threads':>8}{'s/step':>10}{'x default':>11}")
+    for (policy, n), s in seconds.items():
+        mark = "  (default)" if n == default and policy == policies[-1] else ""
+        print(f"{policy.lower():>12}{n:>8}{s:>10.3f}{s / base:>11.2f}{mark}")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
+
+# Before torch (and its OpenMP runtime) loads: threads waiting at a parallel region sleep instead of
+# spinning, so a core another process takes mid-run stalls a step less (benchmarks/threads.py --late).
+# A value the user set stays.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import typer
 import typer.core

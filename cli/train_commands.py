@@ -65,6 +65,13 @@ def parse_eps(eps: str | None, sigma: float | None) -> float:
     return value
 
 
+def _divergence_opt(default: bool):
+    return Annotated[bool, typer.Option(
+        "--stop-on-divergence/--no-stop-on-divergence",
+        help="Stop when the training loss rises above 1.75x its start (medians of 3 steps); off, warn once. "
+             f"Default: {'on' if default else 'off'}.")]
+
+
 PlantBugOpt = Annotated[Optional[str], typer.Option(
     "--plant-bug", hidden=True, help="Testing the audit only (needs DPAUDIT_ALLOW_BUGS=1): plant a privacy bug.")]
 
@@ -139,6 +146,7 @@ def train_cmd(
         "--white-box", help="Plant M white-box canaries and record the canary-aligned transcript "
                             "(audit it with 'dpaudit audit transcript').")] = 0,
     plant_bug: PlantBugOpt = None,
+    stop_on_divergence: _divergence_opt(False) = False,
     threads: ThreadsOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -158,7 +166,8 @@ def train_cmd(
     cfg = make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction,
                       trainable, bf16, seed, secret_seed, accountant, save_every=save_every, white_box=white_box,
                       plant_bug=plant_bug, allow_overspend=allow_overspend, per_sample_grads=per_sample_grads,
-                      micro_batch=micro_batch, max_memory=max_memory, shard=shard)
+                      micro_batch=micro_batch, max_memory=max_memory, shard=shard,
+                      stop_on_divergence=stop_on_divergence)
     refuse_overlap(out, {"model": model, "dataset": data}, folder_output=True)
     set_threads(threads)
     texts = read_texts(data, detect_format(data, data_format), field)
@@ -195,6 +204,7 @@ def audit_run(
         "--white-box", help="Audit what DP protects: canaries planted in every privatised release "
                             "(DP-SGD gradients, DP-ZO scalars), scored from the run's transcript.")] = False,
     plant_bug: PlantBugOpt = None,
+    stop_on_divergence: _divergence_opt(True) = True,
     threads: ThreadsOpt = None,
     repeat: Annotated[int, typer.Option("--repeat", "-r", help="Copies of each member canary.")] = 1,
     unsafe_disable_noise: Annotated[bool, typer.Option(
@@ -217,7 +227,7 @@ def audit_run(
     cfg = make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction,
                       trainable, bf16, seed, secret_seed, accountant, unsafe_disable_noise=unsafe_disable_noise,
                       plant_bug=plant_bug, per_sample_grads=per_sample_grads, micro_batch=micro_batch,
-                      max_memory=max_memory, shard=shard)
+                      max_memory=max_memory, shard=shard, stop_on_divergence=stop_on_divergence)
     if white_box:
         cfg = dataclasses.replace(cfg, white_box=canaries or white_box_canaries(cfg))
     set_threads(threads)
