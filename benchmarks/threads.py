@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import statistics
 import subprocess
 import sys
@@ -31,7 +32,14 @@ def worker(threads: int) -> float:
     from dpaudit.training.sgd import FirstOrderTrainer
     from dpaudit.training.trainable import trainable_parameters
 
-    torch.set_num_threads(threads)
+    adaptive = os.environ.get("DPAUDIT_BENCH_ADAPT") == "1"
+    if adaptive:  # the CLI's default: picked now, re-picked between steps (dpaudit.threads.Governor)
+        from dpaudit.threads import adapt, set_threads
+
+        set_threads(None)
+        torch.set_num_threads(threads)  # start from the parent's pick (with --late, made before the load came)
+    else:
+        torch.set_num_threads(threads)
     corpus = sentences(500, seed=0)
     tok = build_tokenizer(corpus)
     model = build_model(tok, hidden_size=512, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=8,
@@ -45,6 +53,8 @@ def worker(threads: int) -> float:
         start = time.perf_counter()
         trainer.step(batch)
         times.append(time.perf_counter() - start)
+        if adaptive:
+            adapt()
     return statistics.median(times)
 
 
@@ -64,8 +74,6 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args.worker)))
         return
-    import os
-
     from dpaudit.threads import default_threads
 
     spinners = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(args.busy)]
@@ -81,9 +89,11 @@ def main() -> None:
         policies = [w.strip().upper() for w in args.wait_policy.split(",")]
         seconds = {}
         for policy in policies:
-            for n in counts:
-                out = subprocess.run([sys.executable, __file__, "--worker", str(n)], capture_output=True, text=True,
-                                     check=True, env={**os.environ, "OMP_WAIT_POLICY": policy})
+            for n in [*counts, "adaptive"]:
+                out = subprocess.run([sys.executable, __file__, "--worker", str(default if n == "adaptive" else n)],
+                                     capture_output=True, text=True, check=True,
+                                     env={**os.environ, "OMP_WAIT_POLICY": policy,
+                                          "DPAUDIT_BENCH_ADAPT": "1" if n == "adaptive" else "0"})
                 seconds[policy, n] = json.loads(out.stdout.strip().splitlines()[-1])
     finally:
         for p in spinners:
@@ -91,10 +101,10 @@ def main() -> None:
     base = seconds[policies[-1], default]
     print(f"DP-SGD step (ghost), 17.1M parameters, B = 8 x 64 tokens; {args.busy} busy processes"
           f"{' (started after the default was picked)' if args.late else ''}; default threads: {default}")
-    print(f"{'wait policy':>12}{'threads':>8}{'s/step':>10}{'x default':>11}")
+    print(f"{'wait policy':>12}{'threads':>9}{'s/step':>10}{'x default':>11}")
     for (policy, n), s in seconds.items():
         mark = "  (default)" if n == default and policy == policies[-1] else ""
-        print(f"{policy.lower():>12}{n:>8}{s:>10.3f}{s / base:>11.2f}{mark}")
+        print(f"{policy.lower():>12}{n!s:>9}{s:>10.3f}{s / base:>11.2f}{mark}")
 
 
 if __name__ == "__main__":

@@ -50,21 +50,77 @@ def busy_cores(cpus: set[int], interval: float = 0.1) -> float:
     return busy
 
 
-def default_threads() -> int:
-    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
-    usable = len(cpus)
+def _cpus() -> set[int]:
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
+def _usable(cpus: set[int]) -> int:
     quota = cpu_quota()
-    if quota is not None:
-        usable = min(usable, max(1, math.floor(quota)))
-    return max(1, min(usable, round(len(cpus) - busy_cores(set(cpus)))))
+    return len(cpus) if quota is None else min(len(cpus), max(1, math.floor(quota)))
+
+
+def default_threads() -> int:
+    cpus = _cpus()
+    return max(1, min(_usable(cpus), round(len(cpus) - busy_cores(set(cpus)))))
+
+
+class Governor:
+    """Re-picks the thread count while a command runs (when the user gave no --threads): a core another
+    process takes mid-run is left to it. Each ``adapt()`` reads how busy the cores were since the last call,
+    less this process's own CPU time, without sleeping (the start-up sample above cannot see load that
+    arrives later; benchmarks/threads.py --late)."""
+
+    def __init__(self) -> None:
+        self.cpus = _cpus()
+        self.usable = _usable(self.cpus)
+        self._last = self._snapshot()
+
+    def _snapshot(self):
+        import resource
+        import time
+
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        try:
+            times = _cpu_times(self.cpus)
+        except (OSError, ValueError):
+            times = {}
+        return times, time.monotonic(), own.ru_utime + own.ru_stime
+
+    def adapt(self) -> int | None:
+        """The thread count now in force if it changed, else None."""
+        before, t0, own0 = self._last
+        after, t1, own1 = self._last = self._snapshot()
+        if t1 - t0 < 0.5 or not after:
+            return None
+        busy = sum((b1 - before[c][0]) / (n1 - before[c][1]) for c, (b1, n1) in after.items()
+                   if c in before and n1 > before[c][1])
+        others = max(0.0, busy - (own1 - own0) / (t1 - t0))
+        n = max(1, min(self.usable, round(len(self.cpus) - others)))
+        import torch
+
+        if n == torch.get_num_threads():
+            return None
+        torch.set_num_threads(n)
+        return n
+
+
+_GOVERNOR: Governor | None = None
+
+
+def adapt() -> int | None:
+    """Called between steps of long work: re-picks the default thread count (a no-op after --threads N)."""
+    return _GOVERNOR.adapt() if _GOVERNOR is not None else None
 
 
 def set_threads(threads: int | None) -> int:
-    """Apply ``threads`` (None: the default above) to torch; returns the number used."""
+    """Apply ``threads`` (None: the default above, re-picked by ``adapt()`` as the load changes) to torch;
+    returns the number used."""
+    global _GOVERNOR
     n = default_threads() if threads is None else threads
     if n < 1:
         raise DPAuditError(f"--threads must be >= 1, got {n}")
     import torch
 
     torch.set_num_threads(n)
+    _GOVERNOR = Governor() if threads is None else None
     return n

@@ -364,6 +364,7 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
             raise DPAuditError(f"cannot read the optimizer state in {saved}: {type(exc).__name__}") from None
 
     last_loss, interrupted_at = None, start
+    from dpaudit.threads import adapt as adapt_threads
     from dpaudit.training.divergence import DivergenceWatch
 
     watch = DivergenceWatch()
@@ -382,6 +383,8 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
                 last_loss = trainer.run_step(step, batch, len(idx), sampled)
                 interrupted_at = step + 1
                 _watch_divergence(watch, step, last_loss if len(idx) else None, cfg, ledger, world)
+                if world.size == 1 and step % 10 == 9:
+                    adapt_threads()  # a core another process took since is left to it (threads.py)
                 advance(1, f"step {step + 1}, loss {last_loss:.4g}, eps spent {ledger.spent(step + 1 + discarded):.4g}")
                 due = cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps
                 if due and cfg.trainable != "lora":  # LoRA adapters are merged once, at export
