@@ -10,7 +10,7 @@ import typer
 from rich.markup import escape
 
 from dpaudit.atomic import refuse_overlap
-from dpaudit.audit.headlines import AUTO_RULE, HEADLINES
+from dpaudit.audit.headlines import headline_help
 from dpaudit.cli.common import LONG_TIMEOUT, MODEL_TIMEOUT, ForceOpt, JsonOpt, ThreadsOpt, bounded, console, emit_json
 from dpaudit.errors import DPAuditError
 
@@ -29,8 +29,7 @@ GuessesOpt = Annotated[Optional[list[int]], typer.Option(
                             "them. Default: 2%, 5%, 10%, 20%, 50%, 100% of m.")]
 ReportOpt = Annotated[Optional[Path], typer.Option("--report", help="Write report.json/.md, roc.png, scores.csv here.")]
 HeadlineOpt = Annotated[str, typer.Option(
-    "--headline", help=f"The bound that decides the verdict, fixed in advance. {AUTO_RULE}. Or one of: "
-                       f"{', '.join(HEADLINES[1:])}.")]
+    "--headline", help=headline_help())]
 
 
 def resolve_claims(where: Path, claimed_eps: float | None, delta: float | None) -> tuple[float | None, float, dict]:

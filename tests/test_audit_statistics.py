@@ -136,14 +136,33 @@ def test_the_headline_help_is_built_from_the_registry_the_audit_uses():
     import re
 
     from cli_helpers import dpaudit
-    from dpaudit.audit.analysis import HEADLINES, choose_headline
-    from dpaudit.audit.headlines import AUTO_RULE
+    from dpaudit.audit.analysis import choose_headline
+    from dpaudit.audit.headlines import AUTO_RULE, BOUNDS, HEADLINES, SCOPES
     from dpaudit.audit.scores import get_score
 
     text = " ".join(dpaudit("audit", "scores", "--help").stdout.split()).replace("- ", "-")  # click breaks at "-"
     assert all(re.search(rf"\b{re.escape(h)}\b", text) for h in HEADLINES)
     assert " ".join(AUTO_RULE.split()) in text
+    for name, spec in BOUNDS.items():  # each bound that may headline, in the group of what it is valid for
+        group = re.search(rf"valid for {re.escape(SCOPES[spec.valid_for])}[^:;]*:[^;)]*\b{re.escape(name)}\b", text)
+        assert (group is not None) is spec.headline, name
     # The rule in words is the rule in code.
     white, plain = get_score("white-box-dp-sgd"), get_score("neg-loss")
     assert choose_headline(plain, 0.0) == "steinke" and choose_headline(plain, 1e-5, mechanism="laplace") == "fdp"
     assert choose_headline(white, 1e-5) == "gaussian" and choose_headline(plain, 1e-5) == "fdp-gdp"
+
+
+def test_every_registered_bound_is_computed_named_and_explained_as_the_registry_says():
+    from dpaudit.audit.analysis import analyse
+    from dpaudit.audit.headlines import BOUNDS
+
+    rng = np.random.default_rng(3)
+    members = rng.random(400) < 0.5
+    scores = rng.normal(0, 1, 400) + members
+    result = analyse(scores, members, claimed_epsilon=1.0, delta=1e-5, score="white-box-dp-sgd")
+    assert list(result.bounds) == list(BOUNDS)
+    for name, bound in result.bounds.items():
+        assert bound.name == name and bound.valid_for == BOUNDS[name].valid_for
+    pure = analyse(scores, members, claimed_epsilon=1.0, delta=0.0, score="neg-loss")
+    assert set(pure.bounds) == {n for n, b in BOUNDS.items() if not b.needs_delta and not b.white_box_only}
+    assert result.to_dict()["headline"]["why_valid"] == BOUNDS["gaussian"].why

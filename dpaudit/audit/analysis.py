@@ -16,31 +16,12 @@ import math
 from dataclasses import dataclass, field
 
 
-from dpaudit.audit.auditor import Bound, CanaryScoreAuditor, GuessCounts, HullThresholds, TopGuesses
+from dpaudit.audit.auditor import Bound, CanaryScoreAuditor, GuessCounts
 from dpaudit.audit.guesses import check_scores
-from dpaudit.audit.headlines import HEADLINES
+from dpaudit.audit.headlines import BOUNDS, HEADLINES, WHY
 from dpaudit.audit.roc import RocSummary, summarise
 from dpaudit.audit.scores import Score, get_score
 from dpaudit.errors import DPAuditError
-
-TOP_K = ("one-sided top-k guesses for counts k on a grid fixed in advance (at most 12, equal ones merged; "
-         "label-free), alpha split over the distinct ones")
-HULL = ("one-sided guesses at ROC-hull thresholds, alpha split over the hull's vertices (jax_privacy's rule; the "
-        "hull is chosen with the labels, so this is slightly optimistic at the null)")
-
-WHY = {
-    "gaussian": "white-box scores are sums over many released updates, hence Gaussian: the mean shift of all m "
-                "scores estimates mu (noncentral-t lower limit), converted to eps at delta through G_mu",
-    "fdp-gdp": "f-DP one-run test (Mahloujifar et al. 2025) of the Gaussian trade-off family, the shape DP-SGD "
-               "and DP-ZO take over many steps; " + TOP_K,
-    "fdp": "f-DP one-run test of the (eps, delta) trade-off curve: valid for any (eps, delta)-DP mechanism; " + TOP_K,
-    "steinke": "Steinke et al. 2023 one-run bound, valid for any (eps, delta)-DP mechanism; " + TOP_K,
-    "fdp-gdp-hull": "f-DP one-run test of the Gaussian family; " + HULL,
-    "steinke-hull": "Steinke et al. 2023 one-run bound; " + HULL,
-    "steinke-two-sided": "Steinke et al. 2023 one-run bound with two-sided guesses at counts fixed in advance, "
-                         "alpha split over them",
-}
-
 
 @dataclass
 class AuditResult:
@@ -125,7 +106,7 @@ def choose_headline(score: Score, delta: float, headline: str = "auto", mechanis
         if mechanism is not None and mechanism != "gaussian":
             return "fdp"
         return "gaussian" if score.gaussian_sum else "fdp-gdp"
-    if headline in ("gaussian", "fdp-gdp", "fdp-gdp-hull") and delta == 0:
+    if BOUNDS[headline].needs_delta and delta == 0:
         raise DPAuditError(f"the {headline} bound needs delta > 0 (a Gaussian curve has no finite pure eps)")
     return headline
 
@@ -148,21 +129,16 @@ def analyse(scores, members, *, claimed_epsilon: float | None = None, delta: flo
     if resolved[0] < 1 or resolved[-1] > m:
         raise DPAuditError(f"guess counts must lie in [1, m={m}], got {resolved}")
     auditor = CanaryScoreAuditor.from_labels(scores, members, seed)
-    top, hull = TopGuesses(), HullThresholds()
-    bounds = {}
-    if delta > 0:
-        bounds["fdp-gdp"] = auditor.epsilon_one_run_fdp(alpha, delta, "gdp", top)
-        bounds["fdp-gdp-hull"] = auditor.epsilon_one_run_fdp(alpha, delta, "gdp", hull)
-    bounds["fdp"] = auditor.epsilon_one_run_fdp(alpha, delta, "approx", top)
-    bounds["steinke"] = auditor.epsilon_one_run(alpha, delta, top)
-    bounds["steinke-hull"] = auditor.epsilon_one_run(alpha, delta, hull)
-    bounds["steinke-two-sided"] = auditor.epsilon_one_run(alpha, delta, counts)
     n_in, n_out = int(members.sum()), int((~members).sum())
-    if delta > 0 and (kind.gaussian_sum or head == "gaussian") and min(n_in, n_out) >= 2:
-        bounds["gaussian"] = auditor.epsilon_gaussian(alpha, delta)
+    bounds = {}
+    for name, spec in BOUNDS.items():  # every bound the registry holds that applies here
+        if spec.needs_delta and delta == 0:
+            continue
+        if spec.white_box_only and not ((kind.gaussian_sum or head == name) and min(n_in, n_out) >= 2):
+            continue
+        bounds[name] = spec.compute(auditor, alpha, delta, counts)
     if head not in bounds:
         raise DPAuditError("the gaussian bound needs at least 2 members and 2 non-members")
-    bounds["clopper-pearson"] = auditor.epsilon_clopper_pearson(alpha, delta, top)
     return AuditResult(m=m, members=n_in, nonmembers=n_out, alpha=alpha, delta=delta,
                        claimed_epsilon=claimed_epsilon, score=kind, bounds=bounds, headline=head,
                        roc=summarise(scores, members))

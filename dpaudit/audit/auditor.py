@@ -15,6 +15,7 @@ import numpy as np
 
 from dpaudit.audit import clopper_pearson, fdp, gaussian, gdp, one_run
 from dpaudit.audit.guesses import default_guess_counts, make_guesses, ranking, roc_hull
+from dpaudit.audit.headlines import ANY_MECHANISM, GAUSSIAN_SHAPE, INDEPENDENT, WHITE_BOX_SUMS
 
 
 @dataclass(frozen=True)
@@ -101,8 +102,6 @@ def _suffix(strategy) -> str:
     return {TopGuesses: "", HullThresholds: "-hull", GuessCounts: "-two-sided"}[type(strategy)]
 
 
-ANY_MECHANISM = "any (eps, delta)-DP mechanism"
-GAUSSIAN_SHAPE = "mechanisms with a Gaussian trade-off curve (mu-GDP; DP-SGD/DP-ZO over many steps by the CLT)"
 
 
 class CanaryScoreAuditor:
@@ -177,8 +176,7 @@ class CanaryScoreAuditor:
         return Bound(name="gaussian", method="continuous statistic (Agrawal et al. 2026, 'Let's Ask Gauss')",
                      epsilon=gdp.epsilon_from_mu(mu, delta), delta=delta, alpha=alpha,
                      guesses="none: the mean shift of all scores", mu=mu, mu_estimate=mu_hat,
-                     valid_for="white-box scores that are sums of canary-aligned signals over many steps "
-                               "(Gaussian by the CLT), from a mu-GDP mechanism")
+                     valid_for=WHITE_BOX_SUMS)
 
     def epsilon_clopper_pearson(self, alpha: float, delta: float, strategy=TopGuesses()) -> Bound:
         """TPR/FPR intervals at each threshold (Jagielski et al. 2020). Treats canaries as independent trials:
@@ -189,4 +187,4 @@ class CanaryScoreAuditor:
         return Bound(name="clopper-pearson", method="Clopper-Pearson on TPR/FPR (independent trials)", epsilon=eps,
                      delta=delta, alpha=alpha, guesses=strategy.name, tests=n, k=c.k if c else None,
                      v=c.v if c else None, at=c.label if c else None,
-                     valid_for="independent canaries (many runs); indicative in one run")
+                     valid_for=INDEPENDENT)
