@@ -156,18 +156,21 @@ def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *,
     from dpaudit.lock import folder_lock
 
     main_process = int(os.environ.get("RANK", "0")) == 0
-    estimate = preflight(model_dir, cfg, len(texts)) if main_process else None
+    estimate = preflight(model_dir, cfg, len(texts), texts=texts) if main_process else None
     run_dir = Path(run_dir)
     with folder_lock(run_dir) if main_process else nullcontext():
         return _train(model_dir, texts, run_dir, cfg, resume=resume, show_progress=show_progress,
                       estimate=estimate)
 
 
-def preflight(model_dir: Path, cfg: TrainConfig, examples: int, warn: bool = True) -> int | None:
+def preflight(model_dir: Path, cfg: TrainConfig, examples: int, warn: bool = True,
+              texts: list[str] | None = None) -> int | None:
     """Refusals that need only the model's config, made before any folder is created or weight read:
     a trainable subset the model lacks, and (``cfg.max_memory``) a step estimated not to fit. Returns
     the estimated peak bytes of a step (None when the folder has no config to read). ``warn``: say when
-    the estimate is above the free memory (once per run: ``train`` says it, callers checking early don't)."""
+    the estimate is above the free memory (once per run: ``train`` says it, callers checking early don't).
+    Given ``texts``, a step is estimated at their longest tokenised length (a batch is cut to its longest
+    example, so short texts never fill ``max_length``); without, at ``max_length`` (the side to err on)."""
     import torch
 
     from dpaudit.accounting.budget import human_bytes
@@ -197,8 +200,9 @@ def preflight(model_dir: Path, cfg: TrainConfig, examples: int, warn: bool = Tru
         trainable = sum(cfg.lora_rank * (m.in_features + m.out_features) for m in model.modules()
                         if isinstance(m, torch.nn.Linear))
     shards = int(os.environ.get("WORLD_SIZE", "1")) if cfg.shard else 1
+    tokens = cfg.max_length if texts is None else _longest(folder, texts, cfg.max_length)
     settings = dict(shape=memory.ModelShape.of(model.config, total), trainable=trainable, method=cfg.method,
-                    tokens=cfg.max_length, bf16=cfg.bf16, optimizer=cfg.optimizer,
+                    tokens=tokens, bf16=cfg.bf16, optimizer=cfg.optimizer,
                     per_sample_grads=cfg.per_sample_grads, private=cfg.private, shards=shards)
     share = math.ceil(memory.largest_batch(cfg.batch_size or examples) / shards)  # this rank's
     at_once = min(cfg.micro_batch, share) if cfg.micro_batch else share
@@ -207,18 +211,30 @@ def preflight(model_dir: Path, cfg: TrainConfig, examples: int, warn: bool = Tru
         fits = memory.examples_that_fit(cfg.max_memory, **settings)
         hint = (f"--micro-batch {fits} fits (same batches, noise and accounting)" if fits else
                 "not even one example fits: try --trainable lora, --bf16 or --method dp-zo")
-        raise DPAuditError(f"a step of {cfg.method} on {at_once} examples x {cfg.max_length} tokens needs about "
+        raise DPAuditError(f"a step of {cfg.method} on {at_once} examples x {tokens} tokens needs about "
                            f"{human_bytes(estimate)}, over --max-memory {human_bytes(cfg.max_memory)}; {hint}")
     available = memory.available_bytes() if warn else None
     if not cfg.max_memory and available is not None and estimate > available:
         import sys
 
         fits = memory.examples_that_fit(available, **settings)
-        print(f"warning: a step of {cfg.method} on {at_once} examples x {cfg.max_length} tokens needs about "
+        print(f"warning: a step of {cfg.method} on {at_once} examples x {tokens} tokens needs about "
               f"{human_bytes(estimate)}, more than the {human_bytes(available)} available; "
               + (f"--micro-batch {fits} would fit" if fits else "not even one example would fit"),
               file=sys.stderr, flush=True)
     return estimate
+
+
+def _longest(folder: Path, texts: list[str], max_length: int) -> int:
+    """The longest of ``texts`` in tokens, at most ``max_length`` (the widest batch a run can draw)."""
+    from dpaudit.models.hf import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(folder)
+        lengths = tokenizer(texts, add_special_tokens=False, truncation=True, max_length=max_length)["input_ids"]
+    except Exception:  # noqa: BLE001 - an estimate only: the run itself reports a tokenizer it cannot use
+        return max_length
+    return max(1, min(max_length, max((len(ids) for ids in lengths), default=1)))
 
 
 def _has_content(folder: Path) -> bool:
