@@ -23,7 +23,9 @@ TrainDeltaOpt = Annotated[Optional[float], typer.Option(
     "--delta", help="Target delta (default: 1e-5 for gaussian; 0, pure eps-DP, for laplace).")]
 TrainMechOpt = Annotated[str, typer.Option("--mech", help="Noise: gaussian, or laplace (dp-zo only).")]
 ClipOpt = Annotated[Optional[float], typer.Option("--clip", help="C (default: dp-zo 0.05, dp-sgd 1.0).")]
-LrOpt = Annotated[Optional[float], typer.Option("--lr", help="Learning rate (default: dp-sgd 5e-3 AdamW, dp-zo 3e-5).")]
+LrOpt = Annotated[Optional[float], typer.Option("--lr", help=(
+    "Learning rate. Default: on the embedded model dp-sgd 5e-3 (AdamW), dp-zo 3e-5; on a pretrained model "
+    "dp-sgd 5e-5 (LoRA 5e-4, bias 1e-3), dp-zo 1e-6 (LoRA 1e-5)."))]
 OptimizerOpt = Annotated[str, typer.Option("--optimizer", help="dp-sgd: adamw or sgd.")]
 TrainStepsOpt = Annotated[Optional[int], typer.Option("--steps", "-T", help="Training steps (default: dp-sgd 300, dp-zo 3000).")]
 TrainBatchOpt = Annotated[int, typer.Option("--batch-size", "-B", help="Expected batch size (p = B/N).")]
@@ -76,14 +78,22 @@ PlantBugOpt = Annotated[Optional[str], typer.Option(
     "--plant-bug", hidden=True, help="Testing the audit only (needs DPAUDIT_ALLOW_BUGS=1): plant a privacy bug.")]
 
 
+def _pretrained(model: Path | None) -> bool:
+    """Any model dpaudit did not build itself (the embedded default's folder carries dpaudit_model.json)."""
+    return model is not None and not (Path(model).is_dir() and (Path(model) / "dpaudit_model.json").is_file())
+
+
 def make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction, trainable,
-                bf16, seed, secret_seed, accountant, max_memory=None, **extra):
+                bf16, seed, secret_seed, accountant, max_memory=None, model: Path | None = None, **extra):
     from dpaudit.accounting.budget import parse_memory
     from dpaudit.accounting.noise import resolve_delta
+    from dpaudit.training.methods import METHODS
     from dpaudit.training.runner import TrainConfig
 
     if mech in ("gaussian", "laplace"):  # an unknown one is refused by TrainConfig, naming it
         delta = resolve_delta(mech, delta)
+    if lr is None and method in METHODS:  # the tiny model's defaults would blow a pretrained one up
+        lr = METHODS[method].default_lr(trainable, _pretrained(model))
 
     return TrainConfig(method=method, target_epsilon=parse_eps(eps, sigma), sigma=sigma, delta=delta,
                        mechanism=mech, clip=clip, lr=lr, optimizer=optimizer,
@@ -167,7 +177,7 @@ def train_cmd(
                       trainable, bf16, seed, secret_seed, accountant, save_every=save_every, white_box=white_box,
                       plant_bug=plant_bug, allow_overspend=allow_overspend, per_sample_grads=per_sample_grads,
                       micro_batch=micro_batch, max_memory=max_memory, shard=shard,
-                      stop_on_divergence=stop_on_divergence)
+                      stop_on_divergence=stop_on_divergence, model=model)
     refuse_overlap(out, {"model": model, "dataset": data}, folder_output=True)
     set_threads(threads)
     texts = read_texts(data, detect_format(data, data_format), field)
@@ -227,7 +237,7 @@ def audit_run(
     cfg = make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction,
                       trainable, bf16, seed, secret_seed, accountant, unsafe_disable_noise=unsafe_disable_noise,
                       plant_bug=plant_bug, per_sample_grads=per_sample_grads, micro_batch=micro_batch,
-                      max_memory=max_memory, shard=shard, stop_on_divergence=stop_on_divergence)
+                      max_memory=max_memory, shard=shard, stop_on_divergence=stop_on_divergence, model=model)
     if white_box:
         cfg = dataclasses.replace(cfg, white_box=canaries or white_box_canaries(cfg))
     set_threads(threads)

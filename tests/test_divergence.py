@@ -41,3 +41,23 @@ def test_a_diverging_run_stops_in_one_line_with_what_the_ledger_counts(tiny_mode
                   "-B", "20", "-T", "30", "--lr", "30", "--stop-on-divergence", "--threads", "1")
     assert_one_line_error(out)
     assert "stopped: the training loss" in out.stderr and "the ledger counts" in out.stderr
+
+
+def test_a_pretrained_model_gets_its_own_learning_rate_default(tmp_path):
+    """The tiny embedded model's lr (5e-3 AdamW) diverges on a pretrained one: any model dpaudit did not build
+    gets the pretrained table; a given --lr always wins."""
+    from dpaudit.cli.train_commands import make_config
+    from dpaudit.training.methods import METHODS
+
+    embedded = tmp_path / "embedded"
+    embedded.mkdir()
+    (embedded / "dpaudit_model.json").write_text("{}")
+    args = dict(eps="1", sigma=None, delta=None, mech="gaussian", clip=None, optimizer="adamw", steps=None,
+                batch_size=8, phi=1e-3, direction="rademacher", bf16=False, seed=0, secret_seed=None, accountant=None)
+    lr = {(method, trainable, str(model)): make_config(method, lr=None, trainable=trainable, model=model, **args).lr
+          for method in ("dp-sgd", "dp-zo") for trainable in ("full", "lora") for model in (None, embedded,
+                                                                                          tmp_path / "m.gguf")}
+    assert lr["dp-sgd", "full", "None"] == lr["dp-sgd", "full", str(embedded)] == METHODS["dp-sgd"].defaults["lr"]
+    assert lr["dp-sgd", "full", str(tmp_path / "m.gguf")] == 5e-5
+    assert lr["dp-sgd", "lora", str(tmp_path / "m.gguf")] == 5e-4 and lr["dp-zo", "full", str(tmp_path / "m.gguf")] == 1e-6
+    assert make_config("dp-sgd", lr=0.1, trainable="full", model=tmp_path / "m.gguf", **args).lr == 0.1

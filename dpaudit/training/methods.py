@@ -55,6 +55,13 @@ class Method:
     mechanisms: tuple[str, ...]   # noises its release can take
     canaries: str                 # white-box canary kind: "scalar" (one released sum) or "gradient"
     build: Callable[[TrainerSetup], Trainer]
+    # Learning rates for a pretrained model (any model dpaudit did not build), by trainable subset: the
+    # defaults above were tuned on the tiny embedded model and blow a pretrained one up (issue 32).
+    pretrained_lr: dict | None = None
+
+    def default_lr(self, trainable: str, pretrained: bool) -> float:
+        table = self.pretrained_lr or {}
+        return table.get(trainable, table.get("full", self.defaults["lr"])) if pretrained else self.defaults["lr"]
 
 
 def _dp_zo(s: TrainerSetup) -> Trainer:
@@ -95,6 +102,8 @@ def _dp_sgd(s: TrainerSetup) -> Trainer:
 
 # Defaults tuned on the embedded default (see docs/trainers.md); every one can be overridden.
 METHODS: dict[str, Method] = {
-    "dp-zo": Method("dp-zo", {"lr": 3e-5, "clip": 0.05, "steps": 3000}, ("gaussian", "laplace"), "scalar", _dp_zo),
-    "dp-sgd": Method("dp-sgd", {"lr": 5e-3, "clip": 1.0, "steps": 300}, ("gaussian",), "gradient", _dp_sgd),
+    "dp-zo": Method("dp-zo", {"lr": 3e-5, "clip": 0.05, "steps": 3000}, ("gaussian", "laplace"), "scalar", _dp_zo,
+                    pretrained_lr={"full": 1e-6, "lora": 1e-5}),
+    "dp-sgd": Method("dp-sgd", {"lr": 5e-3, "clip": 1.0, "steps": 300}, ("gaussian",), "gradient", _dp_sgd,
+                     pretrained_lr={"full": 5e-5, "bias": 1e-3, "lora": 5e-4}),
 }
