@@ -76,14 +76,27 @@ def calibrate(
     _print_assumptions(lines)
 
 
+McThreadsOpt = Annotated[Optional[int], typer.Option(
+    "--threads", help="CPU threads for torch with --mc-backend torch (the only accounting path that runs torch).")]
+
+
+def _torch_threads(backend: str, threads: int | None) -> None:
+    if backend == "torch":  # torch is never imported otherwise: the accounting core is torch-free
+        from dpaudit.threads import set_threads
+
+        set_threads(threads)
+
+
 @bounded("dpaudit epsilon")
 def epsilon_cmd(
     sigma: SigmaOpt, mech: MechOpt = "gaussian", delta: DeltaOpt = None, p: POpt = None,
     batch_size: BatchOpt = None, dataset_size: DatasetOpt = None, steps: StepsOpt = None,
     epochs: EpochsOpt = None, accountant: AccountantOpt = None, mc_samples: McSamplesOpt = None,
-    seed: SeedOpt = 0, mc_workers: McWorkersOpt = 1, mc_backend: McBackendOpt = "numpy", as_json: JsonOpt = False,
+    seed: SeedOpt = 0, mc_workers: McWorkersOpt = 1, mc_backend: McBackendOpt = "numpy",
+    threads: McThreadsOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Epsilon (an upper bound) spent by a given noise level and schedule."""
+    _torch_threads(mc_backend, threads)
     d = resolve_delta(mech, delta)
     m = schedule(mech, sigma, p, batch_size, dataset_size, steps, epochs)
     name = accountant or default_accountant(m, d)
@@ -108,10 +121,12 @@ def delta_cmd(
     mc_backend: McBackendOpt = "numpy",
     mc_tilt: Annotated[bool, typer.Option(
         "--mc-tilt", help="mc, Laplace: importance sampling by exponential tilting (tight at small delta).")] = False,
-    as_json: JsonOpt = False,
+    threads: McThreadsOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """delta(eps) for a noise level and schedule: an upper bound (pld; mc with probability >= 1 - beta)."""
     from dpaudit.accounting.registry import delta as delta_of
+
+    _torch_threads(mc_backend, threads)
 
     check_epsilon(eps)
     m = schedule(mech, sigma, p, batch_size, dataset_size, steps, epochs)
