@@ -206,7 +206,7 @@ def preflight(model_dir: Path, cfg: TrainConfig, examples: int, warn: bool = Tru
                     per_sample_grads=cfg.per_sample_grads, private=cfg.private, shards=shards)
     share = math.ceil(memory.largest_batch(cfg.batch_size or examples) / shards)  # this rank's
     at_once = min(cfg.micro_batch, share) if cfg.micro_batch else share
-    estimate = memory.peak_bytes(examples=at_once, **settings)
+    estimate = memory.process_peak_bytes(examples=at_once, **settings)
     if cfg.max_memory and estimate > cfg.max_memory:
         fits = memory.examples_that_fit(cfg.max_memory, **settings)
         hint = (f"--micro-batch {fits} fits (same batches, noise and accounting)" if fits else
