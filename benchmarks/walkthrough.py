@@ -46,10 +46,11 @@ def main() -> None:
     ap.add_argument("-T", "--steps", type=int, default=20)
     ap.add_argument("--zo-steps", type=int, default=100)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--cases", default="non-private,untrained,dp-sgd,dp-zo,lora")
+    ap.add_argument("--examples", type=int, default=None, help="synthetic sentences (default: as many as canaries)")
+    ap.add_argument("--cases", default="non-private,untrained,non-private as eps 1,dp-sgd,dp-zo,lora,lora as eps 1")
     args = ap.parse_args()
     dpaudit = [sys.executable, "-m", "dpaudit.cli.main"]
-    common = ["--model", str(args.gguf), "-m", str(args.canaries), "--examples", str(args.canaries),
+    common = ["--model", str(args.gguf), "-m", str(args.canaries), "--examples", str(args.examples or args.canaries),
               "-B", str(args.batch_size), "--threads", str(args.threads), "--secret-seed", "1", "--force", "--json"]
     cases = {
         "non-private": ["audit", "run", "--method", "dp-sgd", "--eps", "inf", "-T", str(args.steps)],
@@ -60,10 +61,16 @@ def main() -> None:
         "dp-zo": ["audit", "run", "--method", "dp-zo", "--eps", "1", "-T", str(args.zo_steps)],
         "lora": ["audit", "run", "--method", "dp-sgd", "--eps", "inf", "--trainable", "lora", "-T", str(args.steps)],
     }
+    for trained in ("non-private", "lora"):  # would the non-private model pass as eps = 1?
+        folder = args.out / trained
+        cases[f"{trained} as eps 1"] = ["audit", "checkpoint", "--model", str(folder / "run" / "model"),
+                                        "-c", str(folder / "canaries.json"), "--claimed-eps", "1", "--delta", "1e-5",
+                                        "--score", "loss-vs-base", "--base", str(folder / "extended_model"),
+                                        "--threads", str(args.threads), "--force", "--json"]
     print("| case | command | exit | wall s | peak RSS GB | AUC | headline | eps lower bound | verdict |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name in args.cases.split(","):
-        cmd = cases[name] + ([] if name == "untrained" else [*common, "--out", str(args.out / name)])
+        cmd = cases[name] + ([] if cases[name][1] == "checkpoint" else [*common, "--out", str(args.out / name)])
         code, seconds, rss, data = run(dpaudit + cmd)
         head = data.get("headline") or {}
         shown = "dpaudit " + " ".join(c for c in cmd if c not in ("--json", "--force"))

@@ -125,6 +125,7 @@ class CanaryScoreAuditor:
     def _search(self, strategy, bound_at, alpha: float) -> tuple[float, Candidate | None, int]:
         """Best bound over the strategy's guess sets, each tested at alpha / (number of sets)."""
         cands = strategy.candidates(self.scores, self.members, self.seed)
+        self._counts = sorted({c.k for c in cands if c.k >= 1})
         a = alpha / max(1, len(cands))
         best, arg = 0.0, None
         # Most precise guess sets first: a later set is then mostly ruled out by one cheap test at `best`.
@@ -136,11 +137,18 @@ class CanaryScoreAuditor:
                 best, arg = value, c
         return best, arg, len(cands)
 
+    def _ceiling(self, c: Candidate | None, f) -> float | None:
+        """``f(k)``: the bound had all k guesses been right. At the guess set chosen; when none was (a bound of
+        0), the most any set offered could give: what this audit could have refuted at all."""
+        if c is not None:
+            return f(c.k)
+        return max((f(k) for k in self._counts), default=None)
+
     def epsilon_one_run(self, alpha: float, delta: float, strategy=TopGuesses()) -> Bound:
         """Steinke, Nasr & Jagielski (2023): valid for any (eps, delta)-DP mechanism."""
         eps, c, n = self._search(strategy, lambda c, a, floor: one_run.epsilon_lower_bound(
             self.m, c.k, c.v, delta, a, floor=floor), alpha)
-        ceiling = one_run.ceiling(self.m, c.k, delta, alpha / n) if c else None
+        ceiling = self._ceiling(c, lambda k: one_run.ceiling(self.m, k, delta, alpha / n))
         return Bound(name="steinke" + _suffix(strategy),
                      method="Steinke, Nasr & Jagielski 2023 (one run)", epsilon=eps, delta=delta, alpha=alpha,
                      guesses=strategy.name, tests=n, k=c.k if c else None, v=c.v if c else None,
@@ -155,7 +163,7 @@ class CanaryScoreAuditor:
         if family == "gdp":
             mu, c, n = self._search(strategy, lambda c, a, floor: fdp.mu_lower_bound(self.m, c.k, c.v, a, floor),
                                     alpha)
-            ceiling = gdp.epsilon_from_mu(fdp.ceiling(self.m, c.k, alpha / n), delta) if c else None
+            ceiling = self._ceiling(c, lambda k: gdp.epsilon_from_mu(fdp.ceiling(self.m, k, alpha / n), delta))
             return Bound(name="fdp-gdp" + _suffix(strategy), method="Mahloujifar, Melis & Chaudhuri 2025 (f-DP in one run), G_mu family",
                          epsilon=gdp.epsilon_from_mu(mu, delta), delta=delta, alpha=alpha, guesses=strategy.name,
                          tests=n, k=c.k if c else None, v=c.v if c else None, at=c.label if c else None, mu=mu,
@@ -167,7 +175,7 @@ class CanaryScoreAuditor:
         return Bound(name="fdp" + _suffix(strategy), method="Mahloujifar, Melis & Chaudhuri 2025 (f-DP in one run), (eps, delta) curve",
                      epsilon=eps, delta=delta, alpha=alpha, guesses=strategy.name, tests=n,
                      k=c.k if c else None, v=c.v if c else None, at=c.label if c else None,
-                     ceiling=fdp.epsilon_lower_bound(self.m, c.k, c.k, delta, alpha / n) if c else None,
+                     ceiling=self._ceiling(c, lambda k: fdp.epsilon_lower_bound(self.m, k, k, delta, alpha / n)),
                      valid_for=ANY_MECHANISM)
 
     def epsilon_gaussian(self, alpha: float, delta: float) -> Bound:

@@ -76,7 +76,8 @@ def markdown(result: AuditResult, context: dict) -> str:
         "in brackets, how many distinct guess sets alpha was split over (equal sets are merged, so this can be "
         "fewer than the grid's counts); *at* is the guess set that gave the bound; *k guesses, v right* its size "
         "and correct guesses; *ceiling* is what the bound would be had all k guesses been right, the most this "
-        "audit could certify with that guess set at this m and alpha.",
+        "audit could certify with that guess set at this m and alpha (where no guess set gave a bound above 0, "
+        "the most any of them could have given).",
         "", "![ROC](roc.png)", "",
     ]
     return "\n".join(lines)
