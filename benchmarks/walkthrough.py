@@ -65,7 +65,6 @@ def main() -> None:
         folder = args.out / trained
         cases[f"{trained} as eps 1"] = ["audit", "checkpoint", "--model", str(folder / "run" / "model"),
                                         "-c", str(folder / "canaries.json"), "--claimed-eps", "1", "--delta", "1e-5",
-                                        "--score", "loss-vs-base", "--base", str(folder / "extended_model"),
                                         "--threads", str(args.threads), "--force", "--json"]
     print("| case | command | exit | wall s | peak RSS GB | AUC | headline | eps lower bound | verdict |")
     print("|---|---|---|---|---|---|---|---|---|")

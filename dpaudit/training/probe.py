@@ -3,9 +3,10 @@
 The probe plants m canaries where DP acts and reads what DP releases, as the bundled trainers' --white-box
 does (training/whitebox.py holds the canaries, their signs and the transcript format; audit/whitebox.py
 scores it). Each canary is a member with probability 1/2 (membership from fresh OS entropy, written 0600,
-never the secret that draws it; ``secret_seed=`` makes it reproducible, for tests and benchmarks only) and, as a member, is Poisson-sampled at each step with the run's rate p
-from the probe's own generator (never the user's torch or numpy state: attaching a probe changes neither
-the user's batches nor their noise).
+never the secret that draws it; ``secret_seed=`` makes it reproducible, for tests and benchmarks only)
+and, as a member, is Poisson-sampled at each step with the run's rate p from the probe's own generator
+(never the user's torch or numpy state: attaching a probe changes neither the user's batches nor their
+noise).
 
 - Gradient canaries (DP-SGD): canary i is gain x C x s[i, t] on its own coordinate j_i, chosen among the
   smallest trainable tensors (so its per-sample row costs little). Released: each step's noisy gradient
@@ -95,13 +96,16 @@ class WhiteBoxProbe:
         probe.where = probe._locate(canaries.coordinates)
         probe._fh = None
         if write:
-            path = probe.out / TRANSCRIPT
-            keep = start_step * probe.width * 4
-            if path.exists() and path.stat().st_size > keep:
-                with open(path, "r+b") as fh:
-                    fh.truncate(keep)
-            probe._fh = open(path, "ab")
+            probe._cut_transcript(start_step)
+            probe._fh = open(probe.out / TRANSCRIPT, "ab")
         return probe
+
+    def _cut_transcript(self, rows: int) -> None:
+        """Keep the transcript's first ``rows`` rows (a resumed run rewrites what followed)."""
+        path = self.out / TRANSCRIPT
+        if path.exists() and path.stat().st_size > rows * self.width * 4:
+            with open(path, "r+b") as fh:
+                fh.truncate(rows * self.width * 4)
 
     # -- folder ------------------------------------------------------------------------------------------
     def _start(self, m: int, gain: float, seed: int) -> None:
@@ -134,12 +138,9 @@ class WhiteBoxProbe:
             if max(self.canaries.coordinates) >= sum(p.numel() for p in self.params):
                 raise DPAuditError(f"{self.out} was probing other parameters; resume it with the same model")
             self.where = self._locate(self.canaries.coordinates)
-        width = 4 * self.width
         size = (self.out / TRANSCRIPT).stat().st_size if (self.out / TRANSCRIPT).exists() else 0
-        self.step = size // width
-        if size % width:  # a crash mid-row: the row was never complete, so that release was not read
-            with open(self.out / TRANSCRIPT, "r+b") as fh:
-                fh.truncate(self.step * width)
+        self.step = size // (4 * self.width)
+        self._cut_transcript(self.step)  # a crash mid-row: that row was never complete, so its release was not read
 
     def _place(self, m: int) -> list[int]:
         """m distinct coordinates (public, from the seed; flat indices into the parameters in order, as the
@@ -211,7 +212,7 @@ class WhiteBoxProbe:
             if at <= off < at + grad.numel():
                 grad.view(-1)[off - at] += value * signs[i]
 
-    def observe_slices(self, step: int, slices, scale: float, all_sum) -> None:
+    def observe_slices(self, step: int, slices, scale: float, all_sum=None) -> None:
         """``observe`` for sharded releases: each rank reads the canary coordinates its slices hold, and
         ``all_sum`` (a numpy vector summed over the ranks) puts the row together; every rank calls it."""
         row = np.zeros(self.m)
@@ -219,7 +220,7 @@ class WhiteBoxProbe:
             grad, at, _ = slices[k]
             if at <= off < at + grad.numel():
                 row[i] = float(grad.reshape(-1)[off - at]) * scale
-        self._record(step, np.asarray(all_sum(row), float))
+        self._record(step, np.asarray(all_sum(row) if all_sum else row, float))
 
     def _value(self, max_grad_norm: float) -> float:
         """A canary's clipped size: gain x C brought to the clip norm the optimizer uses."""
@@ -232,12 +233,9 @@ class WhiteBoxProbe:
         import torch
 
         self._need("gradient")
-        sampled, signs = self.begin(step), self.canaries.signs(step)
+        self.begin(step)
         grads = [torch.zeros_like(p) for p in self.params]
-        value = self._value(self.clip)
-        for i in sampled:
-            k, off = self.where[i]
-            grads[k].view(-1)[off] += value * signs[i]
+        self.add_to_slices([(g, 0, g.numel()) for g in grads], self.clip)
         return grads
 
     def canary_examples(self, step: int):
@@ -265,14 +263,12 @@ class WhiteBoxProbe:
     def observe(self, step: int, released, scale: float = 1.0) -> None:
         """Record the step's release: for gradient probes the noisy gradient sum (one tensor per parameter,
         or anything ``scale`` times which is that sum); for scalar probes the noisy sum."""
-        if self.kind == "gradient":
-            flat = [r.detach().reshape(-1) for r in released]
-            if len(flat) != len(self.params):
-                raise DPAuditError(f"observe() got {len(flat)} tensors for {len(self.params)} parameters")
-            row = np.array([float(flat[k][off]) * scale for k, off in self.where])
-        else:
-            row = np.array([float(released) * scale])
-        self._record(step, row)
+        if self.kind == "scalar":
+            return self._record(step, np.array([float(released) * scale]))
+        released = [r.detach() for r in released]
+        if len(released) != len(self.params):
+            raise DPAuditError(f"observe() got {len(released)} tensors for {len(self.params)} parameters")
+        self.observe_slices(step, [(r, 0, r.numel()) for r in released], scale)
 
     def _record(self, step: int, row: np.ndarray) -> None:
         if step != self.step:
