@@ -23,7 +23,6 @@ from dpaudit.training.methods import METHODS
 from dpaudit.training.plan import PrivacyPlan
 
 
-
 @dataclass
 class TrainConfig:
     method: str = "dp-sgd"
