@@ -89,9 +89,10 @@ class Governor:
     def adapt(self) -> int | None:
         """The thread count now in force if it changed, else None."""
         before, t0, own0 = self._last
-        after, t1, own1 = self._last = self._snapshot()
-        if t1 - t0 < 0.5 or not after:
+        after, t1, own1 = now = self._snapshot()
+        if t1 - t0 < 0.5 or not after:  # too short to tell: the interval runs on to the next call
             return None
+        self._last = now
         busy = sum((b1 - before[c][0]) / (n1 - before[c][1]) for c, (b1, n1) in after.items()
                    if c in before and n1 > before[c][1])
         others = max(0.0, busy - (own1 - own0) / (t1 - t0))
