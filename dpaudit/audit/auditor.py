@@ -102,8 +102,6 @@ def _suffix(strategy) -> str:
     return {TopGuesses: "", HullThresholds: "-hull", GuessCounts: "-two-sided"}[type(strategy)]
 
 
-
-
 class CanaryScoreAuditor:
     def __init__(self, in_scores, out_scores, seed: int = 0):
         self.in_scores = np.asarray(in_scores, dtype=float)
@@ -122,10 +120,10 @@ class CanaryScoreAuditor:
         auditor.scores, auditor.members = scores, members  # keep the canaries' order for seeded tie-breaks
         return auditor
 
-    def _search(self, strategy, bound_at, alpha: float) -> tuple[float, Candidate | None, int]:
-        """Best bound over the strategy's guess sets, each tested at alpha / (number of sets)."""
+    def _search(self, strategy, bound_at, alpha: float) -> tuple[float, Candidate | None, int, list[int]]:
+        """Best bound over the strategy's guess sets, each tested at alpha / (number of sets); also the sets'
+        distinct sizes k (for the ceiling when no set gave a bound)."""
         cands = strategy.candidates(self.scores, self.members, self.seed)
-        self._counts = sorted({c.k for c in cands if c.k >= 1})
         a = alpha / max(1, len(cands))
         best, arg = 0.0, None
         # Most precise guess sets first: a later set is then mostly ruled out by one cheap test at `best`.
@@ -135,20 +133,21 @@ class CanaryScoreAuditor:
             value = bound_at(c, a, best)
             if value > best:
                 best, arg = value, c
-        return best, arg, len(cands)
+        return best, arg, len(cands), sorted({c.k for c in cands if c.k >= 1})
 
-    def _ceiling(self, c: Candidate | None, f) -> float | None:
+    @staticmethod
+    def _ceiling(c: Candidate | None, counts: list[int], f) -> float | None:
         """``f(k)``: the bound had all k guesses been right. At the guess set chosen; when none was (a bound of
-        0), the most any set offered could give: what this audit could have refuted at all."""
+        0), the most any of the sets' sizes ``counts`` could give: what this audit could have refuted at all."""
         if c is not None:
             return f(c.k)
-        return max((f(k) for k in self._counts), default=None)
+        return max((f(k) for k in counts), default=None)
 
     def epsilon_one_run(self, alpha: float, delta: float, strategy=TopGuesses()) -> Bound:
         """Steinke, Nasr & Jagielski (2023): valid for any (eps, delta)-DP mechanism."""
-        eps, c, n = self._search(strategy, lambda c, a, floor: one_run.epsilon_lower_bound(
+        eps, c, n, counts = self._search(strategy, lambda c, a, floor: one_run.epsilon_lower_bound(
             self.m, c.k, c.v, delta, a, floor=floor), alpha)
-        ceiling = self._ceiling(c, lambda k: one_run.ceiling(self.m, k, delta, alpha / n))
+        ceiling = self._ceiling(c, counts, lambda k: one_run.ceiling(self.m, k, delta, alpha / n))
         return Bound(name="steinke" + _suffix(strategy),
                      method="Steinke, Nasr & Jagielski 2023 (one run)", epsilon=eps, delta=delta, alpha=alpha,
                      guesses=strategy.name, tests=n, k=c.k if c else None, v=c.v if c else None,
@@ -161,21 +160,21 @@ class CanaryScoreAuditor:
         if strategy.two_sided:
             raise ValueError("the f-DP one-run test here takes one-sided guesses")
         if family == "gdp":
-            mu, c, n = self._search(strategy, lambda c, a, floor: fdp.mu_lower_bound(self.m, c.k, c.v, a, floor),
-                                    alpha)
-            ceiling = self._ceiling(c, lambda k: gdp.epsilon_from_mu(fdp.ceiling(self.m, k, alpha / n), delta))
+            mu, c, n, counts = self._search(
+                strategy, lambda c, a, floor: fdp.mu_lower_bound(self.m, c.k, c.v, a, floor), alpha)
+            ceiling = self._ceiling(c, counts, lambda k: gdp.epsilon_from_mu(fdp.ceiling(self.m, k, alpha / n), delta))
             return Bound(name="fdp-gdp" + _suffix(strategy), method="Mahloujifar, Melis & Chaudhuri 2025 (f-DP in one run), G_mu family",
                          epsilon=gdp.epsilon_from_mu(mu, delta), delta=delta, alpha=alpha, guesses=strategy.name,
                          tests=n, k=c.k if c else None, v=c.v if c else None, at=c.label if c else None, mu=mu,
                          ceiling=ceiling, valid_for=GAUSSIAN_SHAPE)
         if family != "approx":
             raise ValueError(f"unknown f-DP family {family!r}; use gdp or approx")
-        eps, c, n = self._search(strategy, lambda c, a, floor: fdp.epsilon_lower_bound(
+        eps, c, n, counts = self._search(strategy, lambda c, a, floor: fdp.epsilon_lower_bound(
             self.m, c.k, c.v, delta, a, floor), alpha)
         return Bound(name="fdp" + _suffix(strategy), method="Mahloujifar, Melis & Chaudhuri 2025 (f-DP in one run), (eps, delta) curve",
                      epsilon=eps, delta=delta, alpha=alpha, guesses=strategy.name, tests=n,
                      k=c.k if c else None, v=c.v if c else None, at=c.label if c else None,
-                     ceiling=self._ceiling(c, lambda k: fdp.epsilon_lower_bound(self.m, k, k, delta, alpha / n)),
+                     ceiling=self._ceiling(c, counts, lambda k: fdp.epsilon_lower_bound(self.m, k, k, delta, alpha / n)),
                      valid_for=ANY_MECHANISM)
 
     def epsilon_gaussian(self, alpha: float, delta: float) -> Bound:
@@ -190,7 +189,7 @@ class CanaryScoreAuditor:
         """TPR/FPR intervals at each threshold (Jagielski et al. 2020). Treats canaries as independent trials:
         exact across independent runs, indicative inside one run."""
         n_in, n_out = int(self.members.sum()), int((~self.members).sum())
-        eps, c, n = self._search(strategy, lambda c, a, floor: clopper_pearson.epsilon_lower_bound(
+        eps, c, n, _ = self._search(strategy, lambda c, a, floor: clopper_pearson.epsilon_lower_bound(
             c.v, n_in, c.k - c.v, n_out, delta, a), alpha)
         return Bound(name="clopper-pearson", method="Clopper-Pearson on TPR/FPR (independent trials)", epsilon=eps,
                      delta=delta, alpha=alpha, guesses=strategy.name, tests=n, k=c.k if c else None,
