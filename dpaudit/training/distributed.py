@@ -30,15 +30,16 @@ class World:
         """This rank's share of a batch: every size-th example, starting at rank."""
         return indices[self.rank::self.size]
 
-    def sum(self, value: float) -> float:
+    def sum(self, value):
+        """``value`` (a float, or a numpy vector) added over the ranks, in float64."""
         if self.size == 1:
             return value
         import torch
         import torch.distributed as dist
 
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        t = torch.as_tensor(np.atleast_1d(value), dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return float(t.item())
+        return float(t.item()) if np.ndim(value) == 0 else t.cpu().numpy()
 
     def barrier(self) -> None:
         if self.size > 1:

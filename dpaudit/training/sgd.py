@@ -370,7 +370,7 @@ class FirstOrderTrainer:
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             if sharding is not None:
                 self.optimizer = _NoisyShards(base, params, sigma * clip, expected_batch_size, clip, probe,
-                                              lambda row: sharding.sum_array(row, params[0].device))
+                                              sharding.sum)
                 return
             # Distributed: each rank scales by B / world and the ranks average, so the update is
             # (sum of clipped gradients + one noise draw, on rank 0) / B, as in one process.

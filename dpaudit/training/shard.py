@@ -26,16 +26,7 @@ from typing import Callable
 @dataclass(frozen=True)
 class Sharding:
     size: int                           # ranks sharing each weight (the world size)
-    sum: Callable[[float], float]       # a float added over the ranks
-
-    def sum_array(self, values, device):
-        """A numpy vector added over the ranks (float64, on the device the collective runs on)."""
-        import torch
-        import torch.distributed as dist
-
-        total = torch.as_tensor(values, dtype=torch.float64, device=device)
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        return total.cpu().numpy()
+    sum: Callable                       # a float or a numpy vector added over the ranks (World.sum)
 
     def passes(self, sampled: int, micro_batch: int) -> int:
         """Forward (and backward) passes every rank runs for a batch of ``sampled`` examples: those of
