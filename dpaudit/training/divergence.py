@@ -24,9 +24,15 @@ class DivergenceWatch:
         self.warned = False
 
     def update(self, step: int, loss: float | None) -> str | None:
-        """None while training looks sane; else one sentence saying what rose, from what, by which step."""
-        if loss is None:
+        """None while training looks sane; the first time it does not, one sentence saying what rose, from
+        what, by which step (later calls say nothing: a run is warned once)."""
+        if loss is None or self.warned:
             return None
+        why = self._check(step, loss)
+        self.warned = why is not None
+        return why
+
+    def _check(self, step: int, loss: float) -> str | None:
         if not math.isfinite(loss):
             return f"the training loss is {loss} at step {step + 1}"
         if len(self.first) < self.window:

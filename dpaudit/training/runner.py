@@ -256,6 +256,9 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
     from dpaudit.training.streams import STREAM
     from dpaudit.training.trainable import select_trainable, trainable_parameters
     from dpaudit.training.whitebox import WhiteBoxCanaries
+    from dpaudit.threads import adapt as adapt_threads
+    from dpaudit.training.divergence import DivergenceWatch
+    from dpaudit.training.methods import TrainerSetup
 
     world = setup_world()
     run_dir = Path(run_dir)
@@ -360,8 +363,6 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
     rng = np.random.default_rng([int(secret), start])
     batches = None if cfg.private else shuffled_batches(n, batch_size, rng)
     noise_sigma = 0.0 if cfg.unsafe_disable_noise else plan.noise_sigma(cfg.bug)
-    from dpaudit.training.methods import TrainerSetup
-
     trainer = METHODS[cfg.method].build(TrainerSetup(
         cfg=cfg, model=model, params=params, run_dir=run_dir, rate=rate, batch_size=batch_size,
         noise_sigma=noise_sigma, secret=int(secret), start=start, main=main, canaries=canaries, world=world,
@@ -379,9 +380,6 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
             raise DPAuditError(f"cannot read the optimizer state in {saved}: {type(exc).__name__}") from None
 
     last_loss, interrupted_at = None, start
-    from dpaudit.threads import adapt as adapt_threads
-    from dpaudit.training.divergence import DivergenceWatch
-
     watch = DivergenceWatch()
     began = time.perf_counter()
     label = f"{cfg.method}{'' if cfg.private else ' (non-private)'}"
@@ -434,7 +432,7 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
 def _watch_divergence(watch, step: int, loss: float, cfg: TrainConfig, ledger, world) -> None:
     """Warn once when rank 0's loss diverges; with --stop-on-divergence every rank stops at that step (under
     torchrun rank 0's verdict is all-reduced, one float a step, so no rank is left waiting in a collective)."""
-    why = watch.update(step, loss) if world.is_main and not watch.warned else None
+    why = watch.update(step, loss) if world.is_main else None
     stop = cfg.stop_on_divergence and (world.sum(1.0 if why else 0.0) if world.size > 1 else why is not None)
     if stop:
         raise DPAuditError(f"stopped: {why or 'the training loss diverged on rank 0'}; lower --lr (now {cfg.lr:g}) "
@@ -443,7 +441,6 @@ def _watch_divergence(watch, step: int, loss: float, cfg: TrainConfig, ledger, w
     if why:
         import sys
 
-        watch.warned = True
         print(f"warning: {why}; lower --lr (now {cfg.lr:g}), or pass --stop-on-divergence to stop such a run",
               file=sys.stderr)
 
