@@ -79,8 +79,10 @@ PlantBugOpt = Annotated[Optional[str], typer.Option(
 
 
 def _pretrained(model: Path | None) -> bool:
-    """Any model dpaudit did not build itself (the embedded default's folder carries dpaudit_model.json)."""
-    return model is not None and not (Path(model).is_dir() and (Path(model) / "dpaudit_model.json").is_file())
+    """Any model dpaudit did not build itself (None: the embedded default, which audit run builds)."""
+    from dpaudit.models.embedded import is_embedded
+
+    return model is not None and not is_embedded(model)
 
 
 def make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction, trainable,

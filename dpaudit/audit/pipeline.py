@@ -57,9 +57,9 @@ def white_box_canaries(cfg: TrainConfig, alpha: float = 0.05) -> int:
 
 def embedded_default(folder: Path, seed: int = 0) -> Path:
     """Build the embedded default model once into ``folder`` (reused when already there)."""
-    from dpaudit.models.embedded import build_embedded_default
+    from dpaudit.models.embedded import build_embedded_default, is_embedded
 
-    if (folder / "dpaudit_model.json").is_file():
+    if is_embedded(folder):
         return folder
     return build_embedded_default(folder, seed=seed)
 

@@ -11,6 +11,14 @@ from dpaudit.models.hf import require_transformers
 from dpaudit.models.corpus import sentences
 
 PAD, EOS, UNK = "<pad>", "</s>", "<unk>"
+MARKER = "dpaudit_model.json"  # written beside the weights of every embedded-default folder
+
+
+def is_embedded(folder) -> bool:
+    """Whether ``folder`` holds a model dpaudit built (the embedded default), not a pretrained one."""
+    return Path(folder).is_dir() and (Path(folder) / MARKER).is_file()
+
+
 DEFAULT_SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                  "num_attention_heads": 4, "num_key_value_heads": 4}
 
@@ -71,6 +79,6 @@ def build_embedded_default(out_dir: Path, seed: int = 0, pretrain_steps: int = 1
     tokenizer = build_tokenizer(corpus)
     model = build_model(tokenizer, seed)
     loss = pretrain(model, tokenizer, corpus, steps=pretrain_steps, seed=seed) if pretrain_steps else None
-    return save_model_folder(out_dir, model, tokenizer, {"dpaudit_model.json": {
+    return save_model_folder(out_dir, model, tokenizer, {MARKER: {
         "kind": "embedded-default", "seed": seed, "pretrain_steps": pretrain_steps, "pretrain_loss": loss,
         "corpus": "dpaudit.models.corpus.sentences(4000, seed=1000+seed)"}})
