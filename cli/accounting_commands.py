@@ -17,16 +17,19 @@ from dpaudit.atomic import guard_new_file
 from dpaudit.errors import DPAuditError
 from dpaudit.cli.common import (
     AccountantOpt, BatchOpt, DatasetOpt, DeltaOpt, EpochsOpt, ForceOpt, JsonOpt, McBackendOpt, McSamplesOpt, McWorkersOpt, MechOpt,
-    POpt, SeedOpt, StepsOpt, accountant_options, assumptions, bounded, console, emit_json, fmt, resolve_delta, schedule,
+    PhaseOpt, POpt, SamplingOpt, SeedOpt, StepsOpt, accountant_options, assumptions, bounded, console, emit_json, event_from,
+    fmt, resolve_delta, schedule, shuffle_lines,
 )
 
 SigmaOpt = Annotated[float, typer.Option("--sigma", "-s", help="Noise multiplier (gaussian) or Laplace scale / sensitivity.")]
+OptionalSigmaOpt = Annotated[Optional[float], typer.Option(
+    "--sigma", "-s", help="Noise multiplier (gaussian) or Laplace scale / sensitivity (or give --phase).")]
 EpsOpt = Annotated[float, typer.Option("--eps", "-e", help="Target epsilon.")]
 
 
 def _one_step_note(m, steps, epochs) -> list[str]:
     """Said, never assumed silently: a sampled schedule without -T / --epochs is one step."""
-    if steps is None and epochs is None and m.sampling_rate < 1:
+    if steps is None and epochs is None and m.sampling_rate < 1 and len(m.phases) == 1:
         return ["no -T/--steps or --epochs given: this is ONE step (a single sampled release), not a training run"]
     return []
 
@@ -43,36 +46,47 @@ def calibrate(
     batch_size: BatchOpt = None, dataset_size: DatasetOpt = None, steps: StepsOpt = None,
     epochs: EpochsOpt = None, accountant: AccountantOpt = None,
     rtol: Annotated[float, typer.Option(help="Relative tolerance on sigma (never on the wrong side).")] = 1e-3,
-    mc_samples: McSamplesOpt = None, seed: SeedOpt = 0, as_json: JsonOpt = False,
+    mc_samples: McSamplesOpt = None, seed: SeedOpt = 0, sampling: SamplingOpt = "poisson", phase: PhaseOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
-    """Smallest noise whose accounted epsilon is <= the target (one release when no schedule is given)."""
+    """Smallest noise whose accounted epsilon is <= the target (one release when no schedule is given). With
+    --phase: the smallest multiplier of every phase's sigma (each phase's sigma=S is its share; default 1)."""
     check_epsilon(eps)
     d = resolve_delta(mech, delta)
-    template = schedule(mech, 1.0, p, batch_size, dataset_size, steps, epochs)
+    template = event_from(mech, 1.0, p, batch_size, dataset_size, steps, epochs, sampling, phase)
     name = accountant or default_accountant(template, d)
     cal = calibrate_sigma(template, eps, d, name, rtol=rtol, options=accountant_options(name, mc_samples, seed, not as_json))
-    lines = assumptions(template, d, cal.result) + _one_step_note(template, steps, epochs)
+    lines = assumptions(template.with_sigma(cal.sigma), d, cal.result) + _one_step_note(template, steps, epochs)
+    extra, shuffled = shuffle_lines(template.with_sigma(cal.sigma), d, cal.result)
+    phase_sigmas = [m.sigma for m in template.with_sigma(cal.sigma).phases] if phase else None
     if as_json:
         emit_json({
-            "command": "calibrate", "mechanism": mech, "sampling_rate": template.sampling_rate,
+            "command": "calibrate", "mechanism": mech, "sampling": template.sampling,
+            "sampling_rate": template.sampling_rate,
             "steps": template.steps, "delta": d, "target_epsilon": eps, "accountant": cal.result.accountant,
             "requested_accountant": name,
             "sigma": cal.sigma, "epsilon": json_float(cal.result.epsilon),
             "sigma_rejected": cal.sigma_rejected, "epsilon_rejected": json_float(cal.epsilon_rejected),
             "relative_tolerance": rtol, "converged": cal.converged, "evaluations": cal.evaluations,
-            "seconds": cal.seconds,
+            "seconds": cal.seconds, **({"phase_sigmas": phase_sigmas} if phase_sigmas else {}),
+            **({"shuffle": shuffled} if shuffled else {}),
             "result": cal.result.to_json(), "assumptions": lines,
         })
         return
-    noun = noise(mech).noun
-    console.print(f"[bold green]{noun} = {fmt(cal.sigma)}[/bold green]  gives eps <= {fmt(cal.result.epsilon)} "
+    noun = noise(template.phases[0].kind).noun
+    what = "multiplier of every phase's sigma" if phase_sigmas else noun
+    console.print(f"[bold green]{what} = {fmt(cal.sigma)}[/bold green]  gives eps <= {fmt(cal.result.epsilon)} "
                   f"(target {eps:g}) at delta = {d:g}")
+    if phase_sigmas:
+        console.print("  phase sigmas: " + ", ".join(fmt(x) for x in phase_sigmas))
     console.print(f"  sigma = {fmt(cal.sigma_rejected)} would give eps = {fmt(cal.epsilon_rejected)} > target"
                   f"  ({cal.evaluations} evaluations, {cal.seconds:.2f} s)")
     if not cal.converged:
         console.print("  [yellow]the time budget stopped the search before the tolerance: the smallest sigma lies "
                       "between these two (--timeout)[/yellow]")
     console.print(f"  guarantee: {cal.result.guarantee}")
+    for line in extra:
+        console.print(f"  {line}")
     _print_assumptions(lines)
 
 
@@ -89,26 +103,31 @@ def _torch_threads(backend: str, threads: int | None) -> None:
 
 @bounded("dpaudit epsilon")
 def epsilon_cmd(
-    sigma: SigmaOpt, mech: MechOpt = "gaussian", delta: DeltaOpt = None, p: POpt = None,
+    sigma: OptionalSigmaOpt = None, mech: MechOpt = "gaussian", delta: DeltaOpt = None, p: POpt = None,
     batch_size: BatchOpt = None, dataset_size: DatasetOpt = None, steps: StepsOpt = None,
     epochs: EpochsOpt = None, accountant: AccountantOpt = None, mc_samples: McSamplesOpt = None,
     seed: SeedOpt = 0, mc_workers: McWorkersOpt = 1, mc_backend: McBackendOpt = "numpy",
-    threads: McThreadsOpt = None, as_json: JsonOpt = False,
+    threads: McThreadsOpt = None, sampling: SamplingOpt = "poisson", phase: PhaseOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
-    """Epsilon (an upper bound) spent by a given noise level and schedule."""
+    """Epsilon (an upper bound) spent by a given noise level and schedule, or by phases (--phase, repeated)."""
     _torch_threads(mc_backend, threads)
     d = resolve_delta(mech, delta)
-    m = schedule(mech, sigma, p, batch_size, dataset_size, steps, epochs)
+    m = event_from(mech, sigma, p, batch_size, dataset_size, steps, epochs, sampling, phase)
     name = accountant or default_accountant(m, d)
     res = epsilon(m, d, name, accountant_options(name, mc_samples, seed, not as_json, mc_workers, mc_backend))
     lines = assumptions(m, d, res) + _one_step_note(m, steps, epochs)
+    extra, shuffled = shuffle_lines(m, d, res)
     if as_json:
-        emit_json({"command": "epsilon", "sigma": sigma, "sampling_rate": m.sampling_rate, "steps": m.steps,
+        emit_json({"command": "epsilon", "sigma": sigma, "sampling": m.sampling, "sampling_rate": m.sampling_rate,
+                   "steps": m.steps, "phases": len(m.phases), **({"shuffle": shuffled} if shuffled else {}),
                    "result": res.to_json(), "assumptions": lines})
         return
     console.print(f"[bold]eps <= {fmt(res.epsilon)}[/bold] at delta = {d:g}  ({res.guarantee})")
     if res.directions:
         console.print("  per direction: " + ", ".join(f"{k} {fmt(v)}" for k, v in res.directions.items()))
+    for line in extra:
+        console.print(f"  {line}")
     _print_assumptions(lines)
 
 
@@ -116,7 +135,9 @@ def epsilon_cmd(
 def delta_cmd(
     sigma: SigmaOpt, eps: EpsOpt, mech: MechOpt = "gaussian", p: POpt = None, batch_size: BatchOpt = None,
     dataset_size: DatasetOpt = None, steps: StepsOpt = None, epochs: EpochsOpt = None,
-    accountant: Annotated[str, typer.Option("--accountant", "-a", help="pld, or mc (Monte-Carlo).")] = "pld",
+    accountant: Annotated[Optional[str], typer.Option(
+        "--accountant", "-a", help="pld, analytic (p = 1, Gaussian) or mc (Monte-Carlo). Default: analytic where "
+                                   "it is exact, else pld.")] = None,
     mc_samples: McSamplesOpt = None, seed: SeedOpt = 0, mc_workers: McWorkersOpt = 1,
     mc_backend: McBackendOpt = "numpy",
     mc_tilt: Annotated[bool, typer.Option(
@@ -128,8 +149,11 @@ def delta_cmd(
 
     _torch_threads(mc_backend, threads)
 
+    from dpaudit.accounting.registry import default_delta_accountant
+
     check_epsilon(eps)
     m = schedule(mech, sigma, p, batch_size, dataset_size, steps, epochs)
+    accountant = accountant or default_delta_accountant(m)
     res = delta_of(m, eps, accountant,
                    accountant_options(accountant, mc_samples, seed, not as_json, mc_workers, mc_backend, mc_tilt))
     lines = assumptions(m, 0.0, res)[:2]
@@ -150,15 +174,15 @@ def delta_cmd(
 def max_steps_cmd(
     sigma: SigmaOpt, eps: EpsOpt, mech: MechOpt = "gaussian", delta: DeltaOpt = None, p: POpt = None,
     batch_size: BatchOpt = None, dataset_size: DatasetOpt = None, accountant: AccountantOpt = None,
-    as_json: JsonOpt = False,
+    sampling: SamplingOpt = "poisson", as_json: JsonOpt = False,
 ) -> None:
     """Largest number of steps that stays within the target epsilon at a given noise level."""
     d = resolve_delta(mech, delta)
-    template = schedule(mech, sigma, p, batch_size, dataset_size, 1, None)
+    template = schedule(mech, sigma, p, batch_size, dataset_size, 1, None, sampling)
     ans = max_steps(template, eps, d, accountant)
     lines = assumptions(template.with_steps(ans.steps), d, ans.result)
     if as_json:
-        emit_json({"command": "max-steps", "sigma": sigma, "sampling_rate": template.sampling_rate,
+        emit_json({"command": "max-steps", "sigma": sigma, "sampling": sampling, "sampling_rate": template.sampling_rate,
                    "target_epsilon": eps, "delta": d, "max_steps": ans.steps, "at_cap": ans.at_cap,
                    "epsilon": json_float(ans.result.epsilon),
                    "epsilon_next": None if ans.epsilon_next is None else json_float(ans.epsilon_next),

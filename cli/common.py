@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 
 from dpaudit.accounting.mechanism import Mechanism, schedule  # noqa: F401 - schedule: the commands import it here
+from dpaudit.accounting.samplers import SAMPLINGS
 from dpaudit.accounting.noise import noise, resolve_delta  # noqa: F401 - resolve_delta: likewise
 from dpaudit.errors import DPAuditError
 
@@ -35,6 +36,12 @@ EpochsOpt = Annotated[Optional[float], typer.Option("--epochs", help="Epochs (T 
 AccountantOpt = Annotated[Optional[str], typer.Option(
     "--accountant", "-a", help="pld, prv, mc, pure, pure-prv, rdp or analytic. Default: the tightest exact "
                                "route (analytic for one release, pure for laplace at delta=0, else pld).")]
+SamplingOpt = Annotated[str, typer.Option(
+    "--sampling", help=f"Batch sampler: {', '.join(SAMPLINGS)} (fixed and shuffle need -B and -N; each is "
+                       "accounted under its own neighbouring relation, said in the answer).")]
+PhaseOpt = Annotated[Optional[list[str]], typer.Option(
+    "--phase", help="A phase of the schedule, repeated for several: sigma=S,p=P,steps=T (or B=,N=; epochs=E; "
+                    "sampling=...; mech=...). Phases are composed in sequence; instead of --sigma/--p/-T.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON only.")]
 McSamplesOpt = Annotated[Optional[int], typer.Option(
     "--mc-samples", help="mc accountant: composed samples per direction (default: sized to ~2e8 draws).")]
@@ -65,13 +72,50 @@ def assumptions(mech: Mechanism, delta: float, result) -> list[str]:
     requested = result.details.get("requested")
     answered = result.accountant + (f" ({requested} was asked for; see the guarantee)"
                                     if requested and requested != result.accountant else "")
+    kinds = sorted({m.kind for m in mech.phases})
     return [
-        f"mechanism: {mech.kind}; {noise(mech.kind).scale_text}; sensitivity (clip norm) C = 1 unit",
+        f"mechanism: {', '.join(kinds)}; {'; '.join(noise(k).scale_text for k in kinds)}; "
+        "sensitivity (clip norm) C = 1 unit",
         ("one release: no subsampling, one step (p = 1, T = 1)" if mech.is_single_release
-         else f"Poisson sampling with rate p = {mech.sampling_rate:g}, T = {mech.steps} steps"),
+         else mech.sampling_words()),
         f"delta = {delta:g}" + (" (pure eps-DP)" if delta == 0 else ""),
         f"accountant: {answered}; neighbouring relation: {result.relation}",
     ]
+
+
+def event_from(mech: str, sigma: float | None, p, batch_size, dataset_size, steps, epochs, sampling: str,
+               phases: list[str] | None):
+    """The event a command describes: one schedule from the flags, or the --phase list composed in sequence
+    (each phase's sigma defaults to --sigma, or 1 when calibrating: then it is the phase's share)."""
+    from dpaudit.accounting.mechanism import compose_phases, parse_phase, phase_from
+
+    if not phases:
+        if sigma is None:
+            raise DPAuditError("give --sigma (or the schedule as --phase sigma=...,p=...,steps=...)")
+        return schedule(mech, sigma, p, batch_size, dataset_size, steps, epochs, sampling)
+    if any(x is not None for x in (p, batch_size, dataset_size, steps, epochs)) or sampling != "poisson":
+        raise DPAuditError("give the schedule either as --phase ... or as --p/-B/-N/-T/--epochs/--sampling, not both")
+    return compose_phases([phase_from(parse_phase(text), mech, sigma) for text in phases])
+
+
+def shuffle_lines(event, delta: float, result) -> tuple[list[str], dict]:
+    """For a shuffled schedule: the Chua et al. lower bound and the Poisson figure beside the upper bound, as
+    lines for people and a mapping for --json; nothing for other samplers."""
+    if event.sampling != "shuffle" or result.accountant != "shuffle":
+        return [], {}
+    from dpaudit.accounting.shuffle import context
+
+    ctx = context(event, delta)
+    data = ctx.to_json(result.epsilon)
+    lines = [f"lower bound (Chua et al. shuffle construction): eps >= {fmt(ctx.lower_bound)}"
+             if ctx.lower_bound is not None else f"lower bound: none ({ctx.lower_bound_note})",
+             f"accounted as Poisson sampling (p = B/N, pld) it would read eps <= {fmt(ctx.poisson_epsilon)}: "
+             + (f"understated by {result.epsilon / ctx.poisson_epsilon:.3g}x against this upper bound"
+                if ctx.poisson_epsilon > 0 else "")
+             + (f", by at least {ctx.lower_bound / ctx.poisson_epsilon:.3g}x (the lower bound)"
+                if ctx.lower_bound is not None and ctx.poisson_epsilon > 0 and ctx.lower_bound > ctx.poisson_epsilon
+                else "")]
+    return lines, data
 
 
 def emit_json(data: dict) -> None:

@@ -13,12 +13,14 @@ from __future__ import annotations
 import math
 
 from dpaudit.accounting.mechanism import Mechanism
-from dpaudit.accounting.result import NO_SUBSAMPLING, SINGLE_RELEASE, EpsilonResult
+from dpaudit.accounting.result import NO_SUBSAMPLING, SINGLE_RELEASE, DeltaResult, EpsilonResult
 from dpaudit.errors import DPAuditError
 
 
 def limitation(mech: Mechanism) -> str | None:
     """None when this accountant is exact for ``mech``, else why it does not apply."""
+    if not isinstance(mech, Mechanism) or mech.sampling != "poisson":
+        return "analytic covers one phase without subsampling; use pld for this schedule"
     if mech.kind == "gaussian" and mech.sampling_rate == 1.0:
         return None
     if mech.is_single_release:
@@ -46,6 +48,25 @@ def epsilon(mech: Mechanism, delta: float) -> EpsilonResult:
         how = "exact (Laplace mechanism hockey-stick divergence)"
     relation = SINGLE_RELEASE if mech.is_single_release else NO_SUBSAMPLING
     return EpsilonResult("analytic", eps, delta, relation, how)
+
+
+def has_delta(mech: Mechanism) -> bool:
+    """delta(eps) in closed form: the Gaussian at p = 1 (the Laplace release is answered by pld)."""
+    return mech.kind == "gaussian"
+
+
+def delta(mech: Mechanism, eps: float) -> DeltaResult:
+    """Exact delta(eps) of T full-batch Gaussian steps (one Gaussian release with sigma / sqrt(T)), so that
+    epsilon(delta) and delta(epsilon) are the same curve read both ways."""
+    _require(mech)
+    if not has_delta(mech):
+        raise DPAuditError("analytic delta(eps) covers the Gaussian; use pld for the Laplace mechanism")
+    from scipy.special import log_ndtr
+
+    s = mech.sigma / math.sqrt(mech.steps)  # the formula in the module docstring, in log space for its tails
+    value = max(0.0, float(math.exp(log_ndtr(0.5 / s - eps * s)) - math.exp(eps + log_ndtr(-0.5 / s - eps * s))))
+    relation = SINGLE_RELEASE if mech.is_single_release else NO_SUBSAMPLING
+    return DeltaResult("analytic", value, eps, relation, "exact (analytic Gaussian mechanism, Balle & Wang 2018)")
 
 
 def sigma_closed_form(mech: Mechanism, target_eps: float, delta: float) -> float:

@@ -100,13 +100,17 @@ def _coarse_anchor(template: Mechanism, target: float, delta: float, anchor: flo
 
 def _initial_sigma(template: Mechanism, target: float, delta: float, accountant: str):
     """(a start for the search, a valid calibration to fall back on or None)."""
-    if noise(template.kind).pure_dp:
-        return pure.sigma_closed_form(template, target), None  # pure >= every other bound: an upper end
+    if all(noise(m.kind).pure_dp for m in template.phases):
+        closed = pure.sigma_closed_form(template, target)
+        if closed is not None:
+            return closed, None  # pure >= every other bound: an upper end
     if accountant in ("pld", "prv") and delta > 0:
         # Each step's add/remove pair is at total variation <= p whatever the noise, and T steps at
         # <= 1 - (1 - p)^T (coupling): at delta at least that, eps = 0 holds with any sigma.
         p = template.sampling_rate
-        if p < 1 and delta >= -math.expm1(template.steps * math.log1p(-p)):
+        untouched = sum(m.steps * math.log1p(-m.sampling_rate) if m.sampling_rate < 1 else -math.inf
+                        for m in template.phases)
+        if p < 1 and delta >= -math.expm1(untouched):
             raise DPAuditError(f"target eps={target:g} is met with any sigma: delta={delta:g} is at least "
                                f"1 - (1 - p)^T, so no meaningful noise level to calibrate")
         if epsilon(template.with_sigma(SIGMA_MIN), delta, "rdp").epsilon <= target:  # a valid bound says so

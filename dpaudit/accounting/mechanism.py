@@ -1,4 +1,14 @@
-"""What is being accounted: a noise mechanism run T times on Poisson-sampled batches."""
+"""What is being accounted (dp_accounting's DpEvent, in a small closed vocabulary).
+
+* ``Mechanism``: one noise (``noise.py``: Gaussian, Laplace, ...) on batches drawn by one scheme
+  (``samplers.py``: Poisson, fixed-size without replacement, shuffled epochs), composed T times.
+* ``Phases``: several of those composed in sequence (a warm-up at another batch size, a sigma decay, a
+  resumed run with more data). Phases that differ only in their step counts are one phase (composition
+  is commutative), so a schedule split into parts is accounted exactly as the whole.
+
+Who accounts an event is an ``Accountant`` (``registry.py``); each says which events it supports and why
+not the others.
+"""
 
 from __future__ import annotations
 
@@ -6,30 +16,60 @@ import math
 from dataclasses import dataclass, replace
 
 from dpaudit.accounting.noise import NOISES, noise
+from dpaudit.accounting.samplers import scheme
 from dpaudit.errors import DPAuditError
 
 MECHANISMS = tuple(NOISES)
+MAX_PHASES = 1000  # a schedule of more distinct phases is refused (each is a PLD of its own)
 
 
 @dataclass(frozen=True)
 class Mechanism:
-    """A Poisson-subsampled noise mechanism composed over ``steps`` steps.
+    """A noise mechanism on sampled batches, composed over ``steps`` steps.
 
     ``sigma`` is the noise relative to the sensitivity: the Gaussian noise multiplier
     (std = sigma * C) or the Laplace scale (b = sigma * C). ``sampling_rate`` is the Poisson
-    rate p = B / N; p = 1 with steps = 1 is a single release of the mechanism.
+    rate p = B / N; p = 1 with steps = 1 is a single release of the mechanism. ``sampling`` names the
+    batch sampler (``samplers.SCHEMES``); ``fixed`` and ``shuffle`` need ``batch_size`` and
+    ``dataset_size`` (then p = B / N).
     """
 
     kind: str
     sigma: float
     sampling_rate: float = 1.0
     steps: int = 1
+    sampling: str = "poisson"
+    batch_size: int | None = None
+    dataset_size: int | None = None
 
     def __post_init__(self) -> None:
         noise(self.kind)  # refuses an unknown mechanism
         check_sigma(self.sigma)
         check_sampling_rate(self.sampling_rate)
         check_steps(self.steps)
+        facts = scheme(self.sampling)
+        if facts.needs_sizes:
+            b, n = self.batch_size, self.dataset_size
+            if b is None or n is None:
+                raise DPAuditError(f"{self.sampling} sampling needs the batch size B and the dataset size N "
+                                   "(-B/-N, or B=, N= in a phase)")
+            if isinstance(b, bool) or isinstance(n, bool) or not (isinstance(b, int) and isinstance(n, int)) \
+                    or b < 1 or n < 1:
+                raise DPAuditError(f"batch size and dataset size must be integers >= 1, got B={b!r}, N={n!r}")
+            if b > n:
+                raise DPAuditError(f"batch size B={b} exceeds the dataset size N={n} ({self.sampling} sampling)")
+            if abs(self.sampling_rate - b / n) > 1e-12:
+                object.__setattr__(self, "sampling_rate", b / n)
+
+    @property
+    def phases(self) -> tuple["Mechanism", ...]:
+        return (self,)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Complete batches of B in N (shuffled epochs; a last partial batch is not counted, which can only
+        put an example in more epochs)."""
+        return max(1, (self.dataset_size or 1) // (self.batch_size or 1))
 
     @property
     def is_single_release(self) -> bool:
@@ -41,9 +81,93 @@ class Mechanism:
     def with_steps(self, steps: int) -> "Mechanism":
         return replace(self, steps=steps)
 
+    def scaled(self, factor: float) -> "Mechanism":
+        return replace(self, sigma=self.sigma * factor)
+
+    def same_but_steps(self, other: "Mechanism") -> bool:
+        return replace(self, steps=other.steps) == other
+
     def describe(self) -> str:
-        return (f"Poisson-subsampled {self.kind} mechanism, {noise(self.kind).axis_label} sigma={self.sigma:g}, "
+        return (f"{self.sampling}-sampled {self.kind} mechanism, {noise(self.kind).axis_label} sigma={self.sigma:g}, "
                 f"sampling rate p={self.sampling_rate:g}, T={self.steps} steps")
+
+    def sampling_words(self) -> str:
+        return scheme(self.sampling).words.format(p=self.sampling_rate, T=self.steps, B=self.batch_size,
+                                                  N=self.dataset_size)
+
+
+@dataclass(frozen=True)
+class Phases:
+    """Mechanisms composed in sequence. Build with ``compose_phases`` (merges phases that differ only in
+    their steps, and returns a plain Mechanism when one is left). ``sigma`` here is a multiplier of every
+    phase's own sigma (``with_sigma``), which is what calibration searches."""
+
+    parts: tuple[Mechanism, ...]
+    sigma: float = 1.0  # the multiplier the parts' sigmas carry (1: as given)
+
+    @property
+    def phases(self) -> tuple[Mechanism, ...]:
+        return self.parts
+
+    @property
+    def kind(self) -> str:
+        kinds = {m.kind for m in self.parts}
+        return kinds.pop() if len(kinds) == 1 else "mixed"
+
+    @property
+    def sampling(self) -> str:
+        samplings = {m.sampling for m in self.parts}
+        return samplings.pop() if len(samplings) == 1 else "mixed"
+
+    @property
+    def sampling_rate(self) -> float:
+        return max(m.sampling_rate for m in self.parts)
+
+    @property
+    def steps(self) -> int:
+        return sum(m.steps for m in self.parts)
+
+    @property
+    def is_single_release(self) -> bool:
+        return False
+
+    def with_sigma(self, sigma: float) -> "Phases":
+        """Every phase's sigma times ``sigma / self.sigma``: the shared multiplier is ``sigma``."""
+        factor = sigma / self.sigma
+        return Phases(tuple(m.scaled(factor) for m in self.parts), sigma)
+
+    def with_steps(self, steps: int) -> "Phases":
+        raise DPAuditError("max-steps answers for one phase; give one schedule, not phases")
+
+    def describe(self) -> str:
+        return "; ".join(f"phase {i + 1}: {m.describe()}" for i, m in enumerate(self.parts))
+
+    def sampling_words(self) -> str:
+        return " then ".join(f"[{m.sampling_words()}, sigma={m.sigma:g}]" for m in self.parts)
+
+
+def compose_phases(parts) -> Mechanism | Phases:
+    """The event of ``parts`` run in sequence: phases that differ only in steps become one (composition is
+    commutative, so a schedule split into parts is the whole), and one phase left is a plain Mechanism."""
+    merged: list[Mechanism] = []
+    for m in parts:
+        if not isinstance(m, Mechanism):
+            raise DPAuditError(f"a phase must be a Mechanism, got {type(m).__name__}")
+        for i, seen in enumerate(merged):
+            if seen.same_but_steps(m):
+                merged[i] = seen.with_steps(seen.steps + m.steps)
+                break
+        else:
+            merged.append(m)
+    if not merged:
+        raise DPAuditError("no phases given")
+    if len(merged) > MAX_PHASES:
+        raise DPAuditError(f"{len(merged)} distinct phases; dpaudit accounts up to {MAX_PHASES}")
+    samplings = {m.sampling for m in merged}
+    if len(samplings) > 1:
+        raise DPAuditError(f"phases with different samplers ({', '.join(sorted(samplings))}) are accounted under "
+                           "different neighbouring relations; give phases that share one sampler")
+    return merged[0] if len(merged) == 1 else Phases(tuple(merged))
 
 
 def check_sigma(sigma: float) -> None:
@@ -92,10 +216,78 @@ def sampling_rate_from(batch_size: int | None, dataset_size: int | None, p: floa
 
 
 def schedule(kind: str, sigma: float, p: float | None = None, batch_size: int | None = None,
-             dataset_size: int | None = None, steps: int | None = None, epochs: float | None = None) -> Mechanism:
-    """The Mechanism a CLI command or API call describes: p directly or as B / N, T directly or as epochs / p."""
+             dataset_size: int | None = None, steps: int | None = None, epochs: float | None = None,
+             sampling: str = "poisson") -> Mechanism:
+    """The Mechanism a CLI command or API call describes: p directly or as B / N, T directly or as epochs / p;
+    fixed and shuffled batches need B and N."""
+    if scheme(sampling).needs_sizes and (batch_size is None or dataset_size is None):
+        raise DPAuditError(f"{sampling} sampling needs the batch size and the dataset size (-B and -N), not p")
     rate = sampling_rate_from(batch_size, dataset_size, p)
-    return Mechanism(kind, sigma, rate, steps_from(steps, epochs, rate))
+    sizes = {"batch_size": batch_size, "dataset_size": dataset_size} if scheme(sampling).needs_sizes else {}
+    # Shuffled epochs are N // B batches each (a partial last batch, if kept, adds nothing to the bound)
+    per_epoch = 1 / (dataset_size // batch_size) if sampling == "shuffle" and batch_size <= dataset_size else rate
+    return Mechanism(kind, sigma, rate, steps_from(steps, epochs, per_epoch), sampling, **sizes)
+
+
+PHASE_KEYS = {"sigma", "p", "steps", "epochs", "sampling", "B", "N", "mech"}
+
+
+def phase_from(spec: dict, default_kind: str = "gaussian", default_sigma: float | None = None) -> Mechanism:
+    """One phase from a mapping (a config's ``phases:`` entry, or a parsed ``--phase``): sigma, p or B and N,
+    steps or epochs, optionally sampling and mech."""
+    unknown = sorted(set(spec) - PHASE_KEYS)
+    if unknown:
+        raise DPAuditError(f"unknown phase key(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(PHASE_KEYS))}")
+    sigma = spec.get("sigma", default_sigma)
+    if sigma is None:
+        raise DPAuditError("a phase is missing its sigma (sigma=S)")
+    if "steps" not in spec and "epochs" not in spec:
+        raise DPAuditError("a phase is missing its length (steps=T or epochs=E)")
+    if "p" not in spec and not ("B" in spec and "N" in spec):
+        raise DPAuditError("a phase is missing its sampling rate (p=P, or B= and N=)")
+
+    def integer(key):
+        value = spec.get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+            raise DPAuditError(f"phase key {key} must be an integer, got {value!r}")
+        return int(value)
+
+    def number(key):
+        value = spec.get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise DPAuditError(f"phase key {key} must be a number, got {value!r}")
+        return float(value)
+
+    kind = spec.get("mech", default_kind)
+    return schedule(kind, number("sigma") if "sigma" in spec else float(sigma),
+                    number("p"), integer("B"), integer("N"), integer("steps"), number("epochs"),
+                    spec.get("sampling", "poisson"))
+
+
+def parse_phase(text: str) -> dict:
+    """``sigma=1.1,p=0.004,steps=1000[,sampling=shuffle,B=256,N=60000]`` as a mapping of numbers and names."""
+    if len(text) > 1000:
+        raise DPAuditError("a --phase is at most 1000 characters")
+    spec: dict = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key or not value:
+            raise DPAuditError(f"--phase takes key=value pairs separated by commas, got {item!r}")
+        if key in spec:
+            raise DPAuditError(f"--phase gives {key} twice")
+        if key in ("sampling", "mech"):
+            spec[key] = value
+            continue
+        try:
+            spec[key] = float(value)
+        except ValueError:
+            raise DPAuditError(f"--phase {key} must be a number, got {value!r}") from None
+    return spec
 
 
 def steps_from(steps: int | None, epochs: float | None, p: float) -> int:

@@ -9,6 +9,11 @@ replaced by its dominating pair, randomized response with eps_1 (Kairouz, Oh & V
 response is eps_1 (2K - T) with K ~ Binomial(T, e^{eps_1} / (1 + e^{eps_1})), so its
 delta(eps) is a finite binomial sum that we evaluate exactly (in log space) instead of
 discretising it as prv-accountant would; tests check the two agree.
+
+Fixed-size batches (B of N without replacement, replace-one neighbours): replacing one example moves the
+clipped sum by up to 2C in L1, so one Laplace release is (2 / sigma)-DP, and sampling without replacement
+amplifies it to log(1 + (B / N)(e^{2/sigma} - 1)) (Balle, Barthe & Gaboardi 2018, Thm. 9). Phases add up
+(basic composition).
 """
 
 from __future__ import annotations
@@ -47,12 +52,20 @@ def _require_laplace(mech: Mechanism, name: str) -> None:
         raise DPAuditError(f"the {name} accountant is for the Laplace mechanism (a Gaussian step is not pure eps-DP)")
 
 
+def phase_epsilon(mech: Mechanism) -> float:
+    """eps_1 of one step of ``mech``: Poisson (add/remove) or without replacement (replace-one, 2 / sigma)."""
+    if mech.sampling == "fixed":
+        return step_epsilon(mech.sigma / 2, mech.sampling_rate)
+    return step_epsilon(mech.sigma, mech.sampling_rate)
+
+
 def epsilon(mech: Mechanism, delta: float) -> EpsilonResult:
-    _require_laplace(mech, "pure")
-    eps1 = step_epsilon(mech.sigma, mech.sampling_rate)
+    for part in mech.phases:
+        _require_laplace(part, "pure")
+    eps1 = phase_epsilon(mech.phases[0])
     return EpsilonResult(
         accountant="pure",
-        epsilon=mech.steps * eps1,
+        epsilon=sum(part.steps * phase_epsilon(part) for part in mech.phases),
         delta=delta,
         relation=relation_of(mech),
         guarantee="pure eps-DP by basic composition: exact at delta = 0, an upper bound at any delta",
@@ -60,9 +73,13 @@ def epsilon(mech: Mechanism, delta: float) -> EpsilonResult:
     )
 
 
-def sigma_closed_form(mech: Mechanism, target_eps: float) -> float:
-    """Smallest sigma with T * eps_1(sigma) <= target (exact inverse of the `pure` bound)."""
-    return sigma_for_step_epsilon(target_eps / mech.steps, mech.sampling_rate)
+def sigma_closed_form(mech: Mechanism, target_eps: float) -> float | None:
+    """Smallest sigma with T * eps_1(sigma) <= target (exact inverse of the `pure` bound); None for phases
+    (calibration searches their multiplier)."""
+    if not isinstance(mech, Mechanism):
+        return None
+    sigma = sigma_for_step_epsilon(target_eps / mech.steps, mech.sampling_rate)
+    return 2 * sigma if mech.sampling == "fixed" else sigma
 
 
 def prv_epsilon(mech: Mechanism, delta: float) -> EpsilonResult:

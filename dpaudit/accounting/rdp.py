@@ -5,6 +5,11 @@ Poisson-subsampled Gaussian, dp-accounting's RDP is that of the remove direction
 add direction too for every order alpha >= 1 (Mironov, Talwar & Zhang 2019, Thm. 5): a valid
 add/remove bound. Orders go past dp-accounting's default 256 so that tiny delta (large log 1/delta)
 still finds its best order.
+
+Fixed-size batches (``sampling="fixed"``): dp-accounting's ``SampledWithoutReplacementDpEvent`` under the
+replace-one relation (Wang, Balle & Kasiviswanathan 2019, Thm. 27, as dp-accounting implements it). Its noise
+multiplier is relative to the replace-one sensitivity, and replacing one example moves a clipped sum by up to
+2C: the event is built with sigma / 2. Phases are composed as dp-accounting composes events (RDP adds up).
 """
 
 from __future__ import annotations
@@ -27,15 +32,16 @@ def epsilon(mech: Mechanism, delta: float) -> EpsilonResult:
         raise DPAuditError("the rdp accountant here covers the subsampled Gaussian only; for Laplace use pld or mc")
     if delta <= 0:
         raise DPAuditError("the Gaussian mechanism has no finite epsilon at delta = 0; give delta > 0")
-    event = dp_accounting.GaussianDpEvent(mech.sigma)
-    if mech.sampling_rate < 1:
-        event = dp_accounting.PoissonSampledDpEvent(mech.sampling_rate, event)
-    accountant = rdp_privacy_accountant.RdpAccountant(orders=ORDERS)
+    fixed = mech.sampling == "fixed"
+    relation = (dp_accounting.NeighboringRelation.REPLACE_ONE if fixed
+                else dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    accountant = rdp_privacy_accountant.RdpAccountant(orders=ORDERS, neighboring_relation=relation)
     absl = logging.getLogger("absl")
     level = absl.level
     absl.setLevel(logging.ERROR)  # "failed to converge ... excluding this order": fewer orders, still a bound
     try:
-        accountant.compose(event, mech.steps)
+        for part in mech.phases:
+            accountant.compose(_event(part), part.steps)
         eps = float(accountant.get_epsilon(delta))
     finally:
         absl.setLevel(level)
@@ -44,5 +50,17 @@ def epsilon(mech: Mechanism, delta: float) -> EpsilonResult:
         epsilon=eps,
         delta=delta,
         relation=relation_of(mech),
-        guarantee="upper bound (Renyi DP conversion; looser than pld)",
+        guarantee="upper bound (Renyi DP conversion; looser than pld)" + (
+            "; fixed-size batches: dp-accounting's sampled-without-replacement event, replace-one, sensitivity 2C"
+            if fixed else ""),
     )
+
+
+def _event(mech: Mechanism):
+    import dp_accounting
+
+    if mech.sampling == "fixed":  # replace-one moves a clipped sum by up to 2C: multiplier sigma / 2
+        return dp_accounting.SampledWithoutReplacementDpEvent(
+            mech.dataset_size, mech.batch_size, dp_accounting.GaussianDpEvent(mech.sigma / 2))
+    event = dp_accounting.GaussianDpEvent(mech.sigma)
+    return dp_accounting.PoissonSampledDpEvent(mech.sampling_rate, event) if mech.sampling_rate < 1 else event

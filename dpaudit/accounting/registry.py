@@ -14,11 +14,16 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable
 
+from dataclasses import replace
+
 from dpaudit.accounting import analytic, pure
-from dpaudit.accounting.mechanism import Mechanism, check_delta, check_epsilon
+from dpaudit.accounting.mechanism import Mechanism, Phases, check_delta, check_epsilon
 from dpaudit.accounting.noise import noise
 from dpaudit.accounting.result import DeltaResult, EpsilonResult, NeighboringRelation
+from dpaudit.accounting.samplers import scheme
 from dpaudit.errors import DPAuditError
+
+Event = Mechanism | Phases
 
 
 def _load(path: str) -> Callable:
@@ -36,21 +41,34 @@ class Accountant:
     delta_fn: str | None = None          # (mech, eps, **options) -> DeltaResult
     sigma_fn: Callable | None = None     # closed form (mech, eps, delta) -> sigma
     options: str | None = None           # "module:Class" of its typed options
-    limitation: Callable[[Mechanism], str | None] | None = None
-    relations: tuple[NeighboringRelation, ...] = (NeighboringRelation.ADD_OR_REMOVE_ONE,)
+    limitation: Callable[[Event], str | None] | None = None
+    samplings: tuple[str, ...] = ("poisson",)  # the batch samplers it accounts (each under its own relation)
+    phases: bool = False                        # composes several phases
 
-    def supports(self, mech: Mechanism, delta: float,
-                 relation: NeighboringRelation = NeighboringRelation.ADD_OR_REMOVE_ONE) -> str | None:
-        """None when this accountant answers the query, else the reason it does not."""
-        if relation not in self.relations:
-            return f"{self.name} accounts {', '.join(r.value for r in self.relations)} neighbours, not {relation.value}"
-        if mech.kind not in self.mechanisms:
-            return f"{self.name} does not cover the {mech.kind} mechanism"
+    def supports(self, mech: Event, delta: float, relation: NeighboringRelation | None = None) -> str | None:
+        """None when this accountant answers the query, else the reason it does not. ``relation``: the
+        neighbouring relation asked for (None: the one the sampler is accounted under)."""
+        sampling = mech.sampling
+        facts = scheme(sampling)
+        if facts.refused:
+            return facts.refused
+        if relation is not None and relation != facts.relation:
+            return (f"{sampling} sampling is accounted under {facts.relation.value} neighbours, "
+                    f"not {relation.value}")
+        if sampling not in self.samplings:
+            others = [n for n, a in ACCOUNTANTS.items() if sampling in a.samplings]
+            return f"{self.name} does not account {sampling} sampling; {', '.join(others)} does"
+        if isinstance(mech, Phases) and not self.phases:
+            others = [n for n, a in ACCOUNTANTS.items() if a.phases and sampling in a.samplings]
+            return f"{self.name} accounts one phase; {', '.join(others)} compose phases"
+        missing = sorted({m.kind for m in mech.phases} - set(self.mechanisms))
+        if missing:
+            return f"{self.name} does not cover the {', '.join(missing)} mechanism"
         if self.needs_positive_delta and delta <= 0:
             return f"{self.name} needs delta > 0"
         return self.limitation(mech) if self.limitation else None
 
-    def _require(self, mech: Mechanism, delta: float, relation: NeighboringRelation) -> None:
+    def _require(self, mech: Event, delta: float, relation: NeighboringRelation | None) -> None:
         reason = self.supports(mech, delta, relation)
         if reason:
             raise DPAuditError(reason)
@@ -65,22 +83,24 @@ class Accountant:
             raise DPAuditError(f"{self.name} options must be a {cls.__name__}, got {type(options).__name__}")
         return {"settings": options}
 
-    def epsilon(self, mech: Mechanism, delta: float, options=None,
-                relation: NeighboringRelation = NeighboringRelation.ADD_OR_REMOVE_ONE) -> EpsilonResult:
+    def epsilon(self, mech: Event, delta: float, options=None,
+                relation: NeighboringRelation | None = None) -> EpsilonResult:
         check_delta(delta, allow_zero=True)
         self._require(mech, delta, relation)
-        return _load(self.epsilon_fn)(mech, delta, **self._options(options))
+        result = _load(self.epsilon_fn)(mech, delta, **self._options(options))
+        return replace(result, neighboring=scheme(mech.sampling).relation)
 
-    def delta(self, mech: Mechanism, eps: float, options=None,
-              relation: NeighboringRelation = NeighboringRelation.ADD_OR_REMOVE_ONE) -> DeltaResult:
+    def delta(self, mech: Event, eps: float, options=None,
+              relation: NeighboringRelation | None = None) -> DeltaResult:
         check_epsilon(eps)
         if self.delta_fn is None:
             raise DPAuditError(f"delta(eps) is answered by {', '.join(n for n, a in ACCOUNTANTS.items() if a.delta_fn)},"
                                f" not {self.name}")
         self._require(mech, 1.0 if self.needs_positive_delta else 0.0, relation)
-        return _load(self.delta_fn)(mech, eps, **self._options(options))
+        result = _load(self.delta_fn)(mech, eps, **self._options(options))
+        return replace(result, neighboring=scheme(mech.sampling).relation)
 
-    def sigma(self, mech: Mechanism, eps: float, delta: float) -> float | None:
+    def sigma(self, mech: Event, eps: float, delta: float) -> float | None:
         """The smallest sigma meeting eps in closed form, or None when this accountant has none."""
         return None if self.sigma_fn is None else self.sigma_fn(mech, eps, delta)
 
@@ -91,7 +111,7 @@ ACCOUNTANTS: dict[str, Accountant] = {
         Accountant("pld", ("gaussian", "laplace"), True,
                    "dp-accounting PLD, pessimistic, add/remove max, grid refined until converged",
                    "dpaudit.accounting.pld:epsilon", delta_fn="dpaudit.accounting.pld:delta",
-                   options="dpaudit.accounting.pld:PldOptions"),
+                   options="dpaudit.accounting.pld:PldOptions", phases=True),
         Accountant("prv", ("gaussian",), True,
                    "prv-accountant, remove + our add-direction PRV, max of upper bounds",
                    "dpaudit.accounting.prv:epsilon", options="dpaudit.accounting.prv:PrvOptions"),
@@ -101,16 +121,21 @@ ACCOUNTANTS: dict[str, Accountant] = {
                    options="dpaudit.accounting.montecarlo:MonteCarloSettings"),
         Accountant("pure", ("laplace",), False,
                    "subsampled Laplace as pure eps-DP, basic composition",
-                   "dpaudit.accounting.pure:epsilon", sigma_fn=lambda m, e, d: pure.sigma_closed_form(m, e)),
+                   "dpaudit.accounting.pure:epsilon", sigma_fn=lambda m, e, d: pure.sigma_closed_form(m, e),
+                   samplings=("poisson", "fixed"), phases=True),
         Accountant("pure-prv", ("laplace",), True,
                    "each step as randomized response with eps_1, composed exactly",
                    "dpaudit.accounting.pure:prv_epsilon"),
         Accountant("rdp", ("gaussian",), True,
-                   "Renyi DP (valid at any delta; looser)", "dpaudit.accounting.rdp:epsilon"),
+                   "Renyi DP (valid at any delta; looser); fixed-size batches: sampled without replacement, "
+                   "replace-one", "dpaudit.accounting.rdp:epsilon", samplings=("poisson", "fixed"), phases=True),
         Accountant("analytic", ("gaussian", "laplace"), False,
                    "exact without subsampling (analytic Gaussian / one Laplace release)",
-                   "dpaudit.accounting.analytic:epsilon", sigma_fn=analytic.sigma_closed_form,
-                   limitation=analytic.limitation),
+                   "dpaudit.accounting.analytic:epsilon", delta_fn="dpaudit.accounting.analytic:delta",
+                   sigma_fn=analytic.sigma_closed_form, limitation=analytic.limitation),
+        Accountant("shuffle", ("gaussian", "laplace"), False,
+                   "shuffled epochs without amplification: each example in at most one batch an epoch, zero-out",
+                   "dpaudit.accounting.shuffle:epsilon", samplings=("shuffle",), phases=True),
     ]
 }
 
@@ -122,24 +147,39 @@ def get_accountant(name: str) -> Accountant:
         raise DPAuditError(f"unknown accountant {name!r}; choose one of {', '.join(ACCOUNTANTS)}") from None
 
 
-def default_accountant(mech: Mechanism, delta: float) -> str:
-    """Exact formulas where they exist (no subsampling), pure composition for Laplace at
-    delta = 0, else PLD."""
+def default_accountant(mech: Event, delta: float) -> str:
+    """The tightest valid route for the event: the sampler's own accountant (shuffle; rdp or, for Laplace,
+    pure for fixed-size batches); for Poisson sampling exact formulas where they exist (no subsampling),
+    pure composition for Laplace at delta = 0, else PLD."""
+    facts = scheme(mech.sampling)
+    if facts.refused:
+        raise DPAuditError(facts.refused)
+    pure_dp = all(noise(m.kind).pure_dp for m in mech.phases)
+    if mech.sampling == "shuffle":
+        return "shuffle"
+    if mech.sampling == "fixed":
+        return "pure" if pure_dp else "rdp"
     if analytic.limitation(mech) is None:
         return "analytic"
-    if noise(mech.kind).pure_dp and delta == 0:
+    if pure_dp and delta == 0:
         return "pure"
     return "pld"
 
 
-def epsilon(mech: Mechanism, delta: float, accountant: str | None = None, options=None,
-            relation: NeighboringRelation = NeighboringRelation.ADD_OR_REMOVE_ONE) -> EpsilonResult:
+def epsilon(mech: Event, delta: float, accountant: str | None = None, options=None,
+            relation: NeighboringRelation | None = None) -> EpsilonResult:
     """Upper bound on epsilon at ``delta`` for ``mech`` from the named (or default) accountant."""
     check_delta(delta, allow_zero=True)
     return get_accountant(accountant or default_accountant(mech, delta)).epsilon(mech, delta, options, relation)
 
 
-def delta(mech: Mechanism, eps: float, accountant: str = "pld", options=None,
-          relation: NeighboringRelation = NeighboringRelation.ADD_OR_REMOVE_ONE) -> DeltaResult:
-    """Upper bound on delta at ``eps`` for ``mech`` (pld, or mc with probability >= 1 - beta)."""
-    return get_accountant(accountant).delta(mech, eps, options, relation)
+def default_delta_accountant(mech: Event) -> str:
+    """delta(eps): exact where there is no subsampling (analytic), else pld."""
+    return "analytic" if analytic.limitation(mech) is None and analytic.has_delta(mech) else "pld"
+
+
+def delta(mech: Event, eps: float, accountant: str | None = None, options=None,
+          relation: NeighboringRelation | None = None) -> DeltaResult:
+    """Upper bound on delta at ``eps`` for ``mech`` (analytic or pld by default; mc with probability
+    >= 1 - beta)."""
+    return get_accountant(accountant or default_delta_accountant(mech)).delta(mech, eps, options, relation)

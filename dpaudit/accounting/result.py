@@ -8,11 +8,14 @@ from enum import Enum
 
 
 class NeighboringRelation(str, Enum):
-    """Which datasets are neighbours (dp_accounting's enum, same names). Every accountant here covers
-    ADD_OR_REMOVE_ONE; REPLACE_ONE is refused with a reason rather than answered wrongly."""
+    """Which datasets are neighbours (dp_accounting's enum, same names). Each batch sampler has its own
+    (``samplers.Scheme.relation``): Poisson sampling add/remove, fixed-size batches replace-one, shuffled
+    epochs zero-out (REPLACE_SPECIAL: one example replaced by a null one). A relation an accountant does not
+    cover is refused with a reason rather than answered wrongly."""
 
     ADD_OR_REMOVE_ONE = "add/remove"
     REPLACE_ONE = "replace-one"
+    REPLACE_SPECIAL = "zero-out"
 
 
 ADD_REMOVE = "add/remove (max of the add and the remove direction after composition)"
@@ -20,8 +23,17 @@ SINGLE_RELEASE = "add/remove (one release: both directions coincide)"
 NO_SUBSAMPLING = "add/remove (no subsampling: both directions coincide)"
 
 
+REPLACE_ONE_WORDS = "replace-one (N public; a clipped sum moves by up to 2C)"
+ZERO_OUT_WORDS = "zero-out (one example replaced by a null one; each example meets at most one batch an epoch)"
+
+
 def relation_of(mech) -> str:
-    """How the add/remove relation is covered for ``mech``, in words."""
+    """How the neighbouring relation is covered for ``mech`` (a Mechanism or Phases), in words."""
+    sampling = getattr(mech, "sampling", "poisson")
+    if sampling == "fixed":
+        return REPLACE_ONE_WORDS
+    if sampling in ("shuffle", "balls-in-bins"):
+        return ZERO_OUT_WORDS
     return SINGLE_RELEASE if mech.is_single_release else ADD_REMOVE
 
 
