@@ -5,7 +5,11 @@
     spent = epsilon(sigma=plan.sigma, delta=1e-5, p=16 / 1000, steps=75_000)  # spent.epsilon
 
 Same code path and the same numbers as ``dpaudit calibrate / epsilon / delta / max-steps``. Every
-answer is an upper bound for add/remove neighbours (the result's ``neighboring``). ``max_memory``
+answer is an upper bound for the neighbouring relation of its batch sampler (the result's ``neighboring``:
+add/remove for Poisson sampling, replace-one for ``sampling="fixed"``, zero-out for ``"shuffle"``).
+A schedule of several phases is ``phases=[{"sigma": 1.0, "p": 0.01, "steps": 1000}, ...]`` (the keys of
+``--phase``; or ``Mechanism`` objects), composed in sequence; ``calibrate(phases=...)`` finds the smallest
+multiplier of every phase's sigma (a phase without sigma has share 1). ``max_memory``
 ('2G', or bytes) bounds what an accountant may allocate, as --max-memory does; ``timeout`` is the
 time the call may take: the accountants plan within it, and past it the call stops with one
 ``DPAuditError``, as the CLI does (SIGALRM, so from the main thread; on another thread the deadline is
@@ -20,56 +24,80 @@ from dpaudit.accounting import budget as budgets
 from dpaudit.accounting.calibrate import Calibration, StepsAnswer
 from dpaudit.accounting.calibrate import calibrate_sigma as _calibrate_sigma
 from dpaudit.accounting.calibrate import max_steps as _max_steps
-from dpaudit.accounting.mechanism import Mechanism, check_epsilon, schedule
+from dpaudit.accounting.mechanism import Mechanism, Phases, check_epsilon, compose_phases, phase_from, schedule
 from dpaudit.accounting.noise import resolve_delta
 from dpaudit.accounting.registry import delta as _delta
 from dpaudit.accounting.registry import epsilon as _epsilon
 from dpaudit.accounting.result import DeltaResult, EpsilonResult, NeighboringRelation
+from dpaudit.errors import DPAuditError
 
-__all__ = ["Mechanism", "NeighboringRelation", "calibrate", "delta", "epsilon", "max_steps"]
+__all__ = ["Mechanism", "NeighboringRelation", "Phases", "calibrate", "delta", "epsilon", "max_steps"]
+
+
+def _event(mech: str, sigma: float | None, p, batch_size, dataset_size, steps, epochs, sampling: str, phases):
+    """One schedule from the keywords, or ``phases`` composed in sequence (a phase's sigma defaults to ``sigma``)."""
+    if phases is None:
+        if sigma is None:
+            raise DPAuditError("give sigma (or phases=[...])")
+        return schedule(mech, sigma, p, batch_size, dataset_size, steps, epochs, sampling)
+    if any(x is not None for x in (p, batch_size, dataset_size, steps, epochs)) or sampling != "poisson":
+        raise DPAuditError("give the schedule either as phases=[...] or as p/batch_size/steps/epochs/sampling, not both")
+    if isinstance(phases, (str, bytes)) or not hasattr(phases, "__iter__"):
+        raise DPAuditError("phases must be a list of mappings (or Mechanism objects)")
+    return compose_phases([x if isinstance(x, Mechanism) else phase_from(dict(x), mech, sigma) for x in phases])
 
 
 def calibrate(eps: float, *, mech: str = "gaussian", delta: float | None = None, p: float | None = None,
               batch_size: int | None = None, dataset_size: int | None = None, steps: int | None = None,
-              epochs: float | None = None, accountant: str | None = None, rtol: float = 1e-3, options=None,
-              max_memory: int | str | None = None, timeout: float | None = None) -> Calibration:
-    """Smallest sigma whose accounted eps is <= ``eps`` (``.sigma``, ``.epsilon``, ``.result``)."""
+              epochs: float | None = None, sampling: str = "poisson", phases=None, accountant: str | None = None,
+              rtol: float = 1e-3, options=None, max_memory: int | str | None = None,
+              timeout: float | None = None) -> Calibration:
+    """Smallest sigma whose accounted eps is <= ``eps`` (``.sigma``, ``.epsilon``, ``.result``); with
+    ``phases``, the smallest multiplier of every phase's sigma (``.result.mechanism`` holds the phases)."""
     check_epsilon(eps)
     d = resolve_delta(mech, delta)
-    template = schedule(mech, 1.0, p, batch_size, dataset_size, steps, epochs)
+    template = _event(mech, 1.0, p, batch_size, dataset_size, steps, epochs, sampling, phases)
     with budgets.enforced(max_memory, timeout, "calibrate"):  # None, None: the budget in force stays
-        return _calibrate_sigma(template, eps, d, accountant, rtol=rtol, options=options)
+        cal = _calibrate_sigma(template, eps, d, accountant, rtol=rtol, options=options)
+    return replace(cal, result=replace(cal.result, mechanism=template.with_sigma(cal.sigma)))
 
 
-def epsilon(sigma: float, *, mech: str = "gaussian", delta: float | None = None, p: float | None = None,
-            batch_size: int | None = None, dataset_size: int | None = None, steps: int | None = None,
-            epochs: float | None = None, accountant: str | None = None, options=None,
-            relation: NeighboringRelation = NeighboringRelation.ADD_OR_REMOVE_ONE,
+def epsilon(sigma: float | None = None, *, mech: str = "gaussian", delta: float | None = None,
+            p: float | None = None, batch_size: int | None = None, dataset_size: int | None = None,
+            steps: int | None = None, epochs: float | None = None, sampling: str = "poisson", phases=None,
+            accountant: str | None = None, options=None, relation: NeighboringRelation | None = None,
             max_memory: int | str | None = None, timeout: float | None = None) -> EpsilonResult:
-    """Upper bound on eps spent by noise ``sigma`` over the schedule (``.epsilon``, ``.sigma``)."""
+    """Upper bound on eps spent by noise ``sigma`` over the schedule, or by ``phases`` (``.epsilon``,
+    ``.sigma``, ``.neighboring``). Shuffled epochs also carry ``.details["shuffle"]``: the Chua et al. lower
+    bound and the eps a Poisson accountant would have quoted."""
     d = resolve_delta(mech, delta)
-    m = schedule(mech, sigma, p, batch_size, dataset_size, steps, epochs)
+    m = _event(mech, sigma, p, batch_size, dataset_size, steps, epochs, sampling, phases)
     with budgets.enforced(max_memory, timeout, "epsilon"):
         res = _epsilon(m, d, accountant, options, relation)
+        if m.sampling == "shuffle" and res.accountant == "shuffle":
+            from dpaudit.accounting.shuffle import context
+
+            res = replace(res, details={**res.details, "shuffle": context(m, d).to_json(res.epsilon)})
     return replace(res, mechanism=m)
 
 
 def delta(sigma: float, eps: float, *, mech: str = "gaussian", p: float | None = None,
           batch_size: int | None = None, dataset_size: int | None = None, steps: int | None = None,
-          epochs: float | None = None, accountant: str = "pld", options=None,
+          epochs: float | None = None, sampling: str = "poisson", accountant: str | None = None, options=None,
           max_memory: int | str | None = None, timeout: float | None = None) -> DeltaResult:
-    """Upper bound on delta at ``eps`` (``.delta``; Monte-Carlo: with probability >= 1 - beta)."""
-    m = schedule(mech, sigma, p, batch_size, dataset_size, steps, epochs)
+    """Upper bound on delta at ``eps`` (``.delta``; exact where there is no subsampling; Monte-Carlo: with
+    probability >= 1 - beta)."""
+    m = schedule(mech, sigma, p, batch_size, dataset_size, steps, epochs, sampling)
     with budgets.enforced(max_memory, timeout, "delta"):
         return _delta(m, eps, accountant, options)
 
 
 def max_steps(sigma: float, eps: float, *, mech: str = "gaussian", delta: float | None = None,
               p: float | None = None, batch_size: int | None = None, dataset_size: int | None = None,
-              accountant: str | None = None, options=None, max_memory: int | str | None = None,
-              timeout: float | None = None) -> StepsAnswer:
+              sampling: str = "poisson", accountant: str | None = None, options=None,
+              max_memory: int | str | None = None, timeout: float | None = None) -> StepsAnswer:
     """Largest T with eps(T) <= ``eps`` (``.steps``, ``.epsilon``)."""
     d = resolve_delta(mech, delta)
-    template = schedule(mech, sigma, p, batch_size, dataset_size, 1, None)
+    template = schedule(mech, sigma, p, batch_size, dataset_size, 1, None, sampling)
     with budgets.enforced(max_memory, timeout, "max_steps"):
         return _max_steps(template, eps, d, accountant, options)

@@ -136,12 +136,13 @@ class PldOptions:
     grid: float | None = None
 
 
-def converged_grid(mech: Mechanism, delta: float) -> float:
+def converged_grid(mech: Event, delta: float, result: EpsilonResult | None = None) -> float:
     """The grid the refinement ladder settles on for ``mech``: its coarsest rung within ``CONVERGED``
     (relative) of the smallest bound. Where the ladder improves steadily the smallest is its last rung, the
     one that only shows convergence and costs ~3x the one before (p = 1e-3, T = 1e7, eps = 50, delta = 1e-10:
     8.4 s against 2.6 s an evaluation, for 2e-4 relative)."""
-    rungs = epsilon(mech, delta).details.get("grids") or []
+    result = result if result is not None else epsilon(mech, delta)
+    rungs = result.details.get("grids") or []
     finite = [r for r in rungs if math.isfinite(r["epsilon"])]
     if not finite:
         return first_grid(mech, delta)

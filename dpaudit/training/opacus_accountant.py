@@ -7,21 +7,29 @@ max of the add and the remove direction after composition, on a grid refined unt
 too, because Opacus looks accountants up by this name.
 
 History is kept as Opacus keeps it: (noise_multiplier, sample_rate, steps) entries, merged when
-consecutive steps repeat the same pair. A history with several different pairs is composed
-direction by direction on one common grid (dp-accounting's PMF composition).
+consecutive steps repeat the same pair. The adapter only turns that history into dpaudit's event (phases in
+sequence, ``compose_phases``) and asks the registry: phases are accounted by `pld` on one grid refined until
+converged, as tight as one phase, and below delta = 1e-12 by `rdp`, as one phase is.
+
+Opacus' ``get_noise_multiplier`` (behind ``make_private_with_epsilon``) bisects sigma on one accountant,
+resetting its history to one phase each time. The first such evaluation runs the full refinement ladder;
+later ones with the same (p, T, delta) and a sigma within ``REUSE`` of a laddered one reuse its converged
+resolution (the grid as a fraction of one step's loss range) on a single grid, as ``calibrate`` does: every
+evaluation is still an upper bound, and as tight as the ladder's (far from the laddered sigma the resolution
+the ladder found is not the one needed, so a new ladder runs there).
 """
 
 from __future__ import annotations
-
-import math
 
 from opacus.accountants.accountant import IAccountant
 from opacus.accountants.registry import register_accountant
 
 from dpaudit.accounting import Mechanism, pld
+from dpaudit.accounting.mechanism import compose_phases
 from dpaudit.accounting.registry import epsilon as account
 
 MECHANISM = "dpaudit-pld"
+REUSE = 1.1  # a laddered resolution serves sigmas within this factor
 
 
 class DpauditAccountant(IAccountant):
@@ -29,9 +37,10 @@ class DpauditAccountant(IAccountant):
 
     def __init__(self) -> None:
         self.history: list[tuple[float, float, int]] = []
+        self._resolution: dict = {}  # (p, T, delta) -> {sigma: converged grid / step loss range}, from ladders
 
     def step(self, *, noise_multiplier: float, sample_rate: float) -> None:
-        if self.history and self.history[-1][:2] == (noise_multiplier, sample_rate):
+        if self.history and tuple(self.history[-1][:2]) == (noise_multiplier, sample_rate):
             sigma, p, steps = self.history[-1]
             self.history[-1] = (sigma, p, steps + 1)
         else:
@@ -40,13 +49,19 @@ class DpauditAccountant(IAccountant):
     def get_epsilon(self, delta: float, **kwargs) -> float:
         if not self.history:
             return 0.0
-        merged: dict[tuple[float, float], int] = {}
-        for sigma, p, steps in self.history:
-            merged[(sigma, p)] = merged.get((sigma, p), 0) + steps
-        if len(merged) == 1:
-            (sigma, p), steps = next(iter(merged.items()))
-            return account(Mechanism("gaussian", float(sigma), float(p), int(steps)), delta, "pld").epsilon
-        return _heterogeneous_epsilon(merged, delta)
+        event = compose_phases([Mechanism("gaussian", float(s), float(p), int(t)) for s, p, t in self.history])
+        if not isinstance(event, Mechanism) or delta < pld.MIN_DELTA:
+            return account(event, delta, "pld").epsilon
+        laddered = self._resolution.setdefault((event.sampling_rate, event.steps, delta), {})
+        near = [s for s in laddered if max(s, event.sigma) / min(s, event.sigma) <= REUSE]
+        if near:
+            ratio = laddered[min(near, key=lambda s: abs(s - event.sigma))]
+            grid = min(pld.MAX_GRID, ratio * pld.step_loss_range(event, delta))
+            return account(event, delta, "pld", pld.PldOptions(grid=grid)).epsilon
+        result = account(event, delta, "pld")
+        if result.accountant == "pld":
+            laddered[event.sigma] = pld.converged_grid(event, delta, result) / pld.step_loss_range(event, delta)
+        return result.epsilon
 
     def __len__(self) -> int:
         return sum(steps for _, _, steps in self.history)
@@ -54,24 +69,6 @@ class DpauditAccountant(IAccountant):
     @classmethod
     def mechanism(cls) -> str:
         return MECHANISM
-
-
-def _heterogeneous_epsilon(parts: dict[tuple[float, float], int], delta: float) -> float:
-    """Different (sigma, p) phases: each direction's composed PMFs multiplied together on one grid (the
-    finest any phase's first refinement rung would use), then eps at delta; pessimistic throughout."""
-    mechs = [Mechanism("gaussian", float(s), float(p), int(t)) for (s, p), t in parts.items()]
-    grid = min(min(pld.MAX_GRID, pld.step_loss_range(m, delta) / pld.POINTS_PER_STEP) for m in mechs) / pld.REFINE
-    composed = [pld.composed_pld(m, grid, delta=delta) for m in mechs]
-    for part in composed:
-        part.settle(delta)  # in long double where a part's FFT round-off matters at delta
-    worst = 0.0
-    for direction in ("remove", "add"):
-        total = composed[0].pmfs[direction]
-        for other in composed[1:]:
-            total = total.compose(other.pmfs[direction], tail_mass_truncation=pld.TAIL_MASS_TRUNCATION)
-        noise = sum(part.round_offs[direction] for part in composed)  # each part's round-off, paid for
-        worst = max(worst, math.inf if noise > delta / 2 else pld.epsilon_for_delta(total, delta - noise))
-    return worst
 
 
 register_accountant(MECHANISM, DpauditAccountant, force=True)  # idempotent: importing twice re-registers
