@@ -9,14 +9,24 @@ from pathlib import Path
 
 import yaml
 
-from dpaudit.accounting.mechanism import Mechanism, check_delta, check_epsilon, sampling_rate_from, steps_from
+from dpaudit.accounting.mechanism import (
+    Mechanism, Phases, check_delta, check_epsilon, compose_phases, phase_from, schedule,
+)
 from dpaudit.accounting.noise import NOISES
+from dpaudit.accounting.samplers import SAMPLINGS
 from dpaudit.errors import DPAuditError
 
 KNOWN_KEYS = {
     "mechanism", "sigma", "noise_multiplier", "sampling_rate", "batch_size", "dataset_size",
-    "steps", "epochs", "delta", "target_epsilon", "accountant", "calibrate",
+    "steps", "epochs", "delta", "target_epsilon", "accountant", "calibrate", "sampling", "phases",
+    "claim_accounted_as",
 }
+SCHEDULE_KEYS = {"sampling_rate", "batch_size", "steps", "epochs"}  # given per phase when there are phases
+# a phase's keys, as the config spells them -> as --phase spells them
+PHASE_ALIASES = {"sigma": "sigma", "noise_multiplier": "sigma", "p": "p", "sampling_rate": "p", "steps": "steps",
+                 "epochs": "epochs", "sampling": "sampling", "B": "B", "batch_size": "B", "N": "N",
+                 "dataset_size": "N", "mechanism": "mech", "mech": "mech"}
+MAX_PHASES = 100
 SECTIONS = ("dpaudit", "privacy")
 MAX_BYTES = 1 << 20     # a privacy config is a few hundred bytes; refuse anything over 1 MiB unread
 MAX_DEPTH = 32          # nesting a config never needs; deeper input is refused before it can recurse
@@ -27,16 +37,31 @@ MAX_INTEGER = 10**12
 @dataclass(frozen=True)
 class PrivacyConfig:
     mechanism: str
-    sigma: float | None  # None: the config asks dpaudit to calibrate it
-    sampling_rate: float
-    steps: int
+    sigma: float | None  # None: the config asks dpaudit to calibrate it (with phases: their multiplier)
+    event: Mechanism | Phases  # the schedule at sigma (or at multiplier 1 when calibrating)
     delta: float
     target_epsilon: float
     accountant: str | None
     dataset_size: int | None = None  # when the config gives it (a sampler log is checked against it)
+    claim_accounted_as: str | None = None  # the sampler the config's claim was computed for, when it says
 
-    def schedule(self, sigma: float) -> Mechanism:
-        return Mechanism(self.mechanism, sigma, self.sampling_rate, self.steps)
+    @property
+    def sampling(self) -> str:
+        return self.event.sampling
+
+    @property
+    def sampling_rate(self) -> float:
+        return self.event.sampling_rate
+
+    @property
+    def steps(self) -> int:
+        return self.event.steps
+
+    def schedule(self, sigma: float) -> Mechanism | Phases:
+        """The schedule at ``sigma`` (phases: every phase's sigma times ``sigma``)."""
+        if isinstance(self.event, Phases):
+            return self.event.with_sigma(sigma)
+        return self.event.with_sigma(sigma)
 
 
 class _NoAliasLoader(yaml.SafeLoader):
@@ -145,6 +170,11 @@ def load_privacy_config(path: Path) -> PrivacyConfig:
         raise DPAuditError("config key 'calibrate' must be true or false")
     # Fail closed: a gate judges the sigma the trainer will use. No sigma is unusable, unless the
     # config asks for calibration explicitly (and then a sigma beside it would be ambiguous).
+    phases = data.get("phases")
+    every_phase_has_sigma = isinstance(phases, list) and bool(phases) and all(
+        isinstance(x, dict) and ("sigma" in x or "noise_multiplier" in x) for x in phases)
+    if sigma is None and every_phase_has_sigma and not calibrate:
+        sigma = 1.0  # the phases' own sigmas, times 1
     if sigma is None and not calibrate:
         raise DPAuditError("config states no noise_multiplier (sigma); a gate must judge the sigma training uses "
                            "(or set calibrate: true to ask for the minimal one)")
@@ -161,14 +191,63 @@ def load_privacy_config(path: Path) -> PrivacyConfig:
         delta = facts.default_delta
     check_delta(delta, allow_zero=facts.pure_dp)
     n = _number(data, "dataset_size", int)
-    p = sampling_rate_from(_number(data, "batch_size", int), n, _number(data, "sampling_rate"))
-    steps = steps_from(_number(data, "steps", int), _number(data, "epochs"), p)
-    if steps > MAX_STEPS:
-        raise DPAuditError(f"config schedule has {steps:.3g} steps; dpaudit check accounts up to {MAX_STEPS:.0e}")
+    sampling = _name(data, "sampling", SAMPLINGS, "poisson")
+    claim = _name(data, "claim_accounted_as", SAMPLINGS, None)
+    if "phases" in data:
+        event = _phases(data, mechanism, sigma, n)
+    else:
+        event = schedule(mechanism, 1.0, _number(data, "sampling_rate"), _number(data, "batch_size", int), n,
+                         _number(data, "steps", int), _number(data, "epochs"), sampling)
+        if sigma is not None:
+            event = event.with_sigma(sigma)  # validates sigma
+    if event.steps > MAX_STEPS:
+        raise DPAuditError(f"config schedule has {event.steps:.3g} steps; dpaudit check accounts up to {MAX_STEPS:.0e}")
     accountant = data.get("accountant")
     if accountant is not None and not isinstance(accountant, str):
         raise DPAuditError("config accountant must be a name")
-    config = PrivacyConfig(mechanism, sigma, p, steps, delta, target, accountant, n)
-    if sigma is not None:
-        config.schedule(sigma)  # validates sigma
-    return config
+    return PrivacyConfig(mechanism, sigma, event, delta, target, accountant, n, claim)
+
+
+def _name(data: dict, key: str, choices, default):
+    value = data.get(key, default)
+    if value is not None and value not in choices:
+        raise DPAuditError(f"config key {key!r} must be one of {', '.join(choices)}")
+    return value
+
+
+def _phases(data: dict, mechanism: str, sigma: float | None, n: int | None):
+    """A ``phases:`` list: each a mapping of the schedule keys (sigma or noise_multiplier, sampling_rate or
+    batch_size with dataset_size, steps or epochs, sampling). A phase without sigma takes the top-level one
+    (or, when calibrating, a share of 1); the top-level dataset_size and sampling are the default."""
+    phases = data["phases"]
+    stray = sorted(SCHEDULE_KEYS & set(data))
+    if stray:
+        raise DPAuditError(f"config gives phases and top-level {', '.join(stray)}; put them in the phases")
+    if not isinstance(phases, list) or not phases:
+        raise DPAuditError("config key 'phases' must be a non-empty list of mappings")
+    if len(phases) > MAX_PHASES:
+        raise DPAuditError(f"config has {len(phases)} phases; dpaudit check accounts up to {MAX_PHASES}")
+    parts = []
+    for i, phase in enumerate(phases, 1):
+        if not isinstance(phase, dict) or any(not isinstance(k, str) for k in phase):
+            raise DPAuditError(f"config phase {i} must be a mapping of names to values")
+        unknown = sorted(set(phase) - set(PHASE_ALIASES))
+        if unknown:
+            raise DPAuditError(f"config phase {i}: unknown key(s) {', '.join(map(_shown, unknown))}; known: "
+                               f"{', '.join(sorted(PHASE_ALIASES))}")
+        spec = {}
+        for key, value in phase.items():
+            name = PHASE_ALIASES[key]
+            if name in spec:
+                raise DPAuditError(f"config phase {i} gives {name} twice")
+            spec[name] = _number(phase, key, int if name in ("B", "N", "steps") else float) \
+                if name not in ("sampling", "mech") else value
+        if "sampling" in data and "sampling" not in spec:
+            spec["sampling"] = data["sampling"]
+        if n is not None and "N" not in spec and "B" in spec:
+            spec["N"] = n
+        try:
+            parts.append(phase_from(spec, mechanism, sigma if sigma is not None else 1.0))
+        except DPAuditError as exc:
+            raise DPAuditError(f"config phase {i}: {exc}") from None
+    return compose_phases(parts)
