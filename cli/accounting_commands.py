@@ -240,12 +240,13 @@ def compare(
                      "relation": res.relation, "guarantee": res.guarantee,
                      "directions": {k: json_float(v) for k, v in res.directions.items()}})
     what = "epsilon" if sigma is not None else "sigma"
+    closed = _closed_form_rows(m, eps, d, rows) if eps is not None else []
     from rich.table import Table
 
     if as_json:
         emit_json({"command": "compare", "quantity": what, "mechanism": mech, "sigma": sigma, "target_epsilon": eps,
                    "sampling_rate": m.sampling_rate, "steps": m.steps, "delta": d, "rows": rows,
-                   "cut_short": [r["accountant"] for r in rows if r.get("cut_short")]})
+                   "closed_forms": closed, "cut_short": [r["accountant"] for r in rows if r.get("cut_short")]})
         return
     table = Table(title=f"{what} by accountant — {m.kind}, p={m.sampling_rate:g}, T={m.steps}, delta={d:g}")
     for col in ("accountant", what, "time (s)", "guarantee"):
@@ -256,10 +257,30 @@ def compare(
         else:
             table.add_row(r["accountant"], fmt(float(r["value"])), f"{r['seconds']:.3f}", r["guarantee"])
     console.print(table)
+    for r in closed:
+        console.print(f"{r['name']}: sigma = {fmt(r['sigma'])}, which spends only eps <= {fmt(r['epsilon'])} "
+                      f"({r['accountant']}; target {eps:g}): {r['noise_ratio']:.3g}x the noise of the tight sigma "
+                      f"{fmt(r['tight_sigma'])}", highlight=False)
     cut = [r["accountant"] for r in rows if r.get("cut_short")]
     if cut:
         console.print(f"[yellow]cut short (no answer within the budget, or refused): {', '.join(cut)}; "
                       "see their rows (--timeout, --max-memory)[/yellow]", highlight=False)
+
+
+def _closed_form_rows(m, eps: float, delta: float, rows: list[dict]) -> list[dict]:
+    """Published closed-form sigmas for full-batch schedules (noise(kind).closed_forms, e.g. DPZero's), each with
+    the eps it spends under the tight accountant, beside the smallest calibrated sigma of the table."""
+    facts = noise(m.kind)
+    tight = [float(r["value"]) for r in rows if "value" in r]
+    if m.sampling_rate < 1 or not facts.closed_forms or not tight or delta <= 0:
+        return []
+    out = []
+    for name, form in facts.closed_forms.items():
+        sigma = form(m.steps, eps, delta)
+        spent = epsilon(m.with_sigma(sigma), delta)
+        out.append({"name": name, "sigma": sigma, "epsilon": json_float(spent.epsilon), "accountant": spent.accountant,
+                    "tight_sigma": min(tight), "noise_ratio": sigma / min(tight)})
+    return out
 
 
 @bounded("dpaudit plot")

@@ -3,6 +3,11 @@
 Every answer is checked against the same accountant function that `epsilon` exposes, so a
 calibrated sigma always satisfies its own bound, and a sigma smaller by the relative
 tolerance is shown (and returned) to exceed the target.
+
+The search is over one scalar of any event (a Mechanism's sigma, or the multiplier of every phase's sigma)
+and names no accountant: it uses what the registry says of them, a closed form (``Accountant.sigma``), a
+quick accountant to start from and fall back on (``quick``), and an accountant's search hooks (``search``,
+``search.SearchHooks``: a fixed resolution, a coarse evaluation, an estimate from below).
 """
 
 from __future__ import annotations
@@ -11,10 +16,9 @@ import math
 import time
 from dataclasses import dataclass, replace
 
-from dpaudit.accounting import budget, pure
-from dpaudit.accounting.mechanism import Mechanism, check_delta, check_epsilon
-from dpaudit.accounting.noise import noise
-from dpaudit.accounting.registry import default_accountant, epsilon, get_accountant
+from dpaudit.accounting import budget
+from dpaudit.accounting.mechanism import Mechanism, check_delta, check_epsilon, miss_log_probability
+from dpaudit.accounting.registry import ACCOUNTANTS, default_accountant, epsilon, get_accountant
 from dpaudit.accounting.result import EpsilonResult
 from dpaudit.errors import DPAuditError
 
@@ -48,7 +52,7 @@ class _Evaluator:
 
     def __init__(self, template: Mechanism, delta: float, accountant: str, options, options_for=None) -> None:
         self.template, self.delta, self.accountant, self.options = template, delta, accountant, options
-        self.options_for = options_for  # sigma -> options, when they depend on sigma (pld's fixed grid)
+        self.options_for = options_for  # sigma -> options, when they depend on sigma (a fixed resolution)
         self.cache: dict[float, EpsilonResult] = {}
         self.slowest = 0.0  # seconds, the longest evaluation so far
 
@@ -68,59 +72,55 @@ class _Evaluator:
         return 3 * self.slowest > budget.current().seconds_left()
 
 
-def _pld_grid_rule(template: Mechanism, delta: float, sigma0: float):
-    """One refinement ladder at ``sigma0`` fixes the grid's resolution relative to one step's loss range;
-    each evaluation of the search then runs a single PLD at that resolution instead of a ladder (the
-    ladder's last rung, the one that shows it has converged, alone costs 3x the converged one). Any
-    grid gives a valid bound; this keeps the search at the converged one."""
-    from dpaudit.accounting import pld
-
-    start = template.with_sigma(sigma0)
-    ratio = pld.converged_grid(start, delta) / pld.step_loss_range(start, delta)
-    return lambda sigma: pld.PldOptions(
-        grid=min(pld.MAX_GRID, ratio * pld.step_loss_range(template.with_sigma(sigma), delta)))
+def _resolution_rule(hooks, template, delta: float, sigma0: float):
+    """The accountant's converged resolution at ``sigma0``, carried to every sigma of the search."""
+    rule = hooks.resolution(template.with_sigma(sigma0), delta)
+    return lambda sigma: rule(template.with_sigma(sigma))
 
 
-def _coarse_anchor(template: Mechanism, target: float, delta: float, anchor: float) -> tuple[float, int]:
-    """(a start for the pld search, evaluations spent). RDP's sigma can be far above PLD's (p = 1e-5,
-    T = 1000, eps = 1, delta = 1e-5: 0.635 against 0.354), and a ladder at a sigma whose eps is far below
-    the target refines for that tiny eps: there it fixed a grid ~250x finer than the answer needs (33 s an
-    evaluation, 490 s a calibration, against 0.2 s). So one PLD on a coarse grid (the ladder's first, at
-    least ``COARSE_GRID``: cheap, valid, loose) checks the anchor, and where eps there is below half the
-    target, a search on such grids moves the anchor to where eps is about the target."""
-    from dpaudit.accounting import pld
-
-    f = _Evaluator(template, delta, "pld", None, lambda sigma: pld.PldOptions(
-        grid=max(pld.COARSE_GRID, pld.first_grid(template.with_sigma(sigma), delta))))
+def _coarse_anchor(template, target: float, delta: float, anchor: float, name: str, hooks) -> tuple[float, int]:
+    """(a start for the search, evaluations spent). A quick accountant's sigma can be far above the tight one
+    (RDP at p = 1e-5, T = 1000, eps = 1, delta = 1e-5: 0.635 against PLD's 0.354), and a converged resolution
+    fixed at a sigma whose eps is far below the target is far finer than the answer needs (there ~250x: 33 s an
+    evaluation, 490 s a calibration, against 0.2 s). So one coarse evaluation (cheap, valid, loose) checks the
+    anchor, and where eps there is below half the target, a search on coarse evaluations moves the anchor to
+    where eps is about the target."""
+    f = _Evaluator(template, delta, name, None, lambda sigma: hooks.coarse(template.with_sigma(sigma), delta))
     if f(anchor).epsilon >= target / 2:
         return anchor, 1
     lo, hi = _bracket(f, target, anchor)
     return _refine(f, target, lo, hi, 0.01)[1], len(f.cache)
 
 
-def _initial_sigma(template: Mechanism, target: float, delta: float, accountant: str):
+def _quick(template, delta: float, name: str) -> str | None:
+    """An accountant that answers in about a second and covers this event (not ``name`` itself)."""
+    return next((other for other, acc in ACCOUNTANTS.items()
+                 if acc.quick and other != name and acc.supports(template, delta) is None), None)
+
+
+def _initial_sigma(template, target: float, delta: float, accountant: str):
     """(a start for the search, a valid calibration to fall back on or None)."""
-    if all(noise(m.kind).pure_dp for m in template.phases):
-        closed = pure.sigma_closed_form(template, target)
-        if closed is not None:
-            return closed, None  # pure >= every other bound: an upper end
-    if accountant in ("pld", "prv") and delta > 0:
-        # Each step's add/remove pair is at total variation <= p whatever the noise, and T steps at
-        # <= 1 - (1 - p)^T (coupling): at delta at least that, eps = 0 holds with any sigma.
-        p = template.sampling_rate
-        untouched = sum(m.steps * math.log1p(-m.sampling_rate) if m.sampling_rate < 1 else -math.inf
-                        for m in template.phases)
-        if p < 1 and delta >= -math.expm1(untouched):
+    for other in ACCOUNTANTS.values():  # any closed form that covers the event is a start
+        if other.sigma_fn is not None and other.supports(template, delta) is None:
+            closed = other.sigma(template, target, delta)
+            if closed is not None:
+                return closed, None
+    quick = None if get_accountant(accountant).quick else _quick(template, delta, accountant)
+    if quick is not None and delta > 0:
+        # Each step's pair is at total variation <= its chance of taking the example, and T steps at
+        # <= 1 - (chance of missing it every step) (coupling): at delta at least that, eps = 0 holds with any sigma.
+        missed = miss_log_probability(template)
+        if missed > -math.inf and delta >= -math.expm1(missed):
             raise DPAuditError(f"target eps={target:g} is met with any sigma: delta={delta:g} is at least "
                                f"1 - (1 - p)^T, so no meaningful noise level to calibrate")
-        if epsilon(template.with_sigma(SIGMA_MIN), delta, "rdp").epsilon <= target:  # a valid bound says so
+        if epsilon(template.with_sigma(SIGMA_MIN), delta, quick).epsilon <= target:  # a valid bound says so
             raise DPAuditError(f"target eps={target:g} is met even with sigma={SIGMA_MIN:g}: "
                                f"no meaningful noise level to calibrate")
-        # RDP calibrates in ~1 s and lands 0-20 % above the PLD / PRV sigma: a start two evaluations away,
-        # and a valid (looser) answer should the search not fit the time budget.
+        # A quick accountant (RDP) calibrates in ~1 s and lands 0-20 % above the tight sigma: a start two
+        # evaluations away, and a valid (looser) answer should the search not fit the time budget.
         try:
-            rdp = calibrate_sigma(template, target, delta, "rdp", rtol=0.02)
-            return 0.95 * rdp.sigma, rdp
+            start = calibrate_sigma(template, target, delta, quick, rtol=0.02)
+            return 0.95 * start.sigma, start
         except DPAuditError:
             pass
     # Gaussian: the classic sqrt(2 log(1.25/delta)) scaling, with amplification p sqrt(T).
@@ -160,11 +160,11 @@ def _bracket(f, target: float, sigma0: float) -> tuple[float, float]:
             return lo, hi
 
 
-def _polish(template: Mechanism, target: float, delta: float, fixed, lo: float, hi: float, width: float):
-    """pld: the search ran on one fixed grid; a full ladder (the smallest bound over its grids) can accept
-    the sigma that grid rejected, where dp-accounting's bound is not monotone in the grid. Then bisect
-    further down with ladders, while the time budget allows (each ladder costs ~4x a fixed-grid PLD)."""
-    ladder = _Evaluator(template, delta, "pld", None)
+def _polish(template, target: float, delta: float, fixed, lo: float, hi: float, width: float, name: str):
+    """The search ran at one fixed resolution; the accountant at its own (pld: a full ladder, the smallest
+    bound over its grids) can accept the sigma that resolution rejected, where the bound is not monotone in the
+    resolution. Then bisect further down that way, while the time budget allows (a ladder costs ~4x)."""
+    ladder = _Evaluator(template, delta, name, None)
     began = time.perf_counter()
     if ladder(lo).epsilon > target:
         return fixed, lo, hi, 1
@@ -211,16 +211,17 @@ def calibrate_sigma(template: Mechanism, target_eps: float, delta: float, accoun
         lo, converged = hi * (1 - rtol / 2), True
     else:
         (anchor, fallback), evaluations = _initial_sigma(template, target_eps, delta, name), 0
-        fixed_grid = name == "pld" and options is None
+        hooks = acc.search_hooks() if options is None else None
+        fixed_grid = hooks is not None
         for attempt in range(3):
-            # pld: the grid is fixed from a ladder at the anchor; if the answer lands far from the anchor,
-            # the grid is re-fixed there and the search repeated from it (the converged resolution can
-            # change with sigma, e.g. at p = 1e-5).
+            # The resolution is fixed from a converged evaluation at the anchor; if the answer lands far from
+            # the anchor, it is re-fixed there and the search repeated from it (the converged resolution can
+            # change with sigma, e.g. pld's at p = 1e-5).
             try:
                 if fixed_grid and attempt == 0:
-                    anchor, evaluations = _coarse_anchor(template, target_eps, delta, anchor)
+                    anchor, evaluations = _coarse_anchor(template, target_eps, delta, anchor, name, hooks)
                 f = _Evaluator(template, delta, name, options,
-                               _pld_grid_rule(template, delta, anchor) if fixed_grid else None)
+                               _resolution_rule(hooks, template, delta, anchor) if fixed_grid else None)
                 lo, hi = _bracket(f, target_eps, anchor)
             except budget.OverBudget as exc:
                 if fallback is None or not math.isfinite(budget.current().seconds_left()):
@@ -233,11 +234,11 @@ def calibrate_sigma(template: Mechanism, target_eps: float, delta: float, accoun
             anchor = hi
         per_evaluation = (time.perf_counter() - start) / max(1, evaluations)
         if fixed_grid and budget.current().seconds_left() > 8 * per_evaluation:
-            f, lo, hi, extra = _polish(template, target_eps, delta, f, lo, hi, width)
+            f, lo, hi, extra = _polish(template, target_eps, delta, f, lo, hi, width, name)
             evaluations += extra
         converged = _closed(lo, hi, width)
         if fallback is not None and fallback.sigma < hi and not converged:
-            # Stopped for time on a wide bracket whose valid end is above RDP's sigma: the smaller valid one.
+            # Stopped for time on a wide bracket whose valid end is above the quick sigma: the smaller valid one.
             return _fell_back(fallback, name, f"its search stopped with sigma between {lo:.6g} and {hi:.6g}",
                               time.perf_counter() - start)
     return Calibration(
@@ -252,10 +253,11 @@ def _closed(lo: float, hi: float, width: float) -> bool:
     return math.log(hi / lo) <= width * (1 + 1e-9)
 
 
-def _fell_back(rdp: Calibration, requested: str, why: str, seconds: float) -> Calibration:
-    """The RDP calibration (valid, looser), saying why the requested accountant's is not there."""
-    return replace(rdp, seconds=seconds, result=rdp.result.standing_in_for(
-        requested, f"{requested} did not fit the time budget ({why}); this sigma is rdp's (valid; a {requested} "
+def _fell_back(quick: Calibration, requested: str, why: str, seconds: float) -> Calibration:
+    """The quick accountant's calibration (valid, looser), saying why the requested accountant's is not there."""
+    name = quick.result.accountant
+    return replace(quick, seconds=seconds, result=quick.result.standing_in_for(
+        requested, f"{requested} did not fit the time budget ({why}); this sigma is {name}'s (valid; a {requested} "
                    f"search given more time would find a smaller one: --timeout)"))
 
 
@@ -319,7 +321,7 @@ def max_steps(template: Mechanism, target_eps: float, delta: float, accountant: 
     check_delta(delta, allow_zero=True)
     name = accountant or default_accountant(template.with_steps(2), delta)
     cache: dict[int, EpsilonResult] = {}
-    step_options = options  # pld: a grid fixed once the bracket is known (one step's loss range does not depend on T)
+    step_options = options  # a resolution fixed once the bracket is known (pld: one step's loss range does not depend on T)
 
     def eps_at(steps: int) -> float:
         if steps not in cache:
@@ -329,15 +331,14 @@ def max_steps(template: Mechanism, target_eps: float, delta: float, accountant: 
     if eps_at(1) > target_eps:
         raise DPAuditError(f"even one step spends eps={eps_at(1):.4g} > target {target_eps:g}; raise sigma")
     good, bad = 1, None
-    if name == "pld":
-        from dpaudit.accounting import pld
-
+    hooks = get_accountant(name).search_hooks()
+    if hooks is not None and hooks.below is not None:
         try:
-            good, bad = _pld_bracket(template, target_eps, delta, good)
+            good, bad = _estimated_bracket(template, target_eps, delta, good, name, hooks)
         except (OverflowError, ValueError, FloatingPointError):
-            good, bad = 1, None  # the optimistic estimate fails on extreme inputs; plain doubling still works
+            good, bad = 1, None  # the estimate from below fails on extreme inputs; plain doubling still works
         if options is None:
-            step_options = pld.PldOptions(grid=pld.converged_grid(template.with_steps(good), delta))
+            step_options = hooks.resolution(template.with_steps(good), delta)(template.with_steps(good))
         if bad is not None and eps_at(bad) <= target_eps:  # the optimistic estimate was wrong: keep doubling
             good, bad = bad, None
     while bad is None:
@@ -388,19 +389,19 @@ def _at(cache: dict, eps_at, steps: int) -> EpsilonResult:
     return cache[steps]
 
 
-def _pld_bracket(template: Mechanism, target: float, delta: float, good: int) -> tuple[int, int | None]:
-    """A narrow bracket for max-steps from cheap coarse-grid PLDs: the pessimistic one is a valid upper
-    bound, so where it meets the target so does the fine one (good); the optimistic one is below the true
-    eps, so where it exceeds the target the true eps does too (bad). The fine grid then bisects the gap."""
-    from dpaudit.accounting import pld
-
-    grid = pld.first_grid(template, delta)  # coarse for this mechanism: cheap, valid above, optimistic below
+def _estimated_bracket(template: Mechanism, target: float, delta: float, good: int, name: str,
+                       hooks) -> tuple[int, int | None]:
+    """A narrow bracket for max-steps from cheap evaluations at the accountant's first resolution: the bound is
+    valid, so where it meets the target so does the converged one (good); the estimate from below is below the
+    true eps, so where it exceeds the target the true eps does too (bad). The converged resolution then bisects
+    the gap."""
+    coarse = hooks.first(template, delta)  # coarse for this mechanism: cheap, valid above, an estimate below
 
     def upper(t: int) -> float:
-        return pld.epsilon(template.with_steps(t), delta, grid=grid).epsilon
+        return epsilon(template.with_steps(t), delta, name, coarse).epsilon
 
     def lower(t: int) -> float:
-        return pld.epsilon_estimate_below(template.with_steps(t), delta, grid)
+        return hooks.below(template.with_steps(t), delta, coarse)
 
     hi = good
     while not lower(hi) > target:  # NaN (dp-accounting's optimistic PMF can fail at large T) is not "exceeds"

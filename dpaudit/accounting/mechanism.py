@@ -146,6 +146,18 @@ class Phases:
         return " then ".join(f"[{m.sampling_words()}, sigma={m.sigma:g}]" for m in self.parts)
 
 
+def miss_log_probability(mech: Mechanism | Phases) -> float:
+    """log P(one given example is in no batch of the run): T log(1 - p) for Poisson and fixed-size batches
+    (each step takes it with probability p, independently); -inf where every epoch takes it (shuffle) or p = 1.
+    Every add/remove or replace-one pair is at total variation at most 1 - e^this (coupling)."""
+    total = 0.0
+    for m in mech.phases:
+        if m.sampling not in ("poisson", "fixed") or m.sampling_rate >= 1:
+            return -math.inf
+        total += m.steps * math.log1p(-m.sampling_rate)
+    return total
+
+
 def compose_phases(parts) -> Mechanism | Phases:
     """The event of ``parts`` run in sequence: phases that differ only in steps become one (composition is
     commutative, so a schedule split into parts is the whole), and one phase left is a plain Mechanism."""

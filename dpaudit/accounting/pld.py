@@ -113,9 +113,7 @@ def _part_loss_range(mech: Mechanism, delta: float) -> float:
     facts = noise(mech.kind)
     widths = []
     for adjacency in _adjacencies(mech):
-        loss = facts.pld_loss(mech, adjacency, _log_mass_truncation(mech, delta))
-        bounds = loss.connect_dots_bounds()
-        widths.append(bounds.epsilon_upper - bounds.epsilon_lower)
+        widths.append(facts.loss_range(facts.pld_loss(mech, adjacency, _log_mass_truncation(mech, delta))))
     return max(widths)
 
 
@@ -689,6 +687,32 @@ def _fallback(mech: Event, delta: float, why: str) -> EpsilonResult:
     return alternative.standing_in_for("pld", why)
 
 
+
+
+def _coarse_options(mech: Event, delta: float) -> PldOptions:
+    return PldOptions(grid=max(COARSE_GRID, first_grid(mech, delta)))
+
+
+def _first_options(mech: Event, delta: float) -> PldOptions:
+    return PldOptions(grid=first_grid(mech, delta))
+
+
+def _resolution(anchor: Event, delta: float):
+    """One refinement ladder at ``anchor`` fixes the grid relative to one step's loss range; every other event
+    of the schedule is then evaluated on a single grid at that resolution (the ladder's last rung, the one that
+    shows it has converged, alone costs ~3x the converged one)."""
+    ratio = converged_grid(anchor, delta) / step_loss_range(anchor, delta)
+    return lambda mech: PldOptions(grid=min(MAX_GRID, ratio * step_loss_range(mech, delta)))
+
+
+def _below(mech: Event, delta: float, options: PldOptions) -> float:
+    return epsilon_estimate_below(mech, delta, options.grid)
+
+
+def search_hooks():
+    from dpaudit.accounting.search import SearchHooks
+
+    return SearchHooks(coarse=_coarse_options, first=_first_options, resolution=_resolution, below=_below)
 
 
 @functools.cache

@@ -34,7 +34,7 @@ def _load(path: str) -> Callable:
 @dataclass(frozen=True)
 class Accountant:
     name: str
-    mechanisms: tuple[str, ...]
+    mechanisms: tuple[str, ...] | None   # the noises it covers; None: every noise with a privacy loss (noises/)
     needs_positive_delta: bool
     summary: str
     epsilon_fn: str                      # "module:function" (mech, delta, **options) -> EpsilonResult
@@ -44,6 +44,11 @@ class Accountant:
     limitation: Callable[[Event], str | None] | None = None
     samplings: tuple[str, ...] = ("poisson",)  # the batch samplers it accounts (each under its own relation)
     phases: bool = False                        # composes several phases
+    quick: bool = False          # answers in about a second at any T: a search's start and its valid fallback
+    search: str | None = None    # "module:function" -> search.SearchHooks (calibrate, max-steps)
+
+    def search_hooks(self):
+        return _load(self.search)() if self.search else None
 
     def supports(self, mech: Event, delta: float, relation: NeighboringRelation | None = None) -> str | None:
         """None when this accountant answers the query, else the reason it does not. ``relation``: the
@@ -57,11 +62,11 @@ class Accountant:
                     f"not {relation.value}")
         if sampling not in self.samplings:
             others = [n for n, a in ACCOUNTANTS.items() if sampling in a.samplings]
-            return f"{self.name} does not account {sampling} sampling; {', '.join(others)} does"
+            return f"{self.name} does not account {sampling} sampling (accounted by {', '.join(others)})"
         if isinstance(mech, Phases) and not self.phases:
             others = [n for n, a in ACCOUNTANTS.items() if a.phases and sampling in a.samplings]
             return f"{self.name} accounts one phase; {', '.join(others)} compose phases"
-        missing = sorted({m.kind for m in mech.phases} - set(self.mechanisms))
+        missing = sorted({m.kind for m in mech.phases} - set(self.mechanisms or {m.kind for m in mech.phases}))
         if missing:
             return f"{self.name} does not cover the {', '.join(missing)} mechanism"
         if self.needs_positive_delta and delta <= 0:
@@ -108,10 +113,11 @@ class Accountant:
 ACCOUNTANTS: dict[str, Accountant] = {
     a.name: a
     for a in [
-        Accountant("pld", ("gaussian", "laplace"), True,
+        Accountant("pld", None, True,
                    "dp-accounting PLD, pessimistic, add/remove max, grid refined until converged",
                    "dpaudit.accounting.pld:epsilon", delta_fn="dpaudit.accounting.pld:delta",
-                   options="dpaudit.accounting.pld:PldOptions", phases=True),
+                   options="dpaudit.accounting.pld:PldOptions", phases=True,
+                   search="dpaudit.accounting.pld:search_hooks"),
         Accountant("prv", ("gaussian",), True,
                    "prv-accountant, remove + our add-direction PRV, max of upper bounds",
                    "dpaudit.accounting.prv:epsilon", options="dpaudit.accounting.prv:PrvOptions"),
@@ -128,12 +134,12 @@ ACCOUNTANTS: dict[str, Accountant] = {
                    "dpaudit.accounting.pure:prv_epsilon"),
         Accountant("rdp", ("gaussian",), True,
                    "Renyi DP (valid at any delta; looser); fixed-size batches: sampled without replacement, "
-                   "replace-one", "dpaudit.accounting.rdp:epsilon", samplings=("poisson", "fixed"), phases=True),
+                   "replace-one", "dpaudit.accounting.rdp:epsilon", samplings=("poisson", "fixed"), phases=True, quick=True),
         Accountant("analytic", ("gaussian", "laplace"), False,
                    "exact without subsampling (analytic Gaussian / one Laplace release)",
                    "dpaudit.accounting.analytic:epsilon", delta_fn="dpaudit.accounting.analytic:delta",
                    sigma_fn=analytic.sigma_closed_form, limitation=analytic.limitation),
-        Accountant("shuffle", ("gaussian", "laplace"), False,
+        Accountant("shuffle", None, False,
                    "shuffled epochs without amplification: each example in at most one batch an epoch, zero-out",
                    "dpaudit.accounting.shuffle:epsilon", samplings=("shuffle",), phases=True),
     ]
@@ -159,7 +165,7 @@ def default_accountant(mech: Event, delta: float) -> str:
         return "shuffle"
     if mech.sampling == "fixed":
         return "pure" if pure_dp else "rdp"
-    if analytic.limitation(mech) is None:
+    if ACCOUNTANTS["analytic"].supports(mech, delta) is None:
         return "analytic"
     if pure_dp and delta == 0:
         return "pure"
@@ -175,7 +181,7 @@ def epsilon(mech: Event, delta: float, accountant: str | None = None, options=No
 
 def default_delta_accountant(mech: Event) -> str:
     """delta(eps): exact where there is no subsampling (analytic), else pld."""
-    return "analytic" if analytic.limitation(mech) is None and analytic.has_delta(mech) else "pld"
+    return "analytic" if ACCOUNTANTS["analytic"].supports(mech, 0.0) is None and analytic.has_delta(mech) else "pld"
 
 
 def delta(mech: Event, eps: float, accountant: str | None = None, options=None,

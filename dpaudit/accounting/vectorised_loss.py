@@ -90,12 +90,12 @@ class LaplaceLoss(_ArrayDeltas, plm.LaplacePrivacyLoss):
                         np.where(threshold <= -self.sensitivity, math.inf, middle))
 
 
-def subsampled_pld(loss_for, sampling_prob: float, grid: float, pessimistic: bool):
+def subsampled_pld(loss_for, sampling_prob: float, grid: float, pessimistic: bool, connect_dots: bool = True):
     """dp-accounting's ``from_gaussian_mechanism`` / ``from_laplace_mechanism`` (add/remove, connect-the-dots
-    when pessimistic, privacy buckets otherwise) built on ``loss_for(adjacency)``."""
+    when pessimistic and the loss has its bounds, privacy buckets otherwise) built on ``loss_for(adjacency)``."""
     def single(adjacency):
         return pld_lib._create_pld_pmf_from_monotone_privacy_loss(  # noqa: SLF001
             loss_for(adjacency), pessimistic_estimate=pessimistic, value_discretization_interval=grid,
-            use_connect_dots=pessimistic)
+            use_connect_dots=pessimistic and connect_dots)
 
     return pld_lib._pld_for_subsampled_mechanism(single, sampling_prob)  # noqa: SLF001
