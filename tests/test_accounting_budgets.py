@@ -259,9 +259,9 @@ def test_a_far_rdp_start_is_moved_on_coarse_grids_before_a_ladder_fixes_the_grid
     from dpaudit.accounting import calibrate
 
     template = Mechanism("gaussian", 1.0, 1e-5, 1000)
-    moved, spent = calibrate._coarse_anchor(template, 1.0, 1e-5, 0.603)  # noqa: SLF001
+    moved, spent = calibrate._coarse_anchor(template, 1.0, 1e-5, 0.603, "pld", pld.search_hooks())  # noqa: SLF001
     assert spent > 1 and 0.354 < moved < 0.354 * 1.03  # coarse bounds are valid: at or above the answer
-    near, spent = calibrate._coarse_anchor(template, 1.0, 1e-5, 0.36)  # noqa: SLF001
+    near, spent = calibrate._coarse_anchor(template, 1.0, 1e-5, 0.36, "pld", pld.search_hooks())  # noqa: SLF001
     assert (near, spent) == (0.36, 1)  # a start already near is kept, for one coarse evaluation
 
 
@@ -298,7 +298,7 @@ def test_a_search_cut_short_by_time_says_so_or_answers_rdps_sigma_where_that_is_
     from dpaudit.accounting import calibrate
 
     template, real_start = Mechanism("gaussian", 1.0, 0.01, 100), calibrate._initial_sigma  # noqa: SLF001
-    monkeypatch.setattr(calibrate, "_polish", lambda t, e, d, f, lo, hi, w: (f, lo, hi, 0))
+    monkeypatch.setattr(calibrate, "_polish", lambda t, e, d, f, lo, hi, w, name: (f, lo, hi, 0))
     monkeypatch.setattr(calibrate._Evaluator, "out_of_time",  # noqa: SLF001
                         lambda self: self.options_for is not None and len(self.cache) >= 2)
 
