@@ -8,6 +8,7 @@ import os
 import stat
 import struct
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -20,7 +21,8 @@ TEXTS = [f"Alice number {i} lives in Paris and likes bread." for i in range(30)]
 
 # --- the ledger: a resume keeps what it accounts ---------------------------------------------------------
 
-def test_resume_refuses_other_data_naming_what_differs(tiny_model_dir, tmp_path, monkeypatch):
+def test_resume_on_other_data_composes_a_new_phase_and_refuses_other_noise(tiny_model_dir, tmp_path, monkeypatch):
+    import dpaudit
     from dpaudit import run_folder
     from dpaudit.training import zo
     from dpaudit.training.runner import TrainConfig, train
@@ -41,15 +43,22 @@ def test_resume_refuses_other_data_naming_what_differs(tiny_model_dir, tmp_path,
         with pytest.raises(Exception, match="interrupted at step 4; the ledger counts 5 steps"):
             train(tiny_model_dir, TEXTS, run, cfg, show_progress=False)
     before = json.loads((run / "privacy_ledger.json").read_text())
-    bigger = TEXTS + [f"Bob number {i} lives in Rome." for i in range(300)]
-    with pytest.raises(DPAuditError, match="another sampling_rate, examples, data_sha256 than its ledger"):
-        train(tiny_model_dir, bigger, run, cfg, resume=True, show_progress=False)
-    same_size = [t.replace("Paris", "Lyon") for t in TEXTS]
-    with pytest.raises(DPAuditError, match="another data_sha256 than its ledger"):
-        train(tiny_model_dir, same_size, run, cfg, resume=True, show_progress=False)
+    with pytest.raises(DPAuditError, match="another configuration .*sigma"):
+        train(tiny_model_dir, TEXTS, run, replace(cfg, sigma=2.0), resume=True, show_progress=False)
     assert json.loads((run / "privacy_ledger.json").read_text()) == before  # nothing touched
-    result = train(tiny_model_dir, TEXTS, run, cfg, resume=True, show_progress=False)
-    assert result.epsilon >= before["epsilon_spent"]
+    bigger = TEXTS + [f"Bob number {i} lives in Rome." for i in range(300)]
+    result = train(tiny_model_dir, bigger, run, cfg, resume=True, show_progress=False)
+    ledger = json.loads((run / "privacy_ledger.json").read_text())
+    old_p, new_p = before["sampling_rate"], ledger["sampling_rate"]
+    assert new_p < old_p and [p["from_step"] for p in ledger["phases"]] == [0, 5]
+    # The 5 released steps stay at the old rate; those run from the last checkpoint on take the new one.
+    rerun = 6 - (5 - ledger["steps_discarded_by_resume"])
+    assert rerun >= 1 and ledger["steps_executed"] == 5 + rerun
+    composed = dpaudit.epsilon(phases=[{"sigma": 1.0, "p": old_p, "steps": 5},
+                                       {"sigma": 1.0, "p": new_p, "steps": rerun}], delta=cfg.delta).epsilon
+    assert result.epsilon == pytest.approx(composed, rel=1e-9)
+    all_new = dpaudit.epsilon(sigma=1.0, p=new_p, steps=5 + rerun, delta=cfg.delta).epsilon
+    assert result.epsilon > all_new  # re-accounting every step at the new p would have under-counted
     # The resumed run records the base model it started from, not its own checkpoint (replay needs it).
     assert json.loads((run / run_folder.RUN_CONFIG).read_text())["base_model"] == str(tiny_model_dir)
 

@@ -1,15 +1,17 @@
 """The privacy plan of a run, built once: mechanism (noise kind, sigma, p, T), delta, accountant and the
 calibration that chose sigma. The trainer's noise and the ledger both take it from here, so what is
 claimed and what is added cannot drift apart (a planted bug changes the noise, never the claim).
-Torch-free.
+A run resumed on other data is several phases (``phases``: the ledger step each began at, and its sampling
+rate), composed in sequence by the accountant (``accounting.mechanism.compose_phases``). Torch-free.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dpaudit.accounting import Mechanism, calibrate_sigma, epsilon
+from dpaudit.accounting.mechanism import compose_phases
 from dpaudit.training.bugs import NO_BUG, Bug
 
 
@@ -20,6 +22,7 @@ class PrivacyPlan:
     accountant: str | None
     target_epsilon: float            # inf for non-private
     calibrated: bool                 # sigma chosen by calibration (else given)
+    phases: tuple[tuple[int, float], ...] = ()  # (first ledger step, sampling rate) of each phase; () = one
 
     @property
     def private(self) -> bool:
@@ -45,8 +48,23 @@ class PrivacyPlan:
         """The noise multiplier the trainer adds: the plan's, unless a planted bug scales it."""
         return 0.0 if self.mechanism is None else self.mechanism.sigma * bug.noise_scale
 
+    def in_phases(self, phases: tuple[tuple[int, float], ...]) -> "PrivacyPlan":
+        return replace(self, phases=tuple(phases))
+
+    def event_at(self, steps: int):
+        """What ``steps`` ledger steps released: the plan's mechanism, or each phase's share of them."""
+        if not self.phases:
+            return self.mechanism.with_steps(steps)
+        parts = []
+        for i, (first, rate) in enumerate(self.phases):
+            last = self.phases[i + 1][0] if i + 1 < len(self.phases) else math.inf
+            taken = int(min(steps, last) - first)
+            if taken > 0:
+                parts.append(Mechanism(self.mechanism.kind, self.mechanism.sigma, rate, taken))
+        return compose_phases(parts)
+
     def epsilon_at(self, steps: int):
-        return epsilon(self.mechanism.with_steps(steps), self.delta, self.accountant)
+        return epsilon(self.event_at(steps), self.delta, self.accountant)
 
 
 def _remove_only_sigma(template: Mechanism, target: float, delta: float) -> float:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -331,18 +331,19 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
               "white_box_canaries": cfg.white_box, "planted_bug": cfg.plant_bug}
     header["world_size"] = world.size
     header["data_sha256"] = _fingerprint(texts)
-    if previous_ledger is not None:  # the ledger accounts one (N, p, sigma, data): a resume may not change it
-        differ = [k for k in RESUME_IDENTITY if k in previous_ledger and previous_ledger[k] != header[k]]
-        if differ:
-            raise DPAuditError(f"resuming {run_dir} with another {', '.join(differ)} than its ledger accounts: the "
-                               "steps already taken would be re-accounted at the new values and eps under-counted. "
-                               "Resume with the run's own data and settings, or start a new run folder")
+    if previous_ledger is not None:
+        plan, header = _resume_phases(plan, header, previous_ledger, released_before, cfg, run_dir)
+        sigma = plan.sigma
     # Steps run after the last checkpoint of a killed run are redone with fresh noise, but their
     # outputs (the DP-ZO log, the ledger) may have been seen: they are spent, and stay counted.
     discarded = max(0, released_before - start)
     header["steps_discarded_by_resume"] = discarded
     header["overspend_allowed"] = cfg.allow_overspend
     ledger = PrivacyLedger(run_dir / run_folder.LEDGER, header, plan, cfg.steps + discarded)
+    if plan.phases and ledger.total_epsilon > cfg.target_epsilon and not cfg.allow_overspend:
+        raise DPAuditError(f"resuming on other data composes {len(plan.phases)} phases, which spend eps "
+                           f"{ledger.total_epsilon:.4g} > the target {cfg.target_epsilon:g}; pass --allow-overspend to "
+                           "accept (it is recorded in the ledger), or fewer steps (-T)")
     if discarded and ledger.total_epsilon > max(ledger.planned_epsilon, cfg.target_epsilon) and not cfg.allow_overspend:
         raise DPAuditError(f"resuming would spend eps {ledger.total_epsilon:.4g} > the planned "
                            f"{ledger.planned_epsilon:.4g}: {discarded} steps ran after the last checkpoint and count "
@@ -447,6 +448,40 @@ def _watch_divergence(watch, step: int, loss: float, cfg: TrainConfig, ledger, w
 
 # What the ledger accounts: a resume that changes any of them would re-account the steps already taken.
 RESUME_IDENTITY = ("method", "mechanism", "sigma", "clip", "delta", "sampling_rate", "examples", "data_sha256")
+DATA_KEYS = ("sampling_rate", "examples", "data_sha256")  # a resume on other data: a new phase, composed
+
+
+def _resume_phases(plan, header: dict, previous: dict, released: int, cfg, run_dir: Path):
+    """(plan, header) for resuming a run whose ledger says ``previous`` after ``released`` released steps.
+
+    The method, noise, clip and delta must be the ledger's (else refused, naming what differs). Other data
+    (another N, p or text) starts a new phase at ledger step ``released``: the steps already released stay
+    accounted at the old rate and the rest at the new one, composed in sequence (never re-accounted at the
+    new p, which would under-count). The run keeps the ledger's sigma: a calibrated sigma is not calibrated
+    again for the new data (that would change the noise of a run already part-spent)."""
+    data_changed = [k for k in DATA_KEYS if k in previous and previous[k] != header[k]]
+    if data_changed and plan.private and plan.calibrated and isinstance(previous.get("sigma"), (int, float)):
+        plan = replace(plan, mechanism=plan.mechanism.with_sigma(float(previous["sigma"])))
+        header = {**header, "sigma": plan.sigma}
+    differ = [k for k in RESUME_IDENTITY if k not in DATA_KEYS and k in previous and previous[k] != header[k]]
+    if differ or (data_changed and not plan.private):
+        raise DPAuditError(f"resuming {run_dir} with another {', '.join(differ or data_changed)} than its ledger "
+                           "accounts: the steps already taken would be re-accounted at the new values and eps "
+                           "under-counted. Resume with the run's own method, noise, clip and delta (other data is "
+                           "composed as a new phase), or start a new run folder")
+    phases = [dict(p) for p in previous.get("phases") or [] if isinstance(p, dict)]
+    if not phases and data_changed:
+        phases = [{"from_step": 0, **{k: previous.get(k) for k in DATA_KEYS}}]
+    if data_changed:
+        phases.append({"from_step": released, **{k: header[k] for k in DATA_KEYS}})
+    if not phases:
+        return plan, header
+    try:
+        steps = [(int(p["from_step"]), float(p["sampling_rate"])) for p in phases]
+    except (KeyError, TypeError, ValueError):
+        raise DPAuditError(f"{run_dir / run_folder.LEDGER} lists phases it does not describe; refusing to resume "
+                           "a run whose spending is unknown") from None
+    return plan.in_phases(steps), {**header, "phases": phases}
 
 
 def _released_steps(run_dir: Path, ledger: dict | None, cfg: TrainConfig) -> int:
