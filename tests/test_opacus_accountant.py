@@ -1,5 +1,7 @@
 """dpaudit's PLD as an Opacus accountant, checked through Opacus' own API."""
 
+import math
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -72,3 +74,25 @@ def test_a_history_of_different_noise_levels_is_composed():
     prv = PRVAccountant()
     prv.history = list(acc.history)
     assert mixed == pytest.approx(prv.get_epsilon(1e-5), rel=0.03)
+
+
+def test_mixed_histories_are_as_tight_as_converged_dp_accounting_and_split_ones_as_the_whole():
+    import json
+
+    import dp_accounting
+    from dp_accounting.pld import pld_privacy_accountant
+
+    acc = DpauditAccountant()
+    acc.history = [(1.0, 0.01, 1000), (0.9, 0.01, 1000)]
+    ref = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
+    for sigma, p, steps in acc.history:
+        ref.compose(dp_accounting.PoissonSampledDpEvent(p, dp_accounting.GaussianDpEvent(sigma)), steps)
+    converged = ref.get_epsilon(1e-5)
+    assert abs(acc.get_epsilon(1e-5) - converged) <= 1e-3 * converged
+    split, whole = DpauditAccountant(), DpauditAccountant()
+    split.history = json.loads(json.dumps([(1.0, 0.01, 700), (1.0, 0.01, 1300)]))  # as a saved history loads
+    whole.history = [(1.0, 0.01, 2000)]
+    assert split.get_epsilon(1e-5) == whole.get_epsilon(1e-5)
+    split.step(noise_multiplier=1.0, sample_rate=0.01)
+    assert split.history[-1] == (1.0, 0.01, 1301)
+    assert math.isfinite(acc.get_epsilon(1e-16))  # below what pld resolves: rdp, as for one phase
