@@ -50,7 +50,8 @@ from dataclasses import dataclass
 from dpaudit.accounting.mechanism import Mechanism, Phases, compose_phases
 from dpaudit.accounting.result import ZERO_OUT_WORDS, EpsilonResult
 
-LOWER_GRID = 1e-3          # the lower bound's loss discretisation (rounded down: a finer grid is tighter)
+LOWER_GRID = 1e-3          # the lower bound's loss discretisation at most (rounded down: a finer grid is tighter)
+LOWER_SLACK = 1e-2         # ... and finer with many epochs: E epochs lose at most E x grid <= this of the loss
 LOWER_TAIL = 1e-12         # mass of M left outside the slices (lumped into one bin each side: still valid)
 LOWER_MAX_SLICES = 200_000  # slices of M an epoch; coarser slices (still a valid lower bound) beyond
 LOWER_MAX_EPOCHS = 10_000
@@ -122,15 +123,18 @@ def context(mech: Mechanism | Phases, delta: float) -> ShuffleContext:
     return ShuffleContext(lower, note, poisson.epsilon, poisson.accountant)
 
 
-def lower_bound(sigma: float, per_epoch: int, epochs: int, delta: float, grid: float = LOWER_GRID) -> float | None:
+def lower_bound(sigma: float, per_epoch: int, epochs: int, delta: float, grid: float | None = None) -> float | None:
     """A lower bound on eps at ``delta`` for ``epochs`` full shuffled epochs of ``per_epoch`` batches (Gaussian
-    noise multiplier ``sigma``, zero-out): the module docstring's construction. None for no full epoch."""
+    noise multiplier ``sigma``, zero-out): the module docstring's construction. None for no full epoch. The loss
+    grid is ``LOWER_GRID``, or finer with many epochs (each rounds its loss down by up to one grid step, so
+    E epochs lose up to E x grid: kept at ``LOWER_SLACK``; at sigma = 16.4 and 1209 epochs a 1e-3 grid read 0)."""
     import numpy as np
     from dp_accounting.pld import pld_pmf
 
     if epochs < 1:
         return None
     epochs = min(epochs, LOWER_MAX_EPOCHS)  # fewer epochs: a smaller, still valid, lower bound
+    grid = grid if grid is not None else min(LOWER_GRID, LOWER_SLACK / epochs)
     losses, masses = _binned_epoch(sigma, per_epoch, grid)
     pmf = pld_pmf.SparsePLDPmf(dict(zip(losses.tolist(), masses.tolist())), grid, 0.0, False).to_dense_pmf()
     composed = pmf.self_compose(epochs) if epochs > 1 else pmf
