@@ -57,11 +57,6 @@ class PrivacyConfig:
     def steps(self) -> int:
         return self.event.steps
 
-    def schedule(self, sigma: float) -> Mechanism | Phases:
-        """The schedule at ``sigma`` (phases: every phase's sigma times ``sigma``)."""
-        if isinstance(self.event, Phases):
-            return self.event.with_sigma(sigma)
-        return self.event.with_sigma(sigma)
 
 
 class _NoAliasLoader(yaml.SafeLoader):
@@ -209,8 +204,9 @@ def load_privacy_config(path: Path) -> PrivacyConfig:
 
 
 def _name(data: dict, key: str, choices, default):
+    """A name from ``choices`` (the value itself is never echoed)."""
     value = data.get(key, default)
-    if value is not None and value not in choices:
+    if value is not None and (not isinstance(value, str) or value not in choices):
         raise DPAuditError(f"config key {key!r} must be one of {', '.join(choices)}")
     return value
 
@@ -236,12 +232,16 @@ def _phases(data: dict, mechanism: str, sigma: float | None, n: int | None):
             raise DPAuditError(f"config phase {i}: unknown key(s) {', '.join(map(_shown, unknown))}; known: "
                                f"{', '.join(sorted(PHASE_ALIASES))}")
         spec = {}
-        for key, value in phase.items():
+        for key in phase:
             name = PHASE_ALIASES[key]
             if name in spec:
                 raise DPAuditError(f"config phase {i} gives {name} twice")
-            spec[name] = _number(phase, key, int if name in ("B", "N", "steps") else float) \
-                if name not in ("sampling", "mech") else value
+            if name == "sampling":
+                spec[name] = _name(phase, key, SAMPLINGS, None)
+            elif name == "mech":
+                spec[name] = _name(phase, key, tuple(NOISES), None)
+            else:
+                spec[name] = _number(phase, key, int if name in ("B", "N", "steps") else float)
         if "sampling" in data and "sampling" not in spec:
             spec["sampling"] = data["sampling"]
         if n is not None and "N" not in spec and "B" in spec:

@@ -255,6 +255,13 @@ class PhasedPLD:
 
     def _total(self, direction: str):
         if direction not in self._totals:
+            held = 0.0  # the phases composed so far stay in memory while the next one composes
+            for part in self.parts:
+                key = part._key(direction)  # noqa: SLF001
+                if key not in part._pmfs:  # noqa: SLF001
+                    budgets.current().require(held + _fft_bytes(part.single[key], part.bounds[key]),
+                                              f"composing phase {self.parts.index(part) + 1} of {len(self.parts)}")
+                held += 8.0 * len(part.pmfs[direction]._probs)  # noqa: SLF001
             pmfs = [part.pmfs[direction] for part in self.parts]
             total, noise = pmfs[0], sum(part.round_offs[direction] for part in self.parts)
             for other in pmfs[1:]:
