@@ -65,13 +65,13 @@ def check(
         console.print(f"  {line}", highlight=False)
     claim = report.get("claim")
     if claim is not None:
+        ratio, least = claim["understated_by"], claim.get("understated_by_at_least")
+        how = (f"understated by up to {fmt(ratio, 3)}x" + (f", by at least {fmt(least, 3)}x (the lower bound)"
+                                                          if least else "")
+               if isinstance(ratio, float) and ratio > 1 else "not understated here, but accounted for another sampler")
         console.print(f"[bold red]FAIL[/bold red] {escape(str(config))}: its claim was accounted as {claim['accounted_as']} "
                       f"sampling (eps <= {fmt(claim['epsilon'])}), but it runs {cfg.sampling} sampling, which spends "
-                      f"eps <= {fmt(report['epsilon'])} ({report['neighboring']} neighbours): understated by "
-                      f"{fmt(claim['understated_by'], 3)}x" + (f" (at least {fmt(claim['understated_by_at_least'], 3)}x, "
-                                                               "from the lower bound)"
-                                                               if claim.get("understated_by_at_least") else ""),
-                      highlight=False)
+                      f"eps <= {fmt(report['epsilon'])} ({report['neighboring']} neighbours): {how}", highlight=False)
         raise typer.Exit(1)
     noise_words = (f"sigma = {fmt(report['sigma'])}" if len(report["phases"]) == 1 else
                    f"{len(report['phases'])} phases (sigma {', '.join(fmt(x['sigma']) for x in report['phases'])})")

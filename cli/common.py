@@ -113,12 +113,12 @@ def shuffle_lines(event, delta: float, result) -> tuple[list[str], dict]:
     data = ctx.to_json(result.epsilon)
     lines = [f"lower bound (Chua et al. shuffle construction): eps >= {fmt(ctx.lower_bound)}"
              if ctx.lower_bound is not None else f"lower bound: none ({ctx.lower_bound_note})",
-             f"accounted as Poisson sampling (p = B/N, pld) it would read eps <= {fmt(ctx.poisson_epsilon)}: "
-             + (f"understated by {result.epsilon / ctx.poisson_epsilon:.3g}x against this upper bound"
-                if ctx.poisson_epsilon > 0 else "")
+             f"accounted as Poisson sampling (p = B/N, {ctx.poisson_accountant}) it would read eps <= "
+             f"{fmt(ctx.poisson_epsilon)}"
+             + (f": understated by up to {result.epsilon / ctx.poisson_epsilon:.3g}x (this upper bound)"
+                if 0 < ctx.poisson_epsilon < result.epsilon else " (not below this upper bound)")
              + (f", by at least {ctx.lower_bound / ctx.poisson_epsilon:.3g}x (the lower bound)"
-                if ctx.lower_bound is not None and ctx.poisson_epsilon > 0 and ctx.lower_bound > ctx.poisson_epsilon
-                else "")]
+                if ctx.lower_bound is not None and 0 < ctx.poisson_epsilon < ctx.lower_bound else "")]
     return lines, data
 
 
