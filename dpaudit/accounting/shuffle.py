@@ -119,7 +119,8 @@ def context(mech: Mechanism | Phases, delta: float) -> ShuffleContext:
         found = [b for b in bounds if b is not None]
         lower = max(found) if found else None
         note = ("Chua et al. (2024) shuffle construction: the true eps is at least this" if found
-                else "no phase runs a full epoch: no lower bound computed")
+                else "no lower bound computed: no phase runs a full epoch, or its composition does not fit the "
+                     "memory budget (--max-memory)")
     return ShuffleContext(lower, note, poisson.epsilon, poisson.accountant)
 
 
@@ -133,10 +134,18 @@ def lower_bound(sigma: float, per_epoch: int, epochs: int, delta: float, grid: f
 
     if epochs < 1:
         return None
+    from dpaudit.accounting import budget, pld
+
     epochs = min(epochs, LOWER_MAX_EPOCHS)  # fewer epochs: a smaller, still valid, lower bound
     grid = grid if grid is not None else min(LOWER_GRID, LOWER_SLACK / epochs)
-    losses, masses = _binned_epoch(sigma, per_epoch, grid)
-    pmf = pld_pmf.SparsePLDPmf(dict(zip(losses.tolist(), masses.tolist())), grid, 0.0, False).to_dense_pmf()
+    for _ in range(6):  # a coarser grid is a valid, weaker lower bound: coarsen until the composition fits
+        losses, masses = _binned_epoch(sigma, per_epoch, grid)
+        pmf = pld_pmf.SparsePLDPmf(dict(zip(losses.tolist(), masses.tolist())), grid, 0.0, False).to_dense_pmf()
+        if epochs == 1 or budget.current().fits(pld._fft_bytes(pmf, pld._convolve_bounds(pmf, epochs))):  # noqa: SLF001
+            break
+        grid *= 4
+    else:
+        return None
     composed = pmf.self_compose(epochs) if epochs > 1 else pmf
     # Below the float noise of the masses (~1e-16 each) the optimistic delta(eps) is read at a slightly larger
     # delta, which can only lower eps.
