@@ -212,16 +212,16 @@ def calibrate_sigma(template: Mechanism, target_eps: float, delta: float, accoun
     else:
         (anchor, fallback), evaluations = _initial_sigma(template, target_eps, delta, name), 0
         hooks = acc.search_hooks() if options is None else None
-        fixed_grid = hooks is not None
+        fixed_resolution = hooks is not None
         for attempt in range(3):
             # The resolution is fixed from a converged evaluation at the anchor; if the answer lands far from
             # the anchor, it is re-fixed there and the search repeated from it (the converged resolution can
             # change with sigma, e.g. pld's at p = 1e-5).
             try:
-                if fixed_grid and attempt == 0:
+                if fixed_resolution and attempt == 0:
                     anchor, evaluations = _coarse_anchor(template, target_eps, delta, anchor, name, hooks)
                 f = _Evaluator(template, delta, name, options,
-                               _resolution_rule(hooks, template, delta, anchor) if fixed_grid else None)
+                               _resolution_rule(hooks, template, delta, anchor) if fixed_resolution else None)
                 lo, hi = _bracket(f, target_eps, anchor)
             except budget.OverBudget as exc:
                 if fallback is None or not math.isfinite(budget.current().seconds_left()):
@@ -229,11 +229,11 @@ def calibrate_sigma(template: Mechanism, target_eps: float, delta: float, accoun
                 return _fell_back(fallback, name, str(exc), time.perf_counter() - start)
             lo, hi = _refine(f, target_eps, lo, hi, width)
             evaluations += len(f.cache)
-            if not fixed_grid or abs(math.log(hi / anchor)) < 0.05 or f.out_of_time():
+            if not fixed_resolution or abs(math.log(hi / anchor)) < 0.05 or f.out_of_time():
                 break
             anchor = hi
         per_evaluation = (time.perf_counter() - start) / max(1, evaluations)
-        if fixed_grid and budget.current().seconds_left() > 8 * per_evaluation:
+        if fixed_resolution and budget.current().seconds_left() > 8 * per_evaluation:
             f, lo, hi, extra = _polish(template, target_eps, delta, f, lo, hi, width, name)
             evaluations += extra
         converged = _closed(lo, hi, width)
@@ -321,7 +321,8 @@ def max_steps(template: Mechanism, target_eps: float, delta: float, accountant: 
     check_delta(delta, allow_zero=True)
     name = accountant or default_accountant(template.with_steps(2), delta)
     cache: dict[int, EpsilonResult] = {}
-    step_options = options  # a resolution fixed once the bracket is known (pld: one step's loss range does not depend on T)
+    # a resolution fixed once the bracket is known (pld: one step's loss range does not depend on T)
+    step_options = options
 
     def eps_at(steps: int) -> float:
         if steps not in cache:

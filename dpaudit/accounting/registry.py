@@ -1,9 +1,11 @@
 """The accountant contract, the accountants by name, and which one a query gets by default.
 
-What is accounted (a ``Mechanism``: noise, sampling rate, steps) is separate from who accounts it
-(an ``Accountant``), as in dp_accounting's DpEvent / PrivacyAccountant split. Every accountant
-answers ``epsilon(mech, delta)`` with an upper bound for a ``NeighboringRelation``; those that can
-also answer ``delta(mech, eps)`` or give sigma in closed form say so here. Options are typed (a
+What is accounted (an event: a ``Mechanism`` — noise, sampler, sampling rate, steps — or ``Phases`` of them)
+is separate from who accounts it (an ``Accountant``), as in dp_accounting's DpEvent / PrivacyAccountant split.
+Each accountant declares the noises, samplers and phases it covers, and ``supports`` says why not the rest.
+Every accountant answers ``epsilon(event, delta)`` with an upper bound for the sampler's
+``NeighboringRelation``; those that can also answer ``delta(event, eps)``, give sigma in closed form, start a
+search quickly or offer search hooks say so here. Options are typed (a
 dataclass per accountant that takes any). Implementations are imported when first used, so asking
 for a closed form never pays for dp-accounting, scipy or prv-accountant.
 """
@@ -11,10 +13,8 @@ for a closed form never pays for dp-accounting, scipy or prv-accountant.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
-
-from dataclasses import replace
 
 from dpaudit.accounting import analytic, pure
 from dpaudit.accounting.mechanism import Mechanism, Phases, check_delta, check_epsilon
@@ -66,7 +66,7 @@ class Accountant:
         if isinstance(mech, Phases) and not self.phases:
             others = [n for n, a in ACCOUNTANTS.items() if a.phases and sampling in a.samplings]
             return f"{self.name} accounts one phase; {', '.join(others)} compose phases"
-        missing = sorted({m.kind for m in mech.phases} - set(self.mechanisms or {m.kind for m in mech.phases}))
+        missing = [] if self.mechanisms is None else sorted({m.kind for m in mech.phases} - set(self.mechanisms))
         if missing:
             return f"{self.name} does not cover the {', '.join(missing)} mechanism"
         if self.needs_positive_delta and delta <= 0:
@@ -134,7 +134,8 @@ ACCOUNTANTS: dict[str, Accountant] = {
                    "dpaudit.accounting.pure:prv_epsilon"),
         Accountant("rdp", ("gaussian",), True,
                    "Renyi DP (valid at any delta; looser); fixed-size batches: sampled without replacement, "
-                   "replace-one", "dpaudit.accounting.rdp:epsilon", samplings=("poisson", "fixed"), phases=True, quick=True),
+                   "replace-one", "dpaudit.accounting.rdp:epsilon", samplings=("poisson", "fixed"), phases=True,
+                   quick=True),
         Accountant("analytic", ("gaussian", "laplace"), False,
                    "exact without subsampling (analytic Gaussian / one Laplace release)",
                    "dpaudit.accounting.analytic:epsilon", delta_fn="dpaudit.accounting.analytic:delta",
