@@ -12,8 +12,8 @@ discretising it as prv-accountant would; tests check the two agree.
 
 Fixed-size batches (B of N without replacement, replace-one neighbours): replacing one example moves the
 clipped sum by up to 2C in L1, so one Laplace release is (2 / sigma)-DP, and sampling without replacement
-amplifies it to log(1 + (B / N)(e^{2/sigma} - 1)) (Balle, Barthe & Gaboardi 2018, Thm. 9). Phases add up
-(basic composition).
+amplifies it to log(1 + (B / N)(e^{2/sigma} - 1)) (Balle, Barthe & Gaboardi 2018: sampling without
+replacement under the substitution relation). Phases add up (basic composition).
 """
 
 from __future__ import annotations
