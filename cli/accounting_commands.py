@@ -58,7 +58,7 @@ def calibrate(
     cal = calibrate_sigma(template, eps, d, name, rtol=rtol, options=accountant_options(name, mc_samples, seed, not as_json))
     lines = assumptions(template.with_sigma(cal.sigma), d, cal.result) + _one_step_note(template, steps, epochs)
     extra, shuffled = shuffle_lines(template.with_sigma(cal.sigma), d, cal.result)
-    phase_sigmas = [m.sigma for m in template.with_sigma(cal.sigma).phases] if phase else None
+    phase_sigmas = [m.sigma for m in template.with_sigma(cal.sigma).phases] if len(template.phases) > 1 else None
     if as_json:
         emit_json({
             "command": "calibrate", "mechanism": mech, "sampling": template.sampling,

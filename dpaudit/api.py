@@ -53,7 +53,8 @@ def calibrate(eps: float, *, mech: str = "gaussian", delta: float | None = None,
               rtol: float = 1e-3, options=None, max_memory: int | str | None = None,
               timeout: float | None = None) -> Calibration:
     """Smallest sigma whose accounted eps is <= ``eps`` (``.sigma``, ``.epsilon``, ``.result``); with
-    ``phases``, the smallest multiplier of every phase's sigma (``.result.mechanism`` holds the phases)."""
+    ``phases``, the smallest multiplier of every phase's sigma (``.result.mechanism`` holds the phases; phases
+    that merge into one are that phase, and ``.sigma`` is its sigma)."""
     check_epsilon(eps)
     d = resolve_delta(mech, delta)
     template = _event(mech, 1.0, p, batch_size, dataset_size, steps, epochs, sampling, phases)
