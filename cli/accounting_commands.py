@@ -204,15 +204,17 @@ def compare(
     dataset_size: DatasetOpt = None, steps: StepsOpt = None, epochs: EpochsOpt = None,
     mc_samples: McSamplesOpt = None, seed: SeedOpt = 0,
     include_slow: Annotated[bool, typer.Option(help="With --eps: also calibrate with prv (~40 s per evaluation).")] = False,
-    as_json: JsonOpt = False,
+    sampling: SamplingOpt = "poisson", phase: PhaseOpt = None, as_json: JsonOpt = False,
 ) -> None:
-    """Every applicable accountant side by side, with timings (eps for --sigma, or sigma for --eps)."""
-    if (sigma is None) == (eps is None):
+    """Every applicable accountant side by side, with timings (eps for --sigma, or sigma for --eps); the
+    accountants that do not cover the schedule (its sampler, its phases) say why."""
+    if (sigma is None) == (eps is None) and not (phase and eps is None):  # phases carry their own sigmas
         raise DPAuditError("give exactly one of --sigma (compare epsilons) or --eps (compare calibrated sigmas)")
+    accounting = eps is None  # compare epsilons at the given noise (else calibrated sigmas)
     d = resolve_delta(mech, delta)
     if eps is not None:
         check_epsilon(eps)
-    m = schedule(mech, 1.0 if sigma is None else sigma, p, batch_size, dataset_size, steps, epochs)
+    m = event_from(mech, 1.0 if sigma is None else sigma, p, batch_size, dataset_size, steps, epochs, sampling, phase)
     rows = []
     for name, acc in ACCOUNTANTS.items():
         reason = acc.supports(m, d)
@@ -227,7 +229,7 @@ def compare(
         start = time.perf_counter()
         with console.status(f"{name} ...", spinner="dots") if not as_json else nullcontext():
             try:
-                if sigma is not None:
+                if accounting:
                     res = epsilon(m, d, name, opts)
                     value = res.epsilon
                 else:
@@ -239,7 +241,7 @@ def compare(
         rows.append({"accountant": name, "value": json_float(value), "seconds": time.perf_counter() - start,
                      "relation": res.relation, "guarantee": res.guarantee,
                      "directions": {k: json_float(v) for k, v in res.directions.items()}})
-    what = "epsilon" if sigma is not None else "sigma"
+    what = "epsilon" if accounting else "sigma"
     closed = _closed_form_rows(m, eps, d, rows) if eps is not None else []
     from rich.table import Table
 
@@ -248,7 +250,8 @@ def compare(
                    "sampling_rate": m.sampling_rate, "steps": m.steps, "delta": d, "rows": rows,
                    "closed_forms": closed, "cut_short": [r["accountant"] for r in rows if r.get("cut_short")]})
         return
-    table = Table(title=f"{what} by accountant — {m.kind}, p={m.sampling_rate:g}, T={m.steps}, delta={d:g}")
+    table = Table(title=f"{what} by accountant — {m.kind}, {m.sampling}, p={m.sampling_rate:g}, T={m.steps}"
+                        + (f" in {len(m.phases)} phases" if len(m.phases) > 1 else "") + f", delta={d:g}")
     for col in ("accountant", what, "time (s)", "guarantee"):
         table.add_column(col)
     for r in rows:
