@@ -253,15 +253,23 @@ class PhasedPLD:
         self.parts = parts
         self._totals: dict = {}
 
-    def _total(self, direction: str):
-        if direction not in self._totals:
-            held = 0.0  # the phases composed so far stay in memory while the next one composes
-            for part in self.parts:
-                key = part._key(direction)  # noqa: SLF001
+    def _compose_parts(self, delta: float | None = None) -> None:
+        """Every phase's composed PMFs (at the precision reading eps at ``delta`` needs, when given), the ones
+        composed so far counted against the memory budget before the next one composes: they stay held."""
+        held = 0.0
+        for i, part in enumerate(self.parts, 1):
+            for key in part.single:
                 if key not in part._pmfs:  # noqa: SLF001
                     budgets.current().require(held + _fft_bytes(part.single[key], part.bounds[key]),
-                                              f"composing phase {self.parts.index(part) + 1} of {len(self.parts)}")
-                held += 8.0 * len(part.pmfs[direction]._probs)  # noqa: SLF001
+                                              f"composing phase {i} of {len(self.parts)}")
+                part._composed(key, delta)  # noqa: SLF001
+                if delta is not None:
+                    part._recomposed(key, delta)  # noqa: SLF001
+                held += 8.0 * len(part._pmfs[key]._probs)  # noqa: SLF001
+
+    def _total(self, direction: str):
+        if direction not in self._totals:
+            self._compose_parts()
             pmfs = [part.pmfs[direction] for part in self.parts]
             total, noise = pmfs[0], sum(part.round_offs[direction] for part in self.parts)
             for other in pmfs[1:]:
@@ -273,8 +281,8 @@ class PhasedPLD:
         return self._totals[direction]
 
     def settle(self, delta: float) -> None:
-        for part in self.parts:
-            part.settle(delta)
+        """``ComposedPLD.settle`` for every phase, under the memory budget of all phases held together."""
+        self._compose_parts(delta)
         self._totals.clear()
 
     def epsilons(self, delta: float) -> dict[str, float]:
@@ -302,14 +310,19 @@ def _cross_round_off(pmf) -> float:
     """L1 size of one float64 FFT convolution's round-off: what negative masses show, or at least u log2(n)
     sqrt(n) times ``ROUND_OFF_PER_STEP`` (each output point errs by ~u log n times the inputs' 2-norms, which
     are at most 1)."""
+    n = max(2, len(pmf._probs))  # noqa: SLF001
+    return max(_seen_round_off(pmf), ROUND_OFF_PER_STEP * _UNIT * math.log2(n) * math.sqrt(n))
+
+
+def _seen_round_off(pmf) -> float:
+    """The round-off a composed PMF shows: where the true mass is below the error, about half the points come
+    out negative, so the mean |error| is the mean of the negative values, times the number of points."""
     import numpy as np
 
     probs = pmf._probs  # noqa: SLF001
-    n = max(2, len(probs))
     negative = probs < 0
     count = int(np.count_nonzero(negative))
-    seen = 0.0 if not count else float(-np.sum(probs, where=negative)) * n / count
-    return max(seen, ROUND_OFF_PER_STEP * _UNIT * math.log2(n) * math.sqrt(n))
+    return 0.0 if not count else float(-np.sum(probs, where=negative)) * len(probs) / count
 
 
 def composed_pld(mech: Event, grid: float, pessimistic: bool = True, delta: float = 1e-5):
@@ -356,12 +369,8 @@ def round_off(pmf, steps: int, precise: bool = False) -> float:
 
     if steps == 1:
         return 0.0
-    probs = pmf._probs  # noqa: SLF001
-    negative = probs < 0
-    count = int(np.count_nonzero(negative))
-    seen = 0.0 if not count else float(-np.sum(probs, where=negative)) * len(probs) / count
     unit = float(np.finfo(np.longdouble).eps / 2) if precise else _UNIT
-    return max(seen, ROUND_OFF_PER_STEP * steps * unit)
+    return max(_seen_round_off(pmf), ROUND_OFF_PER_STEP * steps * unit)
 
 
 def _convolve_bounds(pmf, steps: int) -> tuple[int, int]:
@@ -690,10 +699,8 @@ def _alternative(mech: Event, delta: float) -> EpsilonResult | None:
 def _fallback(mech: Event, delta: float, why: str) -> EpsilonResult:
     alternative = _alternative(mech, delta)
     if alternative is None:
-        raise DPAuditError(f"{why}, and phases that mix noises have no other accountant here")
+        raise DPAuditError(f"{why}, and no other accountant here covers {mech.kind} noise")
     return alternative.standing_in_for("pld", why)
-
-
 
 
 def _coarse_options(mech: Event, delta: float) -> PldOptions:
