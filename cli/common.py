@@ -105,11 +105,11 @@ def event_from(mech: str, sigma: float | None, p, batch_size, dataset_size, step
 def shuffle_lines(event, delta: float, result) -> tuple[list[str], dict]:
     """For a shuffled schedule: the Chua et al. lower bound and the Poisson figure beside the upper bound, as
     lines for people and a mapping for --json; nothing for other samplers."""
-    if event.sampling != "shuffle" or result.accountant != "shuffle":
-        return [], {}
-    from dpaudit.accounting.shuffle import context
+    from dpaudit.accounting.shuffle import context_for
 
-    ctx = context(event, delta)
+    ctx = context_for(event, delta, result)
+    if ctx is None:
+        return [], {}
     data = ctx.to_json(result.epsilon)
     lines = [f"lower bound (Chua et al. shuffle construction): eps >= {fmt(ctx.lower_bound)}"
              if ctx.lower_bound is not None else f"lower bound: none ({ctx.lower_bound_note})",

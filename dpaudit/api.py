@@ -75,10 +75,11 @@ def epsilon(sigma: float | None = None, *, mech: str = "gaussian", delta: float 
     m = _event(mech, sigma, p, batch_size, dataset_size, steps, epochs, sampling, phases)
     with budgets.enforced(max_memory, timeout, "epsilon"):
         res = _epsilon(m, d, accountant, options, relation)
-        if m.sampling == "shuffle" and res.accountant == "shuffle":
-            from dpaudit.accounting.shuffle import context
+        from dpaudit.accounting.shuffle import context_for
 
-            res = replace(res, details={**res.details, "shuffle": context(m, d).to_json(res.epsilon)})
+        shuffled = context_for(m, d, res)
+        if shuffled is not None:
+            res = replace(res, details={**res.details, "shuffle": shuffled.to_json(res.epsilon)})
     return replace(res, mechanism=m)
 
 

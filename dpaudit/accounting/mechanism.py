@@ -1,6 +1,6 @@
 """What is being accounted (dp_accounting's DpEvent, in a small closed vocabulary).
 
-* ``Mechanism``: one noise (``noise.py``: Gaussian, Laplace, ...) on batches drawn by one scheme
+* ``Mechanism``: one noise (``noises/``: Gaussian, Laplace, discrete Gaussian) on batches drawn by one scheme
   (``samplers.py``: Poisson, fixed-size without replacement, shuffled epochs), composed T times.
 * ``Phases``: several of those composed in sequence (a warm-up at another batch size, a sigma decay, a
   resumed run with more data). Phases that differ only in their step counts are one phase (composition
@@ -152,7 +152,7 @@ def miss_log_probability(mech: Mechanism | Phases) -> float:
     Every add/remove or replace-one pair is at total variation at most 1 - e^this (coupling)."""
     total = 0.0
     for m in mech.phases:
-        if m.sampling not in ("poisson", "fixed") or m.sampling_rate >= 1:
+        if not scheme(m.sampling).independent_steps or m.sampling_rate >= 1:
             return -math.inf
         total += m.steps * math.log1p(-m.sampling_rate)
     return total
@@ -237,7 +237,7 @@ def schedule(kind: str, sigma: float, p: float | None = None, batch_size: int | 
     rate = sampling_rate_from(batch_size, dataset_size, p)
     sizes = {"batch_size": batch_size, "dataset_size": dataset_size} if scheme(sampling).needs_sizes else {}
     # Shuffled epochs are N // B batches each (a partial last batch, if kept, adds nothing to the bound)
-    per_epoch = 1 / (dataset_size // batch_size) if sampling == "shuffle" and batch_size <= dataset_size else rate
+    per_epoch = 1 / (dataset_size // batch_size) if scheme(sampling).epochs and batch_size <= dataset_size else rate
     return Mechanism(kind, sigma, rate, steps_from(steps, epochs, per_epoch), sampling, **sizes)
 
 

@@ -155,20 +155,18 @@ def get_accountant(name: str) -> Accountant:
 
 
 def default_accountant(mech: Event, delta: float) -> str:
-    """The tightest valid route for the event: the sampler's own accountant (shuffle; rdp or, for Laplace,
-    pure for fixed-size batches); for Poisson sampling exact formulas where they exist (no subsampling),
-    pure composition for Laplace at delta = 0, else PLD."""
+    """The tightest valid route for the event: the sampler's own accountants (``Scheme.accountants``: the first
+    that answers, else the first, which then says why not); for Poisson sampling exact formulas where they exist
+    (no subsampling), pure composition for Laplace at delta = 0, else PLD."""
     facts = scheme(mech.sampling)
     if facts.refused:
         raise DPAuditError(facts.refused)
-    pure_dp = all(noise(m.kind).pure_dp for m in mech.phases)
-    if mech.sampling == "shuffle":
-        return "shuffle"
-    if mech.sampling == "fixed":
-        return "pure" if pure_dp else "rdp"
+    if facts.accountants:
+        return next((name for name in facts.accountants if ACCOUNTANTS[name].supports(mech, delta) is None),
+                    facts.accountants[0])
     if ACCOUNTANTS["analytic"].supports(mech, delta) is None:
         return "analytic"
-    if pure_dp and delta == 0:
+    if all(noise(m.kind).pure_dp for m in mech.phases) and delta == 0:
         return "pure"
     return "pld"
 

@@ -29,12 +29,10 @@ ZERO_OUT_WORDS = "zero-out (one example replaced by a null one; each example mee
 
 def relation_of(mech) -> str:
     """How the neighbouring relation is covered for ``mech`` (a Mechanism or Phases), in words."""
-    sampling = getattr(mech, "sampling", "poisson")
-    if sampling == "fixed":
-        return REPLACE_ONE_WORDS
-    if sampling in ("shuffle", "balls-in-bins"):
-        return ZERO_OUT_WORDS
-    return SINGLE_RELEASE if mech.is_single_release else ADD_REMOVE
+    from dpaudit.accounting.samplers import scheme
+
+    words = scheme(mech.sampling).relation_words
+    return words or (SINGLE_RELEASE if mech.is_single_release else ADD_REMOVE)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dpaudit.accounting.result import NeighboringRelation
+from dpaudit.accounting.result import REPLACE_ONE_WORDS, ZERO_OUT_WORDS, NeighboringRelation
 from dpaudit.errors import DPAuditError
 
 
@@ -29,18 +29,25 @@ class Scheme:
     relation: NeighboringRelation  # the relation every accountant answers for under this scheme
     needs_sizes: bool              # B and N must be given (p alone does not describe the scheme)
     words: str                     # for the assumptions line: "{words}" with B, N, p, T filled in
+    relation_words: str | None = None  # how the relation is covered, in words (None: add/remove's, per event)
+    accountants: tuple[str, ...] = ()  # its own accountants, the first that answers is the default (): pld's rule
+    independent_steps: bool = False    # each step takes an example with probability p, independently of the rest
+    epochs: bool = False               # epochs of N // B batches (--epochs counts those)
     refused: str | None = None     # why no accountant answers it (a scheme named only to say why)
 
 
 SCHEMES: dict[str, Scheme] = {s.name: s for s in [
     Scheme("poisson", NeighboringRelation.ADD_OR_REMOVE_ONE, False,
-           "Poisson sampling with rate p = {p:g}, T = {T} steps"),
+           "Poisson sampling with rate p = {p:g}, T = {T} steps", independent_steps=True),
     Scheme("fixed", NeighboringRelation.REPLACE_ONE, True,
-           "fixed-size batches: B = {B} of N = {N} drawn without replacement each step (p = {p:.4g}), T = {T} steps"),
+           "fixed-size batches: B = {B} of N = {N} drawn without replacement each step (p = {p:.4g}), T = {T} steps",
+           REPLACE_ONE_WORDS, accountants=("rdp", "pure"), independent_steps=True),
     Scheme("shuffle", NeighboringRelation.REPLACE_SPECIAL, True,
-           "shuffled epochs: a fresh permutation of N = {N} each epoch, cut into batches of B = {B}, T = {T} steps"),
+           "shuffled epochs: a fresh permutation of N = {N} each epoch, cut into batches of B = {B}, T = {T} steps",
+           ZERO_OUT_WORDS, accountants=("shuffle",), epochs=True),
     Scheme("balls-in-bins", NeighboringRelation.REPLACE_SPECIAL, True,
            "balls-in-bins: each example in one random batch of each epoch (B = {B} on average, N = {N}), T = {T} steps",
+           ZERO_OUT_WORDS, epochs=True,
            refused="balls-in-bins (random allocation) is not accounted: the published methods (Chua et al. 2025; "
                    "Feldman & Shenfeld 2025) give a Monte-Carlo estimate, not a bound that holds, or an upper bound "
                    "whose computation does not fit the time and memory budgets here; account it as shuffle "

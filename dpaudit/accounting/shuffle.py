@@ -108,6 +108,11 @@ def as_poisson(mech: Mechanism | Phases) -> Mechanism | Phases:
     return compose_phases([Mechanism(m.kind, m.sigma, m.sampling_rate, m.steps) for m in mech.phases])
 
 
+def context_for(event, delta: float, result: EpsilonResult) -> ShuffleContext | None:
+    """The context of a shuffled schedule's answer from this accountant; None for anything else."""
+    return context(event, delta) if event.sampling == "shuffle" and result.accountant == "shuffle" else None
+
+
 def context(mech: Mechanism | Phases, delta: float) -> ShuffleContext:
     from dpaudit.accounting.registry import epsilon as account
 
