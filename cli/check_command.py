@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 
 from dpaudit.accounting import calibrate_sigma, default_accountant, epsilon
-from dpaudit.accounting.mechanism import Mechanism, compose_phases
+from dpaudit.accounting.mechanism import resampled
 from dpaudit.accounting.result import json_float
 from dpaudit.cli.common import (
     DEFAULT_MAX_MEMORY, DEFAULT_TIMEOUT, JsonOpt, MaxMemoryOpt, assumptions, console, emit_json, fmt, shuffle_lines,
@@ -132,9 +132,7 @@ def _judge(cfg, config: Path) -> tuple[dict, bool]:
     }
     claim = cfg.claim_accounted_as
     if claim is not None and claim != cfg.sampling:
-        as_claimed = compose_phases([Mechanism(m.kind, m.sigma, m.sampling_rate, m.steps, claim,
-                                               m.batch_size, m.dataset_size) for m in probe.phases])
-        claimed = epsilon(as_claimed, cfg.delta)
+        claimed = epsilon(resampled(probe, claim), cfg.delta)
         lower = shuffled.get("lower_bound_chua") if shuffled else None
         report["claim"] = {"accounted_as": claim, "epsilon": json_float(claimed.epsilon),
                            "accountant": claimed.accountant,

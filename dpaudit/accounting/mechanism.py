@@ -146,6 +146,15 @@ class Phases:
         return " then ".join(f"[{m.sampling_words()}, sigma={m.sigma:g}]" for m in self.parts)
 
 
+def resampled(mech: Mechanism | Phases, sampling: str) -> Mechanism | Phases:
+    """The same schedule (noise, sigma, B, N, p, T of every phase) with its batches drawn by ``sampling``: what an
+    accountant for that sampler would have been given."""
+    sizes = scheme(sampling).needs_sizes
+    return compose_phases([Mechanism(m.kind, m.sigma, m.sampling_rate, m.steps, sampling,
+                                     m.batch_size if sizes else None, m.dataset_size if sizes else None)
+                           for m in mech.phases])
+
+
 def miss_log_probability(mech: Mechanism | Phases) -> float:
     """log P(one given example is in no batch of the run): T log(1 - p) for Poisson and fixed-size batches
     (each step takes it with probability p, independently); -inf where every epoch takes it (shuffle) or p = 1.

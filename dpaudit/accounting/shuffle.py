@@ -47,7 +47,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dpaudit.accounting.mechanism import Mechanism, Phases, compose_phases
+from dpaudit.accounting.mechanism import Mechanism, Phases, compose_phases, resampled
 from dpaudit.accounting.result import ZERO_OUT_WORDS, EpsilonResult
 
 LOWER_GRID = 1e-3          # the lower bound's loss discretisation at most (rounded down: a finer grid is tighter)
@@ -103,11 +103,6 @@ class ShuffleContext:
                 if self.lower_bound is not None and self.poisson_epsilon > 0 else None}
 
 
-def as_poisson(mech: Mechanism | Phases) -> Mechanism | Phases:
-    """The same schedule with Poisson sampling at p = B / N (what a Poisson accountant would be given)."""
-    return compose_phases([Mechanism(m.kind, m.sigma, m.sampling_rate, m.steps) for m in mech.phases])
-
-
 def context_for(event, delta: float, result: EpsilonResult) -> ShuffleContext | None:
     """The context of a shuffled schedule's answer from this accountant; None for anything else."""
     return context(event, delta) if event.sampling == "shuffle" and result.accountant == "shuffle" else None
@@ -116,7 +111,7 @@ def context_for(event, delta: float, result: EpsilonResult) -> ShuffleContext | 
 def context(mech: Mechanism | Phases, delta: float) -> ShuffleContext:
     from dpaudit.accounting.registry import epsilon as account
 
-    poisson = account(as_poisson(mech), delta)
+    poisson = account(resampled(mech, "poisson"), delta)  # p = B / N: what a Poisson accountant is given
     lower, note = None, "the Chua et al. construction is for Gaussian noise"
     if all(m.kind == "gaussian" for m in mech.phases) and delta > 0:
         bounds = [lower_bound(m.sigma, m.steps_per_epoch, m.steps // m.steps_per_epoch, delta)
