@@ -91,15 +91,11 @@ def event_from(mech: str, sigma: float | None, p, batch_size, dataset_size, step
                phases: list[str] | None):
     """The event a command describes: one schedule from the flags, or the --phase list composed in sequence
     (each phase's sigma defaults to --sigma, or 1 when calibrating: then it is the phase's share)."""
-    from dpaudit.accounting.mechanism import compose_phases, parse_phase, phase_from
+    from dpaudit.accounting.mechanism import event, parse_phase
 
-    if not phases:
-        if sigma is None:
-            raise DPAuditError("give --sigma (or the schedule as --phase sigma=...,p=...,steps=...)")
-        return schedule(mech, sigma, p, batch_size, dataset_size, steps, epochs, sampling)
-    if any(x is not None for x in (p, batch_size, dataset_size, steps, epochs)) or sampling != "poisson":
-        raise DPAuditError("give the schedule either as --phase ... or as --p/-B/-N/-T/--epochs/--sampling, not both")
-    return compose_phases([phase_from(parse_phase(text), mech, sigma) for text in phases])
+    return event(mech, sigma, p, batch_size, dataset_size, steps, epochs, sampling,
+                 [parse_phase(text) for text in phases] if phases else None,
+                 ("--sigma", "--phase sigma=...,p=...,steps=...", "--p/-B/-N/-T/--epochs/--sampling"))
 
 
 def shuffle_lines(event, delta: float, result) -> tuple[list[str], dict]:

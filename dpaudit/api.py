@@ -24,27 +24,16 @@ from dpaudit.accounting import budget as budgets
 from dpaudit.accounting.calibrate import Calibration, StepsAnswer
 from dpaudit.accounting.calibrate import calibrate_sigma as _calibrate_sigma
 from dpaudit.accounting.calibrate import max_steps as _max_steps
-from dpaudit.accounting.mechanism import Mechanism, Phases, check_epsilon, compose_phases, phase_from, schedule
+from dpaudit.accounting.mechanism import Mechanism, Phases, check_epsilon, schedule
+from dpaudit.accounting.mechanism import event as _event
 from dpaudit.accounting.noise import resolve_delta
 from dpaudit.accounting.registry import delta as _delta
 from dpaudit.accounting.registry import epsilon as _epsilon
 from dpaudit.accounting.result import DeltaResult, EpsilonResult, NeighboringRelation
-from dpaudit.errors import DPAuditError
+
+_WORDS = ("sigma", "phases=[...]", "p/batch_size/steps/epochs/sampling")  # the keywords, for refusals
 
 __all__ = ["Mechanism", "NeighboringRelation", "Phases", "calibrate", "delta", "epsilon", "max_steps"]
-
-
-def _event(mech: str, sigma: float | None, p, batch_size, dataset_size, steps, epochs, sampling: str, phases):
-    """One schedule from the keywords, or ``phases`` composed in sequence (a phase's sigma defaults to ``sigma``)."""
-    if phases is None:
-        if sigma is None:
-            raise DPAuditError("give sigma (or phases=[...])")
-        return schedule(mech, sigma, p, batch_size, dataset_size, steps, epochs, sampling)
-    if any(x is not None for x in (p, batch_size, dataset_size, steps, epochs)) or sampling != "poisson":
-        raise DPAuditError("give the schedule either as phases=[...] or as p/batch_size/steps/epochs/sampling, not both")
-    if isinstance(phases, (str, bytes)) or not hasattr(phases, "__iter__"):
-        raise DPAuditError("phases must be a list of mappings (or Mechanism objects)")
-    return compose_phases([x if isinstance(x, Mechanism) else phase_from(dict(x), mech, sigma) for x in phases])
 
 
 def calibrate(eps: float, *, mech: str = "gaussian", delta: float | None = None, p: float | None = None,
@@ -57,7 +46,7 @@ def calibrate(eps: float, *, mech: str = "gaussian", delta: float | None = None,
     that merge into one are that phase, and ``.sigma`` is its sigma)."""
     check_epsilon(eps)
     d = resolve_delta(mech, delta)
-    template = _event(mech, 1.0, p, batch_size, dataset_size, steps, epochs, sampling, phases)
+    template = _event(mech, 1.0, p, batch_size, dataset_size, steps, epochs, sampling, phases, _WORDS)
     with budgets.enforced(max_memory, timeout, "calibrate"):  # None, None: the budget in force stays
         cal = _calibrate_sigma(template, eps, d, accountant, rtol=rtol, options=options)
     return replace(cal, result=replace(cal.result, mechanism=template.with_sigma(cal.sigma)))
@@ -72,7 +61,7 @@ def epsilon(sigma: float | None = None, *, mech: str = "gaussian", delta: float 
     ``.sigma``, ``.neighboring``). Shuffled epochs also carry ``.details["shuffle"]``: the Chua et al. lower
     bound and the eps a Poisson accountant would have quoted."""
     d = resolve_delta(mech, delta)
-    m = _event(mech, sigma, p, batch_size, dataset_size, steps, epochs, sampling, phases)
+    m = _event(mech, sigma, p, batch_size, dataset_size, steps, epochs, sampling, phases, _WORDS)
     with budgets.enforced(max_memory, timeout, "epsilon"):
         res = _epsilon(m, d, accountant, options, relation)
         from dpaudit.accounting.shuffle import context_for

@@ -250,6 +250,22 @@ def schedule(kind: str, sigma: float, p: float | None = None, batch_size: int | 
     return Mechanism(kind, sigma, rate, steps_from(steps, epochs, per_epoch), sampling, **sizes)
 
 
+def event(kind: str, sigma: float | None, p=None, batch_size=None, dataset_size=None, steps=None, epochs=None,
+          sampling: str = "poisson", phases=None, words=("sigma", "phases", "p/batch_size/steps/epochs/sampling")):
+    """What a command or API call describes: one schedule, or ``phases`` (mappings as ``phase_from`` takes them,
+    or Mechanisms) composed in sequence, each phase's sigma defaulting to ``sigma``. ``words``: how the caller
+    names sigma, the phases and the one-schedule keys, for its refusals."""
+    if phases is None:
+        if sigma is None:
+            raise DPAuditError(f"give {words[0]} (or the schedule as {words[1]})")
+        return schedule(kind, sigma, p, batch_size, dataset_size, steps, epochs, sampling)
+    if any(x is not None for x in (p, batch_size, dataset_size, steps, epochs)) or sampling != "poisson":
+        raise DPAuditError(f"give the schedule either as {words[1]} or as {words[2]}, not both")
+    if isinstance(phases, (str, bytes)) or not hasattr(phases, "__iter__"):
+        raise DPAuditError("phases must be a list of mappings (or Mechanism objects)")
+    return compose_phases([x if isinstance(x, Mechanism) else phase_from(dict(x), kind, sigma) for x in phases])
+
+
 PHASE_KEYS = {"sigma", "p", "steps", "epochs", "sampling", "B", "N", "mech"}
 
 

@@ -332,7 +332,7 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
     header["world_size"] = world.size
     header["data_sha256"] = _fingerprint(texts)
     if previous_ledger is not None:
-        plan, header = _resume_phases(plan, header, previous_ledger, released_before, cfg, run_dir)
+        plan, header = _resume_phases(plan, header, previous_ledger, released_before, run_dir)
         sigma = plan.sigma
     # Steps run after the last checkpoint of a killed run are redone with fresh noise, but their
     # outputs (the DP-ZO log, the ledger) may have been seen: they are spent, and stay counted.
@@ -451,7 +451,7 @@ RESUME_IDENTITY = ("method", "mechanism", "sigma", "clip", "delta", "sampling_ra
 DATA_KEYS = ("sampling_rate", "examples", "data_sha256")  # a resume on other data: a new phase, composed
 
 
-def _resume_phases(plan, header: dict, previous: dict, released: int, cfg, run_dir: Path):
+def _resume_phases(plan, header: dict, previous: dict, released: int, run_dir: Path):
     """(plan, header) for resuming a run whose ledger says ``previous`` after ``released`` released steps.
 
     The method, noise, clip and delta must be the ledger's (else refused, naming what differs). Other data
