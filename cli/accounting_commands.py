@@ -56,9 +56,10 @@ def calibrate(
     template = event_from(mech, 1.0, p, batch_size, dataset_size, steps, epochs, sampling, phase)
     name = accountant or default_accountant(template, d)
     cal = calibrate_sigma(template, eps, d, name, rtol=rtol, options=accountant_options(name, mc_samples, seed, not as_json))
-    lines = assumptions(template.with_sigma(cal.sigma), d, cal.result) + _one_step_note(template, steps, epochs)
-    extra, shuffled = shuffle_lines(template.with_sigma(cal.sigma), d, cal.result)
-    phase_sigmas = [m.sigma for m in template.with_sigma(cal.sigma).phases] if len(template.phases) > 1 else None
+    calibrated = template.with_sigma(cal.sigma)
+    lines = assumptions(calibrated, d, cal.result) + _one_step_note(template, steps, epochs)
+    extra, shuffled = shuffle_lines(calibrated, d, cal.result)
+    phase_sigmas = [m.sigma for m in calibrated.phases] if len(calibrated.phases) > 1 else None
     if as_json:
         emit_json({
             "command": "calibrate", "mechanism": mech, "sampling": template.sampling,

@@ -17,10 +17,6 @@ from rich.console import Console
 from dpaudit.accounting.mechanism import Mechanism, schedule  # noqa: F401 - schedule: the commands import it here
 from dpaudit.accounting.samplers import SAMPLINGS
 from dpaudit.accounting.noise import NOISES, noise, resolve_delta  # noqa: F401 - resolve_delta: likewise
-
-
-def noise_kinds() -> tuple[str, ...]:
-    return tuple(NOISES)
 from dpaudit.errors import DPAuditError
 
 # On a terminal, rich fits the text to the window; elsewhere (a pipe, a log, CI) nothing is wrapped or cut:
@@ -29,7 +25,7 @@ _TTY = sys.stdout.isatty()
 console = Console(soft_wrap=not _TTY, width=None if _TTY else 100_000)
 err_console = Console(stderr=True, soft_wrap=True)  # an error stays one line, however long
 
-MechOpt = Annotated[str, typer.Option("--mech", help=f"Noise mechanism: {', '.join(noise_kinds())}.")]
+MechOpt = Annotated[str, typer.Option("--mech", help=f"Noise mechanism: {', '.join(NOISES)}.")]
 DeltaOpt = Annotated[Optional[float], typer.Option(
     "--delta", help="Target delta. Default: 1e-5 for gaussian; 0 (pure eps-DP) for laplace.")]
 POpt = Annotated[Optional[float], typer.Option("--p", help="Poisson sampling rate p = B/N.")]
