@@ -40,15 +40,8 @@ def check(
     with time_budget(timeout, "dpaudit check", max_memory):
         report, passed = _judge(cfg, config)
         if sampler_log is not None:
-            from dpaudit.audit.sampler import analyse_batches, read_log
-
-            sampled = analyse_batches(read_log(sampler_log), dataset_size=cfg.dataset_size,
-                                      sample_rate=cfg.sampling_rate)
-            observed = next((name for start, name in OBSERVED if sampled.looks_like.startswith(start)), None)
-            consistent = observed == cfg.sampling
-            report["sampler"] = {"log": str(sampler_log), **sampled.to_dict(), "observed_sampling": observed,
-                                 "config_sampling": cfg.sampling, "consistent_with_config": consistent}
-            passed = passed and consistent
+            report["sampler"] = _gate_sampler(sampler_log, cfg)
+            passed = passed and report["sampler"]["consistent_with_config"]
             report["passed"] = passed
     sampler = report.get("sampler")
     if as_json:
@@ -58,9 +51,8 @@ def check(
         return
     if sampler is not None:
         style = "green" if sampler["consistent_with_config"] else "bold red"
-        said = (escape(sampler["verdict"]) if cfg.sampling == "poisson" else
-                f"looks like {escape(sampler['looks_like'])}; the config accounts {cfg.sampling} sampling")
-        console.print(f"[{style}]sampler[/{style}] {escape(sampler['log'])}: {said}", highlight=False)
+        console.print(f"[{style}]sampler[/{style}] {escape(sampler['log'])}: {escape(sampler['verdict'])}",
+                      highlight=False)
     for line in report.get("shuffle_lines", []):
         console.print(f"  {line}", highlight=False)
     claim = report.get("claim")
@@ -93,6 +85,59 @@ def check(
                       f"{report['accountant']}){hint}")
     if not passed:
         raise typer.Exit(1)
+
+
+def _gate_sampler(log: Path, cfg) -> dict:
+    """The sampler log against the config, phase by phase: the log's first T1 batches are tested against the
+    first phase's sampler, p and N, the next T2 against the second's, and so on (alpha split over the phases,
+    Bonferroni). A log with more batches than the config's steps fails: the run released steps the config does
+    not account. A log with fewer is tested as far as it goes, and says so (it vouches for no later step)."""
+    from itertools import islice
+
+    from dpaudit.audit.sampler import ALPHA, analyse_batches, read_log
+    from dpaudit.errors import DPAuditError
+
+    phases = cfg.event.phases
+    batches = iter(read_log(log))
+    alpha = ALPHA / len(phases)
+    parts, logged, consistent = [], 0, True
+    for i, m in enumerate(phases):
+        window = list(islice(batches, m.steps))
+        logged += len(window)
+        if len(window) < 2:
+            parts.append({"phase": i + 1, "steps_logged": len(window), "verdict": "not tested (fewer than 2 batches)"})
+            continue
+        try:
+            verdict = analyse_batches(window, dataset_size=m.dataset_size or cfg.dataset_size,
+                                      sample_rate=m.sampling_rate, alpha=alpha)
+        except DPAuditError as exc:
+            raise DPAuditError(f"sampler log {log}, phase {i + 1}: {exc}") from None
+        observed = next((name for start, name in OBSERVED if verdict.looks_like.startswith(start)), None)
+        ok = observed == m.sampling
+        consistent = consistent and ok
+        parts.append({"phase": i + 1, **verdict.to_dict(), "steps_logged": len(window), "observed_sampling": observed,
+                      "config_sampling": m.sampling, "consistent_with_config": ok})
+    extra = sum(1 for _ in batches)
+    steps = sum(m.steps for m in phases)
+    if extra:
+        consistent = False
+        said = (f"the log holds {logged + extra} batches, more than the {steps} steps the config accounts: the run "
+                "released steps its eps does not count")
+    elif logged < steps:
+        said = f"the log covers {logged} of the config's {steps} steps (it vouches for none after)"
+    else:
+        said = f"the log's {logged} batches are the config's {steps} steps"
+    wrong = [p for p in parts if p.get("consistent_with_config") is False]
+    what = "; ".join(
+        f"phase {p['phase']} ({p['steps_logged']} batches): " + (
+            p["verdict"] if p.get("consistent_with_config") is None else
+            f"looks like {p['looks_like']}, the config accounts {p['config_sampling']} sampling at p = {p['sample_rate']:.4g}"
+            if not p["consistent_with_config"] else f"{p['config_sampling']} at p = {p['sample_rate']:.4g}, consistent")
+        for p in (wrong or parts))
+    return {"log": str(log), "verdict": f"{said}; {what}", "steps_logged": logged + extra, "steps_config": steps,
+            "alpha": ALPHA, "phases": parts, "consistent_with_config": consistent,
+            **({k: parts[0][k] for k in ("looks_like", "observed_sampling", "config_sampling") if k in parts[0]}
+               if len(parts) == 1 else {})}
 
 
 QUICK = ("pld", "analytic", "pure", "pure-prv", "rdp")  # accountants fast enough to suggest a sigma on failure

@@ -67,11 +67,11 @@ def parse_eps(eps: str | None, sigma: float | None) -> float:
     return value
 
 
-def _divergence_opt(default: bool):
-    return Annotated[bool, typer.Option(
-        "--stop-on-divergence/--no-stop-on-divergence",
-        help="Stop when the training loss rises above 1.75x its start (medians of 3 steps); off, warn once. "
-             f"Default: {'on' if default else 'off'}.")]
+DivergenceOpt = Annotated[bool, typer.Option(
+    "--stop-on-divergence/--no-stop-on-divergence",
+    help="Stop (exit 2) when the training loss rises above 1.75x its start (medians of 3 steps), or is exactly 0 "
+         "for 3 steps. Default off: warn once, go on, and say so in the result and the report. A broken DP step "
+         "(clipping skipped, noise too small) also diverges, so an audit stopped this way gives no verdict.")]
 
 
 PlantBugOpt = Annotated[Optional[str], typer.Option(
@@ -158,7 +158,7 @@ def train_cmd(
         "--white-box", help="Plant M white-box canaries and record the canary-aligned transcript "
                             "(audit it with 'dpaudit audit transcript').")] = 0,
     plant_bug: PlantBugOpt = None,
-    stop_on_divergence: _divergence_opt(False) = False,
+    stop_on_divergence: DivergenceOpt = False,
     threads: ThreadsOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -216,7 +216,7 @@ def audit_run(
         "--white-box", help="Audit what DP protects: canaries planted in every privatised release "
                             "(DP-SGD gradients, DP-ZO scalars), scored from the run's transcript.")] = False,
     plant_bug: PlantBugOpt = None,
-    stop_on_divergence: _divergence_opt(True) = True,
+    stop_on_divergence: DivergenceOpt = False,
     threads: ThreadsOpt = None,
     repeat: Annotated[int, typer.Option("--repeat", "-r", help="Copies of each member canary.")] = 1,
     unsafe_disable_noise: Annotated[bool, typer.Option(

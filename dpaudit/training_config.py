@@ -191,8 +191,11 @@ def load_privacy_config(path: Path) -> PrivacyConfig:
     if "phases" in data:
         event = _phases(data, mechanism, sigma, n)
     else:
-        event = schedule(mechanism, 1.0, _number(data, "sampling_rate"), _number(data, "batch_size", int), n,
-                         _number(data, "steps", int), _number(data, "epochs"), sampling)
+        rate, batch = _number(data, "sampling_rate"), _number(data, "batch_size", int)
+        # p with N and no B: p is the rate, N the dataset's size (what a sampler log is checked against)
+        sizes_n = None if rate is not None and batch is None else n
+        event = schedule(mechanism, 1.0, rate, batch, sizes_n, _number(data, "steps", int), _number(data, "epochs"),
+                         sampling)
         if sigma is not None:
             event = event.with_sigma(sigma)  # validates sigma
     if event.steps > MAX_STEPS:

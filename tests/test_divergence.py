@@ -61,3 +61,12 @@ def test_a_pretrained_model_gets_its_own_learning_rate_default(tmp_path):
     assert lr["dp-sgd", "full", str(tmp_path / "m.gguf")] == 5e-5
     assert lr["dp-sgd", "lora", str(tmp_path / "m.gguf")] == 5e-4 and lr["dp-zo", "full", str(tmp_path / "m.gguf")] == 1e-6
     assert make_config("dp-sgd", lr=0.1, trainable="full", model=tmp_path / "m.gguf", **args).lr == 0.1
+
+
+def test_a_loss_stuck_at_exactly_zero_trips():
+    """Issue 36: a left-padded batch masked every target and logged "loss 0" at every step, silently."""
+    watch = DivergenceWatch()
+    said = [watch.update(s, 0.0) for s in range(5)]
+    assert said[:2] == [None, None] and "exactly 0 at 3 steps" in said[2]
+    assert watch.why == said[2]
+    assert _first_trip([0.0, 0.5, 0.0, 0.4, 0.0, 0.45]) is None  # a 0 now and then is not stuck

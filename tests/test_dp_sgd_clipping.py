@@ -118,3 +118,54 @@ def test_gradient_inner_products_match_explicit_per_example_gradients():
                          (e, li, explicit_emb, explicit_lin), (li, e, explicit_lin, explicit_emb)]:
         expected = (gu * gv).sum((1, 2))
         torch.testing.assert_close(gradient_inner_product(u, v), expected)
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory):
+    """A tiny Gemma 3 (scaled word embedding with an embed_scale buffer, tied output), built from its config."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from dpaudit.atomic import save_model_folder
+    from dpaudit.models.corpus import sentences
+    from dpaudit.models.embedded import build_tokenizer
+
+    tok = build_tokenizer(sentences(300, seed=7))
+    config = Gemma3TextConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=128,
+                              pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
+                              sliding_window=32)
+    torch.manual_seed(0)
+    return save_model_folder(tmp_path_factory.mktemp("gemma3") / "model", Gemma3ForCausalLM(config), tok)
+
+
+def test_a_scaled_embedding_gets_exact_per_example_gradients_in_both_modes(gemma3_dir):
+    """Issue 36: Opacus rejected Gemma 3's scaled embedding (an embed_scale buffer), exit 3 after minutes.
+    Both modes now give the clipped sum of each example's own gradient, computed here one example at a time."""
+    from dpaudit.training.data import per_example_loss
+    from dpaudit.training.sgd import embedding_scale
+
+    model, tok = load_causal_lm(gemma3_dir)
+    assert embedding_scale(model.get_input_embeddings()) == pytest.approx(32 ** 0.5, rel=1e-3)
+    params = trainable_parameters(model)
+    data = tokenize(tok, TEXTS, 24)
+    clip, expected = 0.5, 4
+    brute = torch.zeros(sum(p.numel() for p in params), dtype=torch.float64)
+    norms = []
+    for i in range(len(TEXTS)):
+        grads = torch.autograd.grad(per_example_loss(model, data.batch([i])).sum(), params, allow_unused=True)
+        g = torch.cat([(torch.zeros_like(p) if x is None else x).flatten().double() for p, x in zip(params, grads)])
+        norms.append(float(g.norm()))
+        brute += g * min(1.0, clip / max(float(g.norm()), 1e-12))
+    assert sum(n > clip for n in norms) >= 2  # clipping is exercised
+    brute /= expected
+    for mode in ("ghost", "materialise"):
+        got = privatised_gradient(gemma3_dir, mode)
+        assert float((got - brute).abs().max()) <= 1e-4 * float(brute.abs().max()), mode
+
+
+def test_a_trainable_layer_with_state_is_refused_in_one_line():
+    from dpaudit.errors import DPAuditError
+    from dpaudit.training.sgd import supported_for_dp_sgd
+
+    with pytest.raises(DPAuditError, match=r"layer 1 \(BatchNorm1d\).*--trainable lora"):
+        supported_for_dp_sgd(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)))

@@ -229,3 +229,20 @@ def test_opacus_ddp_rank_zero_plants_and_reads_the_reduced_release(tmp_path):
         line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT"))
         assert line.split()[1] == violation and line.split()[3] == "40", line
         assert (out / "whitebox_transcript.f32").stat().st_size == 40 * 200 * 4
+
+
+def test_a_claim_in_the_parent_folder_never_overrides_the_probe_folder_s_own(tmp_path):
+    """Issue 36: a probe folder with a real violation read "consistent with eps = 1000" once a run_config.json
+    and privacy_ledger.json claiming 1000 sat in its parent."""
+    import json
+
+    probe = WhiteBoxProbe(kind="scalar", m=200, clip=1.0, sample_rate=0.5, out=tmp_path / "parent" / "probe",
+                          secret_seed=SEED)
+    rng = np.random.default_rng(1)
+    for t in range(300):
+        probe.observe(t, probe.canary_sum(t) + rng.normal(0, 0.01))
+    assert probe.audit(claimed_eps=1.0, delta=1e-5).violation
+    (tmp_path / "parent" / "run_config.json").write_text(json.dumps({"config": {"method": "dp-sgd", "delta": 1e-5}}))
+    (tmp_path / "parent" / "privacy_ledger.json").write_text(json.dumps({"epsilon_total": 1000}))
+    out = dpaudit("audit", "transcript", "--run", tmp_path / "parent" / "probe", "--json")
+    assert out.returncode == 1 and json.loads(out.stdout)["claimed_epsilon"] == 1.0, out.stdout

@@ -74,6 +74,53 @@ def test_a_ledger_that_does_not_say_what_ran_refuses_the_resume(tiny_model_dir, 
               resume=True, show_progress=False)
 
 
+def _killed_run(tiny_model_dir, run, monkeypatch):
+    """A DP-ZO run on TEXTS (p = 8/30) killed at its fifth step, with a checkpoint at step 4."""
+    from dpaudit.training import zo
+    from dpaudit.training.runner import TrainConfig, train
+
+    cfg = TrainConfig(method="dp-zo", sigma=1.0, steps=6, batch_size=8, lr=1e-3, save_every=2, secret_seed=1,
+                      allow_overspend=True)
+    real, calls = zo.zo_step, []
+
+    def dies_at_step_5(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(zo, "zo_step", dies_at_step_5)
+        with pytest.raises(Exception, match="interrupted"):
+            train(tiny_model_dir, TEXTS, run, cfg, show_progress=False)
+    return cfg
+
+
+@pytest.mark.parametrize("tamper", ["deleted", "stripped", "phases-dropped"])
+def test_a_resume_on_other_data_never_lowers_eps_when_the_ledger_is_gone_or_stripped(tiny_model_dir, tmp_path,
+                                                                                    monkeypatch, tamper):
+    """Issue 36: with the ledger deleted the resumed ledger read 13.53 (>= 19.91 composed); with sampling_rate,
+    examples and data_sha256 removed, 13.93, below the 16.45 already recorded. Refused, never under-counted."""
+    from dpaudit.training.runner import train
+
+    run = tmp_path / "run"
+    cfg = _killed_run(tiny_model_dir, run, monkeypatch)
+    ledger_file = run / "privacy_ledger.json"
+    ledger = json.loads(ledger_file.read_text())
+    bigger = TEXTS + [f"Bob number {i} lives in Rome." for i in range(44)]
+    if tamper == "deleted":
+        ledger_file.unlink()
+    elif tamper == "stripped":
+        ledger_file.write_text(json.dumps({k: v for k, v in ledger.items()
+                                           if k not in ("sampling_rate", "examples", "data_sha256")}))
+    else:  # a ledger that claims the larger data all along, with the spending it already recorded
+        first = train.__globals__["_fingerprint"](bigger)
+        ledger_file.write_text(json.dumps({**ledger, "sampling_rate": 8 / 74, "examples": 74, "data_sha256": first,
+                                           "epsilon_spent": ledger["epsilon_spent"]}))
+    with pytest.raises(DPAuditError, match="spending is unknown"):
+        train(tiny_model_dir, bigger, run, cfg, resume=True, show_progress=False)
+
+
 # --- nothing a user owns is lost ------------------------------------------------------------------------
 
 def _hold_lock(folder):

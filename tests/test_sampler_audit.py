@@ -127,3 +127,87 @@ def test_bad_input():
         analyse_batches([[1, 2], [5000]], N, P)
     with pytest.raises(DPAuditError, match="outside"):
         analyse_batches([[1, -2], [3]], N, P)
+
+
+# (N, p, T): T p from 0.05 to 50, where a chi-square null raised 22-50 % false alarms at small T p (issue 36)
+FALSE_ALARM_GRID = [(10_000, 0.001, 50), (10_000, 0.001, 100), (10_000, 0.001, 300), (2_000, 0.01, 100),
+                    (2_000, 0.02, 250), (1_000, 0.1, 500)]
+
+
+def test_correct_poisson_logs_raise_alarms_at_alpha_across_t_p():
+    """>= 200 correct logs over T p in 0.05..50, p given and p estimated: each rate within alpha's binomial band."""
+    runs = 34
+    given = estimated = 0
+    for j, (n, p, t) in enumerate(FALSE_ALARM_GRID):
+        for s in range(runs):
+            rng = np.random.default_rng(10_000 * j + s)
+            batches = [np.flatnonzero(rng.random(n) < p) for _ in range(t)]
+            given += not analyse_batches(batches, n, p).poisson_accounting_valid
+            estimated += not analyse_batches(batches, n).poisson_accounting_valid
+    total = runs * len(FALSE_ALARM_GRID)
+    assert total >= 200
+    band = stats.binom.ppf(0.995, total, 0.05)
+    assert given <= band and estimated <= band, (given, estimated, band)
+
+
+def test_small_t_p_logs_the_chi_square_null_flagged_pass():
+    """The instance of issue 36: N = 10,000, p = 0.001, T = 100 flagged 10 of 20 correct logs."""
+    alarms = 0
+    for s in range(20):
+        rng = np.random.default_rng(77 + s)
+        alarms += not analyse_batches([np.flatnonzero(rng.random(10_000) < 0.001) for _ in range(100)],
+                                      10_000, 0.001).poisson_accounting_valid
+    assert alarms <= 4, alarms
+
+
+def test_one_oversampled_example_is_caught():
+    """N = 60,000, B = 256, T = 2,000, one example drawn at 10x p: the maximum-count test names it."""
+    n, p, t = 60_000, 256 / 60_000, 2_000
+    for s in range(4):
+        rng = np.random.default_rng(500 + s)
+        batches = []
+        for _ in range(t):
+            batch = np.flatnonzero(rng.random(n) < p)
+            batch = batch[batch != 123]
+            batches.append(np.append(batch, 123) if rng.random() < 10 * p else batch)
+        verdict = analyse_batches(batches, n, p)
+        assert not verdict.poisson_accounting_valid and "oversamples" in verdict.looks_like
+        assert verdict.tests["most inclusions of one example"]["example"] == 123
+
+
+def test_the_period_search_is_linear():
+    """A crafted log whose first batch recurs everywhere but never periodically took 90 s (O(T^2))."""
+    import time
+
+    batches = [[0]] * 40_000 + [[1]]
+    start = time.perf_counter()
+    verdict = analyse_batches(batches, 10)
+    assert time.perf_counter() - start < 10
+    assert verdict.tests["period of repeating batches"] is None
+    assert analyse_batches([[1, 2], [3, 4], [5]] * 5, 6).tests["period of repeating batches"] == 3
+
+
+def test_check_gates_each_phase_and_the_log_s_step_count(tmp_path):
+    """Issue 36: a 1990-step p = 0.001 + 10-step p = 0.05 config passed with a log of 2000 steps all at
+    p = 0.05; a 20-step config passed with a 2000-step log; a log matching the phased config failed."""
+    n = 2_000
+    config = tmp_path / "c.yaml"
+    config.write_text(f"mechanism: gaussian\nnoise_multiplier: 1.0\ndataset_size: {n}\ndelta: 1.0e-5\n"
+                      "target_epsilon: 20\nphases:\n  - {sampling_rate: 0.001, steps: 1990}\n"
+                      "  - {sampling_rate: 0.05, steps: 10}\n")
+    rng = np.random.default_rng(3)
+    matching = [np.flatnonzero(rng.random(n) < 0.001) for _ in range(1990)] + \
+               [np.flatnonzero(rng.random(n) < 0.05) for _ in range(10)]
+    good = dpaudit("check", config, "--sampler-log", _log(tmp_path / "ok.jsonl", matching), "--json")
+    assert good.returncode == 0, good.stdout
+    assert [p["consistent_with_config"] for p in json.loads(good.stdout)["sampler"]["phases"]] == [True, True]
+    all_high = [np.flatnonzero(rng.random(n) < 0.05) for _ in range(2000)]
+    bad = dpaudit("check", config, "--sampler-log", _log(tmp_path / "high.jsonl", all_high))
+    assert bad.returncode == 1 and "phase 1" in bad.stdout
+    short = tmp_path / "short.yaml"
+    short.write_text(f"mechanism: gaussian\nnoise_multiplier: 2.0\nsampling_rate: 0.05\ndataset_size: {n}\n"
+                     "steps: 20\ndelta: 1.0e-5\ntarget_epsilon: 8\n")
+    longer = dpaudit("check", short, "--sampler-log", _log(tmp_path / "long.jsonl", all_high), "--json")
+    report = json.loads(longer.stdout)
+    assert longer.returncode == 1 and report["sampler"]["steps_logged"] == 2000 and not report["passed"]
+    assert "more than the 20 steps" in report["sampler"]["verdict"]

@@ -169,13 +169,18 @@ def miss_log_probability(mech: Mechanism | Phases) -> float:
 
 def compose_phases(parts) -> Mechanism | Phases:
     """The event of ``parts`` run in sequence: phases that differ only in steps become one (composition is
-    commutative, so a schedule split into parts is the whole), and one phase left is a plain Mechanism."""
+    commutative, so a schedule split into parts is the whole), and one phase left is a plain Mechanism.
+
+    Only for samplers whose steps are independent (``Scheme.independent_steps``: Poisson, fixed-size), where
+    T1 + T2 steps are exactly the two phases. Shuffled epochs are not additive: the phases touch up to
+    ceil(T1 / K) + ceil(T2 / K) epochs (a run restarted mid-epoch starts a fresh permutation), which can be
+    one more than ceil((T1 + T2) / K), so merging them would under-count (issue 36)."""
     merged: list[Mechanism] = []
     for m in parts:
         if not isinstance(m, Mechanism):
             raise DPAuditError(f"a phase must be a Mechanism, got {type(m).__name__}")
         for i, seen in enumerate(merged):
-            if seen.same_but_steps(m):
+            if scheme(m.sampling).independent_steps and seen.same_but_steps(m):
                 merged[i] = seen.with_steps(seen.steps + m.steps)
                 break
         else:

@@ -36,9 +36,14 @@ def _number(x):
 
 
 def run_claims(path: Path) -> dict | None:
-    """The claims of the run that produced ``path`` (a model folder or a scores file), or None."""
+    """The claims of the run that produced ``path`` (a model folder or a scores file), or None: the nearest
+    folder that holds a claim wins, the audited folder itself first (a run or probe folder given as it is), then
+    the folder it sits in (<run>/model, <report>/scores.csv), then that one's parent. A claim in a parent never
+    overrides the folder's own (issue 36: a run_config.json claiming eps 1000 beside a probe folder turned its
+    VIOLATION into "consistent")."""
     path = Path(path)
-    for folder in (path.parent, path, path.parent.parent):
+    folders = ((path,) if path.is_dir() else ()) + (path.parent, path.parent.parent)
+    for folder in folders:
         config = _json(folder / run_folder.RUN_CONFIG)
         if config and isinstance(config.get("config"), dict):
             cfg, ledger = config["config"], _json(folder / run_folder.LEDGER) or {}

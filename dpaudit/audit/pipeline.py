@@ -157,6 +157,7 @@ def _finish(out: Path, cfg: TrainConfig, base: Path, audit: AuditResult, result:
         "noise": "DISABLED (unsafe test setting)" if cfg.unsafe_disable_noise else "on" if result.private else "off",
         "audit": f"white box, {cfg.white_box} canaries" if cfg.white_box else "black box (new-token canaries)",
         **({"PLANTED BUG": cfg.plant_bug} if cfg.plant_bug else {}),
+        **({"training diverged": result.extra["divergence"]} if result.extra.get("divergence") else {}),
         **{k: v for k, v in extra.items() if not isinstance(v, dict)},
     }
     remove_folder(out / "report")

@@ -3,18 +3,32 @@
 Poisson sampling at rate p over N examples and T steps (what the accountants assume) has two
 fingerprints, each tested with its own chi-square statistic:
 
-1. Batch sizes. |B_t| ~ Binomial(N, p), independent over t, so S = sum_t (|B_t| - Np)^2 / (Np(1 - p)) is
-   approximately chi-square with T degrees of freedom (T - 1 when p is estimated from the batches). Fixed-
+1. Batch sizes. |B_t| ~ Binomial(N, p), independent over t; S = sum_t (|B_t| - Np)^2 / (Np(1 - p)). Fixed-
    size batches make S ~ 0 (its lower tail); a sampler that varies more than Poisson, its upper tail.
 2. Each example's inclusions. c_i = number of steps that include example i ~ Binomial(T, p), independent
-   over i, so K = sum_i (c_i - Tp)^2 / (Tp(1 - p)) is approximately chi-square with N (or N - 1) degrees
-   of freedom. Shuffled epochs, cyclic passes and balls-in-bins (random allocation) put every example in
-   one batch an epoch, which makes c_i nearly constant: K far below its lower tail.
+   over i; K = sum_i (c_i - Tp)^2 / (Tp(1 - p)). Shuffled epochs, cyclic passes and balls-in-bins (random
+   allocation) put every example in one batch an epoch, which makes c_i nearly constant: K far below its
+   lower tail.
+3. The most inclusions of one example, max_i c_i: P(max >= c) = 1 - F(c - 1)^N with F the Binomial(T, p)
+   CDF, exact. One example drawn at 10x p (a bug that oversamples it) moves K by little among N but the
+   maximum by many standard deviations (issue 36: N = 60,000, T = 2,000, 92 inclusions where 8.5 are
+   expected passed the dispersion tests 6 times in 10).
+
+The null distributions of S and K. Each is a sum of iid terms (X - np)^2 / (np(1 - p)), X ~ Binomial(n, p),
+whose variance is 2 + (1 - 6p(1 - p)) / (np(1 - p)), not the chi-square's 2: at small np (T p of 0.1-0.3
+for the inclusions) it is about 1 / (np) and a chi-square tail raised 22-50 % false alarms at alpha = 0.05
+(issue 36). So the null is simulated exactly instead: the histogram of m iid Binomial(n, p) values is
+Multinomial(m, pmf), one draw per replicate whatever m, the statistic recomputed from it (with p estimated
+again from each replicate when the audit estimates it: a parametric bootstrap), and the tail p-value is the
+Monte-Carlo one, (1 + #{replicates at least as extreme}) / (1 + R), valid at any R. The pmf is cut where its
+tails hold 1e-15 (m x that is the probability any value falls outside). Where np(1 - p) is so large that the
+pmf spans more than MAX_SUPPORT values, the terms are nearly chi-square and the chi-square tail is used.
+The simulation's generator is seeded (the verdict is a function of the log alone).
 
 Plus two exact checks: an index twice in one batch (sampling with replacement), and batches that repeat
-with a period (a cyclic pass over a fixed order). Each of the four tails (two tests, two sides) gets
-alpha / 4 (Bonferroni), so a Poisson sampler is refused with probability at most alpha. The verdict names
-what the sampler looks like:
+with a period (a cyclic pass over a fixed order; found in O(T) with the prefix function). The five tails
+(two tests two-sided, the maximum one-sided) get alpha / 5 each (Bonferroni), so a Poisson sampler is
+refused with probability at most alpha. The verdict names what the sampler looks like:
 
 | batch sizes | inclusions per example | looks like                                   |
 |---|---|---|
@@ -22,6 +36,12 @@ what the sampler looks like:
 | constant    | Binomial               | fixed-size batches drawn without replacement |
 | constant    | ~constant              | shuffled epochs (cyclic if batches repeat)   |
 | Binomial    | ~constant              | balls-in-bins (random allocation)            |
+| Binomial    | Binomial, one far above | a sampler that oversamples some examples    |
+
+What one log cannot tell apart: the tests see the marginal fingerprints (sizes, counts per example, their
+maximum). A sampler whose sizes are Binomial and whose counts are Binomial but whose steps depend on each other
+(an example kept out of the step after the one it was in, fixed-size batches whose sizes jitter like
+Binomial ones while the draws avoid repeats) can pass. The audit refutes Poisson sampling; it never proves it.
 
 For the non-Poisson ones, see the sampling-aware accounting (fixed-size: replace-one relation; shuffled:
 no amplification by sampling): Poisson accounting would understate eps.
@@ -41,6 +61,11 @@ from dpaudit.errors import DPAuditError
 MAX_STEPS = 10_000_000
 MAX_EXAMPLES = 100_000_000
 POISSON = "Poisson"
+REPLICATES = 4000      # Monte-Carlo replicates of each null (p-values resolve down to 1 / 4001)
+MAX_SUPPORT = 4000     # values of the Binomial pmf simulated; wider: the chi-square tail
+TAIL = 1e-15           # pmf mass left outside the simulated support, each side
+TAILS = 5              # alpha is split over this many tails (Bonferroni)
+ALPHA = 0.05           # the gate's level: a correct sampler is flagged at most this often
 
 
 @dataclass
@@ -59,9 +84,11 @@ class SamplerVerdict:
     def verdict(self) -> str:
         if self.poisson_accounting_valid:
             return (f"consistent with Poisson sampling at p = {self.sample_rate:.4g} over {self.steps} steps "
-                    f"(alpha = {self.alpha:g})")
+                    f"(alpha = {self.alpha:g}: a correct Poisson sampler is flagged at most {self.alpha:.0%} of the "
+                    "time; passing refutes none of the samplers that share its fingerprints)")
         return (f"NOT POISSON: looks like {self.looks_like}; accounting it as Poisson sampling would understate "
-                "eps (account it with the sampler it is)")
+                f"eps (account it with the sampler it is). A correct Poisson sampler reads so at most {self.alpha:.0%} "
+                "of the time")
 
     def to_dict(self) -> dict:
         return {"verdict": self.verdict, "looks_like": self.looks_like,
@@ -74,11 +101,15 @@ class SamplerVerdict:
 class _Collector:
     """Streams batches: sizes, per-example counts, in-batch duplicates, and a hash per batch."""
 
+    HASH = 16  # bytes of a batch's hash
+
     def __init__(self):
-        self.sizes: list[int] = []
+        from array import array
+
+        self.sizes = array("q")      # 8 bytes a step
         self.counts = np.zeros(0, np.int64)
         self.duplicates = 0
-        self.hashes: list[bytes] = []
+        self.hashes = bytearray()   # HASH bytes a step, one buffer (a list of bytes objects costs ~50 more)
         self.seen = 0  # largest index + 1
 
     def add(self, batch) -> None:
@@ -97,16 +128,63 @@ class _Collector:
             self.counts = grown
         self.counts[unique] += 1
         self.sizes.append(int(idx.size))
-        self.hashes.append(hashlib.blake2b(unique.tobytes(), digest_size=16).digest())
+        self.hashes += hashlib.blake2b(unique.tobytes(), digest_size=self.HASH).digest()
 
 
-def _period(hashes: list[bytes]) -> int | None:
-    """The smallest period > 0 with which the batch sequence repeats (at least twice over), or None."""
-    first = hashes[0]
-    for k in range(1, len(hashes) // 2 + 1):
-        if hashes[k] == first and all(hashes[i] == hashes[i - k] for i in range(k, len(hashes))):
-            return k
-    return None
+def _period(hashes: bytes, width: int = _Collector.HASH) -> int | None:
+    """The smallest period k > 0 with which the batch sequence repeats at least twice over (batch i equals
+    batch i - k for every i >= k), or None: T minus the longest proper border, from the prefix function
+    (Knuth-Morris-Pratt), in O(T) comparisons (a search over k was O(T^2): 90 s on a crafted 40k-line log)."""
+    seq = [hashes[i:i + width] for i in range(0, len(hashes), width)]
+    n = len(seq)
+    border = [0] * n
+    k = 0
+    for i in range(1, n):
+        while k and seq[i] != seq[k]:
+            k = border[k - 1]
+        if seq[i] == seq[k]:
+            k += 1
+        border[i] = k
+    period = n - border[-1] if n else 0
+    return period if 0 < period <= n // 2 else None
+
+
+def _binomial_dispersion(x: np.ndarray, n: int, p: float | None) -> float:
+    """sum (x - n q)^2 / (n q (1 - q)), q = p or the values' own mean / n (0 when q is 0 or 1)."""
+    q = float(x.mean()) / n if p is None else p
+    var = n * q * (1 - q)
+    return float(((x - n * q) ** 2).sum() / var) if var > 0 else 0.0
+
+
+def _dispersion_p_values(stat: float, m: int, n: int, p: float, estimated: bool, seed: int) -> tuple[float, float, str]:
+    """(P(S <= stat), P(S >= stat), how) under the null: S the dispersion of m iid Binomial(n, p) values, p
+    re-estimated in each replicate when ``estimated`` (module docstring: simulated exactly, chi-square only where
+    the pmf is too wide to simulate)."""
+    from scipy import stats
+
+    lo, hi = int(stats.binom.ppf(TAIL, n, p)), int(stats.binom.isf(TAIL, n, p)) + 1
+    if hi - lo + 1 > MAX_SUPPORT:
+        dof = m - 1 if estimated else m
+        return float(stats.chi2.cdf(stat, dof)), float(stats.chi2.sf(stat, dof)), f"chi-square, {dof} dof"
+    support = np.arange(lo, hi + 1)
+    pmf = stats.binom.pmf(support, n, p)
+    hist = np.random.default_rng(seed).multinomial(m, pmf / pmf.sum(), size=REPLICATES)
+    q = (hist @ support) / (m * n) if estimated else np.full(REPLICATES, p)
+    var = n * q * (1 - q)
+    # sum_k h_k (k - n q)^2 = sum h k^2 - 2 n q sum h k + m (n q)^2
+    num = hist @ (support ** 2).astype(float) - 2 * n * q * (hist @ support) + m * (n * q) ** 2
+    sim = np.where(var > 0, num / np.where(var > 0, var, 1), 0.0)
+    tol = 1e-9 * max(1.0, abs(stat))  # the observed statistic counts as its own replicate's tie
+    return (float((1 + (sim <= stat + tol).sum()) / (1 + REPLICATES)),
+            float((1 + (sim >= stat - tol).sum()) / (1 + REPLICATES)), f"exact null, {REPLICATES} replicates")
+
+
+def _max_p_value(largest: int, n_examples: int, steps: int, p: float) -> float:
+    """P(max of n_examples iid Binomial(steps, p) >= largest), exact: 1 - F(largest - 1)^N."""
+    from scipy import stats
+
+    above = float(stats.binom.sf(largest - 1, steps, p))
+    return float(-np.expm1(n_examples * np.log1p(-above))) if above < 1 else 1.0
 
 
 def analyse_batches(batches, dataset_size: int | None = None, sample_rate: float | None = None,
@@ -130,34 +208,38 @@ def analyse_batches(batches, dataset_size: int | None = None, sample_rate: float
         raise DPAuditError("a sampler audit needs a dataset of at least 2 examples")
     counts = np.zeros(n, np.int64)
     counts[:seen] = c.counts[:seen]
-    sizes = np.array(c.sizes, float)
+    sizes = np.frombuffer(c.sizes, dtype=np.int64).astype(float)
     if sample_rate is None:
-        p, source, size_dof, count_dof = sizes.mean() / n, "estimated from the batches", steps - 1, n - 1
+        p, source, estimated = sizes.mean() / n, "estimated from the batches", True
     else:
         if not (0 < sample_rate <= 1):
             raise DPAuditError(f"the sample rate must be in (0, 1], got {sample_rate}")
-        p, source, size_dof, count_dof = float(sample_rate), "given", steps, n
+        p, source, estimated = float(sample_rate), "given", False
     notes = []
     if dataset_size is None:
         notes.append(f"dataset size taken as the largest index seen + 1 = {n} (give --dataset-size if larger)")
-    share = alpha / 4
+    share = alpha / TAILS
     tests = {}
     if not 0 < p < 1:
         raise DPAuditError(f"the sample rate is {p:g}: every step takes {'no' if p <= 0 else 'every'} example")
-    s = float(((sizes - n * p) ** 2).sum() / (n * p * (1 - p)))
-    k = float(((counts - steps * p) ** 2).sum() / (steps * p * (1 - p)))
-    for name, stat, dof in (("batch sizes", s, size_dof), ("inclusions per example", k, count_dof)):
-        tests[name] = {"statistic": stat, "degrees_of_freedom": dof,
-                       "p_too_uniform": float(stats.chi2.cdf(stat, dof)),
-                       "p_too_variable": float(stats.chi2.sf(stat, dof)),
-                       "dispersion": stat / dof}
+    for seed, (name, values, trials, m) in enumerate((("batch sizes", sizes, n, steps),
+                                                      ("inclusions per example", counts, steps, n))):
+        stat = _binomial_dispersion(values, trials, None if estimated else p)
+        low, high, how = _dispersion_p_values(stat, m, trials, p, estimated, seed)
+        tests[name] = {"statistic": stat, "null": how, "p_too_uniform": low, "p_too_variable": high,
+                       "dispersion": stat / m}
+    largest = int(counts.max())
+    tests["most inclusions of one example"] = {
+        "count": largest, "example": int(counts.argmax()), "expected": steps * p,
+        "p_value": _max_p_value(largest, n, steps, p)}
     tests["duplicates within a batch"] = c.duplicates
-    period = _period(c.hashes) if steps >= 4 else None
+    period = _period(bytes(c.hashes)) if steps >= 4 else None
     tests["period of repeating batches"] = period
     sizes_fixed = tests["batch sizes"]["p_too_uniform"] < share
     sizes_wild = tests["batch sizes"]["p_too_variable"] < share
     counts_even = tests["inclusions per example"]["p_too_uniform"] < share
     counts_wild = tests["inclusions per example"]["p_too_variable"] < share
+    oversampled = tests["most inclusions of one example"]["p_value"] < share
     if steps * p * (1 - p) < 0.05:
         notes.append(f"T p (1 - p) = {steps * p * (1 - p):.3g}: too few steps to see an epoch structure in the "
                      "inclusions; audit more steps")
@@ -171,6 +253,10 @@ def analyse_batches(batches, dataset_size: int | None = None, sample_rate: float
         looks = "fixed-size batches drawn without replacement (independent across steps)"
     elif counts_even:
         looks = "balls-in-bins (random allocation: each example in one random step an epoch)"
+    elif oversampled:
+        t = tests["most inclusions of one example"]
+        looks = (f"a sampler that oversamples some examples (example {t['example']} is in {largest} batches, "
+                 f"{steps * p:.3g} expected)")
     elif sizes_wild or counts_wild:
         looks = ("a sampler whose " + " and ".join(w for w, hit in (("batch sizes", sizes_wild),
                                                                    ("inclusions", counts_wild)) if hit)

@@ -1,4 +1,9 @@
-"""Tokenised training examples and the per-example loss both trainers use."""
+"""Tokenised training examples and the per-example loss both trainers use.
+
+Examples are stored right-padded whatever the tokenizer's own ``padding_side``: ``batch`` keeps the first
+columns, so a left-padded store would hand the trainer padding only and mask every target (issue 36: Gemma 3
+and the SentencePiece Llama family pad on the left in transformers 5). ``tokenize`` asks for right padding
+and checks that it got it, and refuses data with no target token at all (nothing would train)."""
 
 from __future__ import annotations
 
@@ -23,10 +28,33 @@ class TokenizedDataset:
         return {"input_ids": self.input_ids[idx, :width], "attention_mask": mask[:, :width]}
 
 
+    def target_tokens(self, indices=None) -> int:
+        """Next-token targets (real tokens after the first) of the examples at ``indices`` (default: all)."""
+        mask = self.attention_mask if indices is None else self.attention_mask[torch.as_tensor(indices, dtype=torch.long)]
+        return int((mask.sum(1) - 1).clamp(min=0).sum())
+
+
 def tokenize(tokenizer, texts: list[str], max_length: int = 64) -> TokenizedDataset:
-    enc = tokenizer(texts, return_tensors="pt", padding="max_length", truncation=True, max_length=max_length,
-                    add_special_tokens=False)
-    return TokenizedDataset(enc["input_ids"], enc["attention_mask"])
+    """``texts`` tokenised, truncated and right-padded to ``max_length`` (the tokenizer's own padding and
+    truncation sides are set for the call and restored)."""
+    from dpaudit.errors import DPAuditError
+
+    sides = getattr(tokenizer, "padding_side", None), getattr(tokenizer, "truncation_side", None)
+    try:
+        tokenizer.padding_side, tokenizer.truncation_side = "right", "right"
+        enc = tokenizer(texts, return_tensors="pt", padding="max_length", truncation=True, max_length=max_length,
+                        add_special_tokens=False)
+    finally:
+        tokenizer.padding_side, tokenizer.truncation_side = sides
+    data = TokenizedDataset(enc["input_ids"], enc["attention_mask"])
+    mask = data.attention_mask
+    if (mask[:, 1:] > mask[:, :-1]).any():  # a real token after padding: not right-padded
+        raise DPAuditError("the tokenizer padded on the left although right padding was asked for; dpaudit would "
+                           "train on padding: use a tokenizer that honours padding_side='right'")
+    if len(data) and data.target_tokens() == 0:
+        raise DPAuditError(f"none of the {len(data)} training examples has a token to predict (each is at most one "
+                           "token long after tokenisation): nothing would train")
+    return data
 
 
 def split(batch: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.Tensor]]:

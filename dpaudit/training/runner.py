@@ -277,6 +277,10 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
             base_model = str(previous.get("base_model", base_model))  # the original, never a checkpoint
         previous_ledger = run_folder.ledger(run_dir)
         released_before = _released_steps(run_dir, previous_ledger, cfg)
+        if previous_ledger is None and (released_before or any(
+                (run_dir / name).exists() for name in (checkpoint.FINAL, checkpoint.TMP, checkpoint.OLD))):
+            raise DPAuditError(f"{run_dir} holds steps of a run but no {run_folder.LEDGER}: refusing to resume a run "
+                               "whose spending is unknown; start a new run folder")
         if (run_dir / "model").is_dir():
             raise DPAuditError(f"the run in {run_dir} is complete; there is nothing to resume")
         if world.is_main:  # the newest verified copy, moved to checkpoint/ (hashed once, here)
@@ -340,6 +344,8 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
     header["steps_discarded_by_resume"] = discarded
     header["overspend_allowed"] = cfg.allow_overspend
     ledger = PrivacyLedger(run_dir / run_folder.LEDGER, header, plan, cfg.steps + discarded)
+    if previous_ledger is not None:
+        _never_below(previous_ledger, ledger, released_before, run_dir)
     if plan.phases and ledger.total_epsilon > cfg.target_epsilon and not cfg.allow_overspend:
         raise DPAuditError(f"resuming on other data composes {len(plan.phases)} phases, which spend eps "
                            f"{ledger.total_epsilon:.4g} > the target {cfg.target_epsilon:g}; pass --allow-overspend to "
@@ -427,12 +433,14 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
     return TrainResult(run_dir=run_dir, model_dir=final, private=plan.private, sigma=sigma,
                        epsilon=ledger.total_epsilon, delta=cfg.delta, sampling_rate=rate, steps=cfg.steps,
                        examples=n, seconds=seconds, seconds_per_step=seconds / max(1, cfg.steps - start),
-                       last_loss=last_loss, accountant=ledger.accountant, relation=ledger.relation)
+                       last_loss=last_loss, accountant=ledger.accountant, relation=ledger.relation,
+                       extra={"divergence": watch.why} if watch.why else {})
 
 
 def _watch_divergence(watch, step: int, loss: float, cfg: TrainConfig, ledger, world) -> None:
-    """Warn once when rank 0's loss diverges; with --stop-on-divergence every rank stops at that step (under
-    torchrun rank 0's verdict is all-reduced, one float a step, so no rank is left waiting in a collective)."""
+    """Warn once when rank 0's loss diverges (the run goes on, and its result says so); only an explicit
+    --stop-on-divergence stops, every rank at that step (under torchrun rank 0's verdict is all-reduced, one
+    float a step, so no rank is left waiting in a collective)."""
     why = watch.update(step, loss) if world.is_main else None
     stop = cfg.stop_on_divergence and (world.sum(1.0 if why else 0.0) if world.size > 1 else why is not None)
     if stop:
@@ -442,8 +450,8 @@ def _watch_divergence(watch, step: int, loss: float, cfg: TrainConfig, ledger, w
     if why:
         import sys
 
-        print(f"warning: {why}; lower --lr (now {cfg.lr:g}), or pass --stop-on-divergence to stop such a run",
-              file=sys.stderr)
+        print(f"warning: {why}. A learning rate too large (now {cfg.lr:g}) does this, and so does a broken DP step "
+              "(clipping skipped, noise too small): training goes on, and the result says so", file=sys.stderr)
 
 
 # What the ledger accounts: a resume that changes any of them would re-account the steps already taken.
@@ -459,6 +467,10 @@ def _resume_phases(plan, header: dict, previous: dict, released: int, run_dir: P
     accounted at the old rate and the rest at the new one, composed in sequence (never re-accounted at the
     new p, which would under-count). The run keeps the ledger's sigma: a calibrated sigma is not calibrated
     again for the new data (that would change the noise of a run already part-spent)."""
+    missing = [k for k in RESUME_IDENTITY if k not in previous] if plan.private else []
+    if missing:
+        raise DPAuditError(f"{run_dir / run_folder.LEDGER} does not say its {', '.join(missing)}: refusing to resume a "
+                           "run whose spending is unknown; start a new run folder")
     data_changed = [k for k in DATA_KEYS if k in previous and previous[k] != header[k]]
     if data_changed and plan.private and plan.calibrated and isinstance(previous.get("sigma"), (int, float)):
         plan = replace(plan, mechanism=plan.mechanism.with_sigma(float(previous["sigma"])))
@@ -482,6 +494,18 @@ def _resume_phases(plan, header: dict, previous: dict, released: int, run_dir: P
         raise DPAuditError(f"{run_dir / run_folder.LEDGER} lists phases it does not describe; refusing to resume "
                            "a run whose spending is unknown") from None
     return plan.in_phases(steps), {**header, "phases": phases}
+
+
+def _never_below(previous: dict, ledger, released: int, run_dir: Path) -> None:
+    """A resume never lowers what the old ledger already recorded as spent: the new ledger's eps at the steps
+    released must be at least the old one's (else the ledger, or the data, is not what the run spent on)."""
+    before = previous.get("epsilon_spent")
+    if isinstance(before, (int, float)) and not isinstance(before, bool) and math.isfinite(before) and released:
+        now = ledger.spent(released)
+        if now < before * (1 - 1e-9):
+            raise DPAuditError(f"resuming {run_dir} would account its {released} released steps at eps {now:.4g}, "
+                               f"below the {before:.4g} its ledger already recorded: the ledger does not describe the "
+                               "run; refusing to resume a run whose spending is unknown (start a new run folder)")
 
 
 def _released_steps(run_dir: Path, ledger: dict | None, cfg: TrainConfig) -> int:

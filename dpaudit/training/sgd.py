@@ -137,6 +137,66 @@ class _NoisyShards:
         self.original_optimizer.step()
 
 
+def embedding_scale(module) -> float | None:
+    """The constant c of a scaled embedding (Gemma's ``Gemma3TextScaledWordEmbedding``: E[ids] x c, c held in
+    an ``embed_scale`` buffer, typically sqrt(width)); 1 for a plain nn.Embedding; None for anything else.
+    A subclass counts as scaled only when its one buffer is a scalar ``embed_scale`` and its forward is
+    E[ids] x c on a probe input, so a subclass that does something else is never taken for one."""
+    if type(module) is torch.nn.Embedding:
+        return 1.0
+    if not isinstance(module, torch.nn.Embedding):
+        return None
+    buffers = dict(module.named_buffers(recurse=False))
+    scale = buffers.get("embed_scale")
+    if set(buffers) != {"embed_scale"} or scale is None or scale.numel() != 1:
+        return None
+    c = float(scale)
+    ids = torch.arange(min(4, module.num_embeddings), device=module.weight.device).unsqueeze(0)
+    with torch.no_grad():
+        same = torch.allclose(module(ids), torch.nn.functional.embedding(ids, module.weight) * c, rtol=1e-3, atol=1e-6)
+    return c if same else None
+
+
+def supported_for_dp_sgd(model) -> None:
+    """Refuse, in one line and before any step, a trainable layer whose per-example gradients dpaudit cannot
+    take: one with buffers (state Opacus does not privatise, e.g. batch norm's running statistics), other than
+    the constant scale of a scaled embedding, whose per-example gradient is c x the embedding's (registered
+    with Opacus here: issue 36, Gemma 3 failed with exit 3 after minutes of canary work)."""
+    from opacus.grad_sample.utils import register_grad_sampler, register_norm_sampler
+
+    from dpaudit.errors import DPAuditError
+
+    for name, m in model.named_modules():
+        if not any(p.requires_grad for p in m.parameters(recurse=False)) or not list(m.buffers(recurse=False)):
+            continue
+        c = embedding_scale(m)
+        if c is None:
+            raise DPAuditError(f"DP-SGD cannot take per-example gradients of the layer {name} ({type(m).__name__}): "
+                               "it holds buffers that per-example clipping does not privatise; train adapters "
+                               "(--trainable lora) or use --method dp-zo")
+        kind = type(m)
+        if kind not in _SCALED:
+            _SCALED.add(kind)
+            register_grad_sampler(kind)(_scaled_embedding_grad_sample)
+            register_norm_sampler(kind)(_scaled_embedding_norm_sample)
+
+
+_SCALED: set[type] = set()
+
+
+def _scaled_embedding_grad_sample(layer, activations, backprops):
+    """Opacus' embedding rule on c x the output gradients (d(E[ids] c)/dE = c per use)."""
+    from opacus.grad_sample.embedding import compute_embedding_grad_sample
+
+    return compute_embedding_grad_sample(layer, activations, backprops * float(layer.embed_scale))
+
+
+def _scaled_embedding_norm_sample(layer, activations, backprops):
+    from opacus.grad_sample.embedding import compute_embedding_norm_sample
+
+    return compute_embedding_norm_sample(layer, activations, backprops * float(layer.embed_scale))
+
+
 def _mask_padding(module, ids: torch.Tensor, output_grads: torch.Tensor) -> torch.Tensor:
     """An embedding's output gradients with the positions of its padding index zeroed: torch gives that
     row no gradient, but Opacus' embedding samplers would count it (in the norm, and in the sum)."""
@@ -155,8 +215,8 @@ def _layer_gradient(module, inputs: torch.Tensor, output_grads: torch.Tensor):
     """(kind, a, b) for a layer whose per-example weight gradient is sum_t b_t a_t^T: a linear layer's
     inputs (n, T, in) and output gradients (n, T, out), or an embedding's token ids (n, T) and output
     gradients (n, T, dim), with rows of its padding index zeroed (torch gives that row no gradient)."""
-    if isinstance(module, torch.nn.Embedding):
-        return "embedding", inputs, _mask_padding(module, inputs, output_grads)
+    if isinstance(module, torch.nn.Embedding):  # a scaled embedding's gradient is c x its output gradients
+        return "embedding", inputs, _mask_padding(module, inputs, output_grads) * (embedding_scale(module) or 1.0)
     if inputs.dim() == 2:  # no sequence axis
         inputs, output_grads = inputs.unsqueeze(1), output_grads.unsqueeze(1)
     return "linear", inputs.to(output_grads.dtype), output_grads
@@ -172,7 +232,7 @@ def _materialising_module(model):
                 forward_output = _without_padding_rows(module, forward_output)
             return super().capture_backprops_hook(module, forward_input, forward_output, *args, **kwargs)
 
-    return Materialising(model)
+    return Materialising(model, strict=False)  # buffers checked by supported_for_dp_sgd
 
 
 def gradient_inner_product(u, v) -> torch.Tensor:
@@ -230,14 +290,15 @@ def _ghost_module(model, clip: float):
     tied = {id(m) for m in hooked if any(users[name_of[(id(m), a)]] > 1 for a, p in m.named_parameters(recurse=False)
                                          if p.requires_grad)}
     exact = {id(m) for m in hooked if id(m) in tied and (
-        type(m) is torch.nn.Linear or (type(m) is torch.nn.Embedding and m.max_norm is None
+        type(m) is torch.nn.Linear or (embedding_scale(m) is not None and m.max_norm is None
                                        and not m.scale_grad_by_freq and not m.sparse))}
     if tied - exact:
         exact = set()  # a tied weight in another kind of layer: Opacus' per-example route for every tied use
 
     class GhostClipping(GradSampleModuleFastGradientClipping):
         def __init__(self) -> None:
-            super().__init__(model, max_grad_norm=clip, loss_reduction="sum", use_ghost_clipping=True)
+            # strict=False: buffers were checked by supported_for_dp_sgd (a scaled embedding's constant only)
+            super().__init__(model, max_grad_norm=clip, loss_reduction="sum", use_ghost_clipping=True, strict=False)
             device = next(model.parameters()).device
             self.probe = torch.zeros((), device=device, requires_grad=True)
             self.all_probed = True
@@ -362,6 +423,7 @@ class FirstOrderTrainer:
             skip_clipping = bool(bug and bug.skip_clipping)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # Opacus warns about secure_mode; the noise is ours
+                supported_for_dp_sgd(model)
                 if self.ghost:  # "no-clip": a clip factor of 1 for every example
                     self.model = _ghost_module(model, float("inf") if skip_clipping else clip)
                 else:
