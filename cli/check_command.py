@@ -65,7 +65,7 @@ def check(
                       f"sampling (eps <= {fmt(claim['epsilon'])}), but it runs {cfg.sampling} sampling, which spends "
                       f"eps <= {fmt(report['epsilon'])} ({report['neighboring']} neighbours): {how}", highlight=False)
         raise typer.Exit(1)
-    noise_words = (f"sigma = {fmt(report['sigma'])}" if len(report["phases"]) == 1 else
+    noise_words = (f"sigma = {fmt(report['phases'][0]['sigma'])}" if len(report["phases"]) == 1 else
                    f"{len(report['phases'])} phases (sigma {', '.join(fmt(x['sigma']) for x in report['phases'])})")
     if passed:
         how = "calibrated" if cfg.sigma is None else "configured"

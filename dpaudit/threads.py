@@ -113,13 +113,17 @@ def adapt() -> int | None:
     return _GOVERNOR.adapt() if _GOVERNOR is not None else None
 
 
+MAX_THREADS_PER_CORE = 4
+
+
 def set_threads(threads: int | None) -> int:
     """Apply ``threads`` (None: the default above, re-picked by ``adapt()`` as the load changes) to torch;
     returns the number used."""
     global _GOVERNOR
     n = default_threads() if threads is None else threads
-    if n < 1:
-        raise DPAuditError(f"--threads must be >= 1, got {n}")
+    most = MAX_THREADS_PER_CORE * (os.cpu_count() or 1)
+    if n < 1 or n > most:  # each thread reserves a stack: 100,000 of them ran out of memory (issue 36)
+        raise DPAuditError(f"--threads must be between 1 and {most} ({MAX_THREADS_PER_CORE} a core), got {n}")
     import torch
 
     torch.set_num_threads(n)

@@ -96,3 +96,18 @@ def test_mixed_histories_are_as_tight_as_converged_dp_accounting_and_split_ones_
     split.step(noise_multiplier=1.0, sample_rate=0.01)
     assert split.history[-1] == (1.0, 0.01, 1301)
     assert math.isfinite(acc.get_epsilon(1e-16))  # below what pld resolves: rdp, as for one phase
+
+
+def test_a_per_step_noise_schedule_past_max_phases_is_composed_not_refused():
+    """Issue 36: histories of more than 1000 distinct phases were refused. Rounded safe side (sigma down, p up)."""
+    from dpaudit.training.opacus_accountant import DpauditAccountant
+
+    schedule = DpauditAccountant()
+    for i in range(1200):
+        schedule.step(noise_multiplier=1.0 + i * 1e-4, sample_rate=0.01)
+    eps = schedule.get_epsilon(1e-5)
+    lowest, highest = DpauditAccountant(), DpauditAccountant()
+    for _ in range(1200):
+        lowest.step(noise_multiplier=1.0, sample_rate=0.01)
+        highest.step(noise_multiplier=1.12, sample_rate=0.01)
+    assert highest.get_epsilon(1e-5) <= eps <= lowest.get_epsilon(1e-5)

@@ -246,3 +246,68 @@ def test_a_claim_in_the_parent_folder_never_overrides_the_probe_folder_s_own(tmp
     (tmp_path / "parent" / "privacy_ledger.json").write_text(json.dumps({"epsilon_total": 1000}))
     out = dpaudit("audit", "transcript", "--run", tmp_path / "parent" / "probe", "--json")
     assert out.returncode == 1 and json.loads(out.stdout)["claimed_epsilon"] == 1.0, out.stdout
+
+
+def _gradient_probe(out, steps=100, noise=0.3, m=200):
+    model = torch.nn.Linear(40, 10)
+    probe = WhiteBoxProbe(list(model.parameters()), m=m, clip=1.0, sample_rate=0.5, out=out, secret_seed=SEED)
+    g = torch.Generator().manual_seed(2)
+    for t in range(steps):
+        probe.observe(t, [c + noise * torch.randn(c.shape, generator=g) for c in probe.canary_gradients(t)])
+    probe.close()
+    return probe, model
+
+
+def test_probe_arguments_are_checked_in_one_line(tmp_path):
+    """Issue 36: gain nan/inf put NaN in the user's sum, gain 0 raised ZeroDivisionError, m='8' a TypeError."""
+    params = list(torch.nn.Linear(30, 2).parameters())
+    for bad in ({"gain": float("nan")}, {"gain": float("inf")}, {"gain": 0.0}, {"m": "8"}, {"m": 1},
+                {"clip": float("nan")}, {"sample_rate": 0.0}):
+        kwargs = {"m": 8, "clip": 1.0, "sample_rate": 0.5, **bad}
+        with pytest.raises(DPAuditError):
+            WhiteBoxProbe(params, out=tmp_path / f"p{len(str(bad))}", **kwargs)
+
+
+def test_a_release_without_its_canaries_or_of_the_wrong_shape_is_refused(tmp_path):
+    model = torch.nn.Linear(30, 2)
+    probe = WhiteBoxProbe(list(model.parameters()), m=8, clip=1.0, sample_rate=0.5, out=tmp_path / "p")
+    with pytest.raises(DPAuditError, match=r"before the canaries of step 0 were drawn"):
+        probe.observe(0, [torch.zeros(2, 30), torch.zeros(2)])
+    probe.canary_gradients(0)
+    with pytest.raises(DPAuditError, match="tensor 0 of 6 values"):
+        probe.observe(0, [torch.zeros(2, 3), torch.zeros(2)])
+    probe.observe(0, [torch.zeros(2, 30), torch.zeros(2)])
+
+
+def test_resume_and_probe_json_are_checked_against_what_the_probe_wrote(tmp_path):
+    import json
+
+    probe, model = _gradient_probe(tmp_path / "p", steps=5, m=8)
+    with pytest.raises(DPAuditError, match="same clip norm and sample rate"):
+        WhiteBoxProbe(list(model.parameters()), m=8, clip=2.0, sample_rate=0.5, out=tmp_path / "p", resume=True)
+    other = torch.nn.Linear(10, 40)  # as many values, other shapes
+    with pytest.raises(DPAuditError, match="other shapes"):
+        WhiteBoxProbe(list(other.parameters()), m=8, clip=1.0, sample_rate=0.5, out=tmp_path / "p", resume=True)
+    spec = json.loads((tmp_path / "p" / "probe.json").read_text())
+    (tmp_path / "p" / "probe.json").write_text(json.dumps({**spec, "clip": -1}))
+    out = dpaudit("audit", "transcript", "--run", tmp_path / "p", "--claimed-eps", "1", "--delta", "1e-5")
+    assert out.returncode == 2 and "refusing to audit it" in out.stderr
+
+
+def test_an_empty_transcript_is_one_line(tmp_path):
+    model = torch.nn.Linear(30, 2)
+    WhiteBoxProbe(list(model.parameters()), m=8, clip=1.0, sample_rate=0.5, out=tmp_path / "p").close()
+    out = dpaudit("audit", "transcript", "--run", tmp_path / "p", "--claimed-eps", "1", "--delta", "1e-5")
+    assert out.returncode == 2 and "no released steps" in out.stderr
+
+
+def test_a_few_outlying_releases_do_not_hide_a_violation(tmp_path):
+    """Issue 36: one step's release set to 50 at 3 of 200 coordinates flipped a VIOLATION of 43 to consistent."""
+    _gradient_probe(tmp_path / "p")
+    clean = dpaudit("audit", "transcript", "--run", tmp_path / "p", "--claimed-eps", "1", "--delta", "1e-5", "--json")
+    assert clean.returncode == 1
+    raw = np.fromfile(tmp_path / "p" / "whitebox_transcript.f32", dtype="<f4").reshape(-1, 200)
+    raw[7, :3] = 50.0
+    raw.astype("<f4").tofile(tmp_path / "p" / "whitebox_transcript.f32")
+    tampered = dpaudit("audit", "transcript", "--run", tmp_path / "p", "--claimed-eps", "1", "--delta", "1e-5")
+    assert tampered.returncode == 1, tampered.stdout

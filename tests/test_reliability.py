@@ -429,6 +429,30 @@ def test_membership_files_are_private_and_others_follow_the_umask(tmp_path, tiny
     assert {stat.S_IMODE(f.stat().st_mode) for f in folder.iterdir()} == {0o644}
 
 
+def test_a_report_s_scores_csv_is_private_like_the_manifest(tmp_path):
+    """Issue 36: report/scores.csv holds the membership labels and was 0644 beside the 0600 manifest."""
+    from dpaudit.audit.analysis import analyse
+    from dpaudit.audit.report import write_report
+
+    scores, members = np.arange(40.0), np.arange(40) % 2 == 0
+    old = os.umask(0o022)
+    try:
+        files = write_report(tmp_path / "report", analyse(scores, members, delta=1e-5), scores, members, {})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(files["scores"].stat().st_mode) == 0o600
+    assert stat.S_IMODE(files["json"].stat().st_mode) == 0o644
+
+
+def test_a_config_s_single_phase_is_reported_with_its_own_sigma(tmp_path):
+    """Issue 36: top-level sigma 10 with one phase at sigma 0.5 printed "sigma = 10 spends eps <= 13.36"."""
+    config = tmp_path / "c.yaml"
+    config.write_text("mechanism: gaussian\nnoise_multiplier: 10\ndelta: 1.0e-5\ntarget_epsilon: 1\n"
+                      "phases:\n  - {noise_multiplier: 0.5, sampling_rate: 0.01, steps: 1000}\n")
+    out = dpaudit("check", config)
+    assert out.returncode == 1 and "sigma = 0.5 spends" in out.stdout and "sigma = 10 " not in out.stdout
+
+
 def test_white_box_membership_is_not_a_batch_stream():
     from dpaudit.training.whitebox import WhiteBoxCanaries
 

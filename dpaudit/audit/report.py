@@ -113,5 +113,6 @@ def write_report(folder: Path, result: AuditResult, scores, members, context: di
         "json": atomic_write_json(folder / "report.json", payload),
         "markdown": atomic_write_text(folder / "report.md", markdown(result, context)),
         "roc": roc_plot(result.roc.fpr, result.roc.tpr, result.roc.auc, folder / "roc.png", score=result.score.name),
-        "scores": atomic_write_text(folder / "scores.csv", scores_csv(np.asarray(scores), np.asarray(members))),
+        "scores": atomic_write_text(folder / "scores.csv", scores_csv(np.asarray(scores), np.asarray(members)),
+                                    private=True),  # it holds the membership labels, as the manifest does (0600)
     }

@@ -112,6 +112,15 @@ class _Collector:
         self.hashes = bytearray()   # HASH bytes a step, one buffer (a list of bytes objects costs ~50 more)
         self.seen = 0  # largest index + 1
 
+    def _fits(self, examples: int) -> None:
+        """The memory what is held will need (8 bytes a step's size, HASH its hash, twice 8 an example's count
+        while its array grows, and the analysis's copies of both), against --max-memory."""
+        from dpaudit.accounting import budget
+
+        steps = len(self.sizes) + 4096
+        budget.current().require(steps * (8 + self.HASH + 2 * 8 + 8 * self.HASH) + examples * 8 * 4,
+                                 "the sampler audit", "audit a window of the run (fewer batches)")
+
     def add(self, batch) -> None:
         idx = np.asarray(batch, dtype=np.int64).reshape(-1)
         if idx.size and (idx.min() < 0 or idx.max() >= MAX_EXAMPLES):
@@ -122,8 +131,12 @@ class _Collector:
         self.duplicates += idx.size - unique.size
         if unique.size:
             self.seen = max(self.seen, int(unique[-1]) + 1)
+        if len(self.sizes) % 4096 == 0:
+            self._fits(self.counts.size)
         if unique.size and unique[-1] >= self.counts.size:
-            grown = np.zeros(max(int(unique[-1]) + 1, 2 * self.counts.size), np.int64)
+            size = max(int(unique[-1]) + 1, 2 * self.counts.size)
+            self._fits(size)
+            grown = np.zeros(size, np.int64)
             grown[:self.counts.size] = self.counts
             self.counts = grown
         self.counts[unique] += 1

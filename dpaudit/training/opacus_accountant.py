@@ -21,6 +21,8 @@ the ladder found is not the one needed, so a new ladder runs there).
 
 from __future__ import annotations
 
+import math
+
 from opacus.accountants.accountant import IAccountant
 from opacus.accountants.registry import register_accountant
 
@@ -49,7 +51,7 @@ class DpauditAccountant(IAccountant):
     def get_epsilon(self, delta: float, **kwargs) -> float:
         if not self.history:
             return 0.0
-        event = compose_phases([Mechanism("gaussian", float(s), float(p), int(t)) for s, p, t in self.history])
+        event = compose_phases(_at_most_max_phases(self.history))
         if not isinstance(event, Mechanism) or delta < pld.MIN_DELTA:
             return account(event, delta, "pld").epsilon
         laddered = self._resolution.setdefault((event.sampling_rate, event.steps, delta), {})
@@ -69,6 +71,30 @@ class DpauditAccountant(IAccountant):
     @classmethod
     def mechanism(cls) -> str:
         return MECHANISM
+
+
+def _at_most_max_phases(history) -> list[Mechanism]:
+    """The history as phases, at most MAX_PHASES distinct ones: a per-step noise schedule (issue 36: refused past
+    1000) has each step's sigma rounded down and p rounded up to a geometric grid, coarser until the distinct
+    pairs fit. Rounding that way only adds privacy loss (a smaller sigma is the larger one's output plus
+    noise removed; a larger Poisson rate q' subsampled again at q / q' is the rate q), so eps stays an upper
+    bound; with at most MAX_PHASES distinct pairs nothing is rounded."""
+    from collections import Counter
+
+    from dpaudit.accounting.mechanism import MAX_PHASES
+
+    merged: Counter = Counter()
+    for s, p, t in history:
+        merged[(float(s), float(p))] += int(t)
+    ratio = 1.001
+    while len(merged) > MAX_PHASES:
+        down = lambda x: ratio ** math.floor(math.log(x, ratio))  # noqa: E731
+        up = lambda x: min(1.0, ratio ** math.ceil(math.log(x, ratio)))  # noqa: E731
+        coarse: Counter = Counter()
+        for (s, p), t in merged.items():
+            coarse[(min(s, down(s)), max(p, up(p)))] += t
+        merged, ratio = coarse, ratio ** 2
+    return [Mechanism("gaussian", s, p, t) for (s, p), t in merged.items()]
 
 
 register_accountant(MECHANISM, DpauditAccountant, force=True)  # idempotent: importing twice re-registers

@@ -54,10 +54,12 @@ class WhiteBoxProbe:
                  secret_seed: int | None = None, _source: str = "plain PyTorch loop"):
         if kind not in KINDS:
             raise DPAuditError(f"unknown probe kind {kind!r}; use gradient or scalar")
-        if not (clip > 0 and math.isfinite(clip)):
-            raise DPAuditError(f"the probe needs the clip norm C > 0, got {clip}")
-        if not (0 < sample_rate <= 1):
-            raise DPAuditError(f"the sample rate must be in (0, 1], got {sample_rate}")
+        _check_number("clip norm C", clip, above=0)
+        _check_number("sample rate", sample_rate, above=0, at_most=1)
+        _check_number("gain", gain, above=0)
+        if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 2:
+            raise DPAuditError(f"m (the number of canaries) must be an integer >= 2, got {m!r}")
+        m = int(m)
         self.kind, self.clip, self.rate, self.out = kind, float(clip), float(sample_rate), Path(out)
         self.params = [p for p in (params or []) if p.requires_grad]
         if kind == "gradient" and not self.params:
@@ -79,6 +81,7 @@ class WhiteBoxProbe:
             self._start(m, gain, seed)
         self._fh = open(self.out / TRANSCRIPT, "ab")
         self._sampled = np.zeros(0, int)
+        self._begun: int | None = None  # the step whose canaries were last drawn
 
     @classmethod
     def for_run(cls, params, canaries: WhiteBoxCanaries, *, clip: float, sample_rate: float, out, start_step: int,
@@ -92,7 +95,7 @@ class WhiteBoxProbe:
         probe.kind, probe.clip, probe.rate, probe.out = "gradient", float(clip), float(sample_rate), Path(out)
         probe.params, probe.canaries, probe.secret_seed = list(params), canaries, None
         probe.run_id, probe.source, probe.bypass, probe.unprotected = canaries.run_id, "dpaudit train", None, []
-        probe._sampler, probe._sampled, probe.step = None, np.zeros(0, int), start_step
+        probe._sampler, probe._sampled, probe.step, probe._begun = None, np.zeros(0, int), start_step, None
         probe.where = probe._locate(canaries.coordinates)
         probe._fh = None
         if write:
@@ -112,8 +115,9 @@ class WhiteBoxProbe:
         from dpaudit.lock import MARKER, mark
 
         if self.out.exists() and any(p.name != MARKER for p in self.out.iterdir()):
-            raise DPAuditError(f"{self.out} is not empty; give the probe a new folder (or resume=True to continue "
-                               "the probe written there)")
+            raise DPAuditError(f"{self.out} is not empty; give the probe a new folder, resume=True to continue the "
+                               "probe written there, or delete the folder to start over (a probe left by a crashed "
+                               "script is resumed with resume=True, or removed)")
         self.out.mkdir(parents=True, exist_ok=True)
         mark(self.out)
         membership = self.secret_seed if self.secret_seed is not None else int.from_bytes(os.urandom(8), "little")
@@ -134,6 +138,12 @@ class WhiteBoxProbe:
         if self.canaries.run_id != spec["run_id"]:
             raise DPAuditError(f"{self.out}: its canary manifest belongs to another probe run")
         self.run_id = spec["run_id"]
+        if spec.get("clip") != self.clip or spec.get("sample_rate") != self.rate:
+            raise DPAuditError(f"{self.out} was probing clip {spec.get('clip')} at sample rate {spec.get('sample_rate')}; "
+                               "resume it with the same clip norm and sample rate")
+        shapes = spec.get("parameter_shapes")
+        if self.kind == "gradient" and shapes is not None and shapes != _shapes(self.params):
+            raise DPAuditError(f"{self.out} was probing parameters of other shapes; resume it with the same model")
         if self.kind == "gradient":
             if max(self.canaries.coordinates) >= sum(p.numel() for p in self.params):
                 raise DPAuditError(f"{self.out} was probing other parameters; resume it with the same model")
@@ -172,6 +182,7 @@ class WhiteBoxProbe:
                 "clip": self.clip, "sample_rate": self.rate, "gain": self.canaries.gain, "source": self.source,
                 "canaries_bypass": self.bypass, "transcript": TRANSCRIPT, "floats_per_step": self.width,
                 "unprotected_parameters": self.unprotected,
+                **({"parameter_shapes": _shapes(self.params)} if self.kind == "gradient" else {}),
                 "membership": "from secret_seed (reproducible: tests and benchmarks only)"
                 if self.secret_seed is not None else "OS entropy", **extra}
         old = read_spec(self.out) if (self.out / PROBE).exists() else {}
@@ -195,6 +206,7 @@ class WhiteBoxProbe:
             members = self.canaries.member_ids
             sampled = members[self._sampler.random(members.size) < self.rate]
         self._sampled = np.asarray(sampled, int)
+        self._begun = step
         return self._sampled
 
     def add_to_summed_grad(self, params, max_grad_norm: float) -> None:
@@ -268,11 +280,20 @@ class WhiteBoxProbe:
         released = [r.detach() for r in released]
         if len(released) != len(self.params):
             raise DPAuditError(f"observe() got {len(released)} tensors for {len(self.params)} parameters")
+        wrong = [k for k, (r, p) in enumerate(zip(released, self.params)) if r.numel() != p.numel()]
+        if wrong:
+            raise DPAuditError(f"observe() got tensor {wrong[0]} of {released[wrong[0]].numel()} values for a "
+                               f"parameter of {self.params[wrong[0]].numel()}: give the released gradient sums, one "
+                               "tensor per parameter, in the parameters' order")
         self.observe_slices(step, [(r, 0, r.numel()) for r in released], scale)
 
     def _record(self, step: int, row: np.ndarray) -> None:
         if step != self.step:
             raise DPAuditError(f"the probe expected the release of step {self.step}, got step {step}")
+        if self._begun != step:  # a release without its canaries would make the audit vacuous
+            raise DPAuditError(f"observe({step}) came before the canaries of step {step} were drawn: call "
+                               f"canary_gradients({step}) (canary_sum, canary_examples) and add them before the "
+                               "noise, then observe the release")
         if self._fh is not None:
             self._fh.write(row.astype("<f4").tobytes())
             self._fh.flush()
@@ -469,11 +490,31 @@ def _hooked_sample_rate(optimizer) -> float | None:
 
 
 def read_spec(folder: Path) -> dict:
-    """A probe folder's probe.json, checked."""
+    """A probe folder's probe.json, checked: a clip, sample rate, gain or m no probe writes is refused (a clip of
+    -1 turned a VIOLATION into "consistent", issue 36)."""
     from dpaudit.safe_json import load_json_file
 
     spec = load_json_file(Path(folder) / PROBE, "probe description", max_bytes=1 << 20)
     if not isinstance(spec, dict) or spec.get("format") != "dpaudit-probe/1" or spec.get("kind") not in KINDS:
         raise DPAuditError(f"{folder} holds no dpaudit probe (probe.json)")
+    try:
+        _check_number("clip norm C", spec.get("clip"), above=0)
+        _check_number("sample rate", spec.get("sample_rate"), above=0, at_most=1)
+        _check_number("gain", spec.get("gain"), above=0)
+        if type(spec.get("m")) is not int or spec["m"] < 2:
+            raise DPAuditError("m is not an integer >= 2")
+    except DPAuditError as exc:
+        raise DPAuditError(f"{Path(folder) / PROBE} is not as a probe writes it ({exc}); refusing to audit it") from None
     return spec
+
+
+def _check_number(what: str, x, *, above: float, at_most: float = math.inf) -> None:
+    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)) or not math.isfinite(x) \
+            or not (above < x <= at_most):
+        bounds = f"in ({above:g}, {at_most:g}]" if math.isfinite(at_most) else f"a finite number > {above:g}"
+        raise DPAuditError(f"the {what} must be {bounds}, got {x!r}")
+
+
+def _shapes(params) -> list[list[int]]:
+    return [list(p.shape) for p in params]
 

@@ -349,7 +349,7 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
     if plan.phases and ledger.total_epsilon > cfg.target_epsilon and not cfg.allow_overspend:
         raise DPAuditError(f"resuming on other data composes {len(plan.phases)} phases, which spend eps "
                            f"{ledger.total_epsilon:.4g} > the target {cfg.target_epsilon:g}; pass --allow-overspend to "
-                           "accept (it is recorded in the ledger), or fewer steps (-T)")
+                           "accept (it is recorded in the ledger)")
     if discarded and ledger.total_epsilon > max(ledger.planned_epsilon, cfg.target_epsilon) and not cfg.allow_overspend:
         raise DPAuditError(f"resuming would spend eps {ledger.total_epsilon:.4g} > the planned "
                            f"{ledger.planned_epsilon:.4g}: {discarded} steps ran after the last checkpoint and count "
