@@ -21,9 +21,8 @@ TEXTS = [f"Alice number {i} lives in Paris and likes bread." for i in range(30)]
 
 # --- the ledger: a resume keeps what it accounts ---------------------------------------------------------
 
-def test_resume_on_other_data_composes_a_new_phase_and_refuses_other_noise(tiny_model_dir, tmp_path, monkeypatch):
-    import dpaudit
-    from dpaudit import run_folder
+def _killed_run(tiny_model_dir, run, monkeypatch):
+    """A DP-ZO run on TEXTS (p = 8/30) killed at its fifth step, with a checkpoint at step 4."""
     from dpaudit.training import zo
     from dpaudit.training.runner import TrainConfig, train
 
@@ -37,11 +36,20 @@ def test_resume_on_other_data_composes_a_new_phase_and_refuses_other_noise(tiny_
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    run = tmp_path / "run"
     with monkeypatch.context() as m:
         m.setattr(zo, "zo_step", dies_at_step_5)
         with pytest.raises(Exception, match="interrupted at step 4; the ledger counts 5 steps"):
             train(tiny_model_dir, TEXTS, run, cfg, show_progress=False)
+    return cfg
+
+
+def test_resume_on_other_data_composes_a_new_phase_and_refuses_other_noise(tiny_model_dir, tmp_path, monkeypatch):
+    import dpaudit
+    from dpaudit import run_folder
+    from dpaudit.training.runner import train
+
+    run = tmp_path / "run"
+    cfg = _killed_run(tiny_model_dir, run, monkeypatch)
     before = json.loads((run / "privacy_ledger.json").read_text())
     with pytest.raises(DPAuditError, match="another configuration .*sigma"):
         train(tiny_model_dir, TEXTS, run, replace(cfg, sigma=2.0), resume=True, show_progress=False)
@@ -74,34 +82,12 @@ def test_a_ledger_that_does_not_say_what_ran_refuses_the_resume(tiny_model_dir, 
               resume=True, show_progress=False)
 
 
-def _killed_run(tiny_model_dir, run, monkeypatch):
-    """A DP-ZO run on TEXTS (p = 8/30) killed at its fifth step, with a checkpoint at step 4."""
-    from dpaudit.training import zo
-    from dpaudit.training.runner import TrainConfig, train
-
-    cfg = TrainConfig(method="dp-zo", sigma=1.0, steps=6, batch_size=8, lr=1e-3, save_every=2, secret_seed=1,
-                      allow_overspend=True)
-    real, calls = zo.zo_step, []
-
-    def dies_at_step_5(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 5:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    with monkeypatch.context() as m:
-        m.setattr(zo, "zo_step", dies_at_step_5)
-        with pytest.raises(Exception, match="interrupted"):
-            train(tiny_model_dir, TEXTS, run, cfg, show_progress=False)
-    return cfg
-
-
 @pytest.mark.parametrize("tamper", ["deleted", "stripped", "phases-dropped"])
 def test_a_resume_on_other_data_never_lowers_eps_when_the_ledger_is_gone_or_stripped(tiny_model_dir, tmp_path,
                                                                                     monkeypatch, tamper):
     """Issue 36: with the ledger deleted the resumed ledger read 13.53 (>= 19.91 composed); with sampling_rate,
     examples and data_sha256 removed, 13.93, below the 16.45 already recorded. Refused, never under-counted."""
-    from dpaudit.training.runner import train
+    from dpaudit.training.runner import _fingerprint, train
 
     run = tmp_path / "run"
     cfg = _killed_run(tiny_model_dir, run, monkeypatch)
@@ -114,8 +100,8 @@ def test_a_resume_on_other_data_never_lowers_eps_when_the_ledger_is_gone_or_stri
         ledger_file.write_text(json.dumps({k: v for k, v in ledger.items()
                                            if k not in ("sampling_rate", "examples", "data_sha256")}))
     else:  # a ledger that claims the larger data all along, with the spending it already recorded
-        first = train.__globals__["_fingerprint"](bigger)
-        ledger_file.write_text(json.dumps({**ledger, "sampling_rate": 8 / 74, "examples": 74, "data_sha256": first,
+        ledger_file.write_text(json.dumps({**ledger, "sampling_rate": 8 / 74, "examples": 74,
+                                           "data_sha256": _fingerprint(bigger),
                                            "epsilon_spent": ledger["epsilon_spent"]}))
     with pytest.raises(DPAuditError, match="spending is unknown"):
         train(tiny_model_dir, bigger, run, cfg, resume=True, show_progress=False)

@@ -211,3 +211,12 @@ def test_check_gates_each_phase_and_the_log_s_step_count(tmp_path):
     report = json.loads(longer.stdout)
     assert longer.returncode == 1 and report["sampler"]["steps_logged"] == 2000 and not report["passed"]
     assert "more than the 20 steps" in report["sampler"]["verdict"]
+
+
+def test_the_sampler_audit_stays_within_max_memory(tmp_path):
+    """Issue 36: --max-memory 300M was not enforced (1.7 GB RSS for a 3-line log naming index 99,999,999)."""
+    log = tmp_path / "huge.log"
+    log.write_text("1 2 3\n99999999\n4 5\n")
+    out = dpaudit("audit", "sampler", "--log", log, "--max-memory", "300M")
+    assert_one_line_error(out)
+    assert "memory budget" in out.stderr

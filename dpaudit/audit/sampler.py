@@ -119,7 +119,8 @@ class _Collector:
 
         steps = len(self.sizes) + 4096
         budget.current().require(steps * (8 + self.HASH + 2 * 8 + 8 * self.HASH) + examples * 8 * 4,
-                                 "the sampler audit", "audit a window of the run (fewer batches)")
+                                 "the sampler audit", "audit a window of the run (fewer batches); every example "
+                                 "index up to the largest costs 8 bytes")
 
     def add(self, batch) -> None:
         idx = np.asarray(batch, dtype=np.int64).reshape(-1)
@@ -266,11 +267,11 @@ def analyse_batches(batches, dataset_size: int | None = None, sample_rate: float
         looks = "fixed-size batches drawn without replacement (independent across steps)"
     elif counts_even:
         looks = "balls-in-bins (random allocation: each example in one random step an epoch)"
-    elif oversampled:
+    elif oversampled and not sizes_wild:  # batch sizes as Poisson's, but one example far too often
         t = tests["most inclusions of one example"]
         looks = (f"a sampler that oversamples some examples (example {t['example']} is in {largest} batches, "
                  f"{steps * p:.3g} expected)")
-    elif sizes_wild or counts_wild:
+    elif sizes_wild or counts_wild or oversampled:
         looks = ("a sampler whose " + " and ".join(w for w, hit in (("batch sizes", sizes_wild),
                                                                    ("inclusions", counts_wild)) if hit)
                  + " vary more than Poisson sampling's")
