@@ -169,3 +169,17 @@ def test_a_trainable_layer_with_state_is_refused_in_one_line():
 
     with pytest.raises(DPAuditError, match=r"layer 1 \(BatchNorm1d\).*--trainable lora"):
         supported_for_dp_sgd(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)))
+
+
+def test_an_unsupported_layer_is_refused_at_preflight_before_any_work(tiny_model_dir, monkeypatch, gemma3_dir):
+    """Issue 36: `audit run` reached the Opacus failure after 6.5 minutes of canary work; preflight (run before the
+    output folder exists) now refuses from the config alone, and passes Gemma 3's scaled embedding."""
+    from dpaudit.errors import DPAuditError
+    from dpaudit.models import hf
+    from dpaudit.training.runner import preflight
+
+    assert preflight(gemma3_dir, TrainConfig(method="dp-sgd", target_epsilon=1.0), 100, warn=False) is not None
+    monkeypatch.setattr(hf, "meta_model", lambda folder: torch.nn.Sequential(torch.nn.Linear(3, 4),
+                                                                             torch.nn.BatchNorm1d(4)))
+    with pytest.raises(DPAuditError, match="BatchNorm1d"):
+        preflight(tiny_model_dir, TrainConfig(method="dp-sgd", target_epsilon=1.0), 100, warn=False)

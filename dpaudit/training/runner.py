@@ -186,6 +186,10 @@ def preflight(model_dir: Path, cfg: TrainConfig, examples: int, warn: bool = Tru
         check_model_size(folder / "config.json", load_json_file(folder / "config.json", "model config",
                                                                 MAX_CONFIG_BYTES), cfg.max_memory)
     model = meta_model(folder)
+    if cfg.method == "dp-sgd" and cfg.private and cfg.trainable == "full":
+        from dpaudit.training.sgd import check_layers
+
+        check_layers(model)  # a layer DP-SGD cannot clip per example: refused before any canary or weight work
     names = [name for name, _ in model.named_parameters()]
     if cfg.trainable == "bias" and not any(name.endswith(".bias") for name in names):
         raise DPAuditError(f"the model in {model_dir} has no bias terms (Llama-family models have none), so "

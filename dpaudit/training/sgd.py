@@ -18,6 +18,8 @@ sums add up before the single noise draw, so accounting, noise and update are th
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from dpaudit.training.data import padded_chunks, per_example_loss, split
@@ -150,7 +152,9 @@ def embedding_scale(module) -> float | None:
     scale = buffers.get("embed_scale")
     if set(buffers) != {"embed_scale"} or scale is None or scale.numel() != 1:
         return None
-    c = float(scale)
+    c = float(scale) if not scale.is_meta else math.nan  # a meta model (preflight): its structure alone
+    if module.weight.is_meta:
+        return c
     ids = torch.arange(min(4, module.num_embeddings), device=module.weight.device).unsqueeze(0)
     with torch.no_grad():
         same = torch.allclose(module(ids), torch.nn.functional.embedding(ids, module.weight) * c, rtol=1e-3, atol=1e-6)
@@ -164,21 +168,28 @@ def supported_for_dp_sgd(model) -> None:
     with Opacus here: issue 36, Gemma 3 failed with exit 3 after minutes of canary work)."""
     from opacus.grad_sample.utils import register_grad_sampler, register_norm_sampler
 
-    from dpaudit.errors import DPAuditError
-
-    for name, m in model.named_modules():
-        if not any(p.requires_grad for p in m.parameters(recurse=False)) or not list(m.buffers(recurse=False)):
-            continue
-        c = embedding_scale(m)
-        if c is None:
-            raise DPAuditError(f"DP-SGD cannot take per-example gradients of the layer {name} ({type(m).__name__}): "
-                               "it holds buffers that per-example clipping does not privatise; train adapters "
-                               "(--trainable lora) or use --method dp-zo")
-        kind = type(m)
+    for kind in check_layers(model):
         if kind not in _SCALED:
             _SCALED.add(kind)
             register_grad_sampler(kind)(_scaled_embedding_grad_sample)
             register_norm_sampler(kind)(_scaled_embedding_norm_sample)
+
+
+def check_layers(model) -> set[type]:
+    """The refusal of ``supported_for_dp_sgd`` alone (no Opacus import; on a meta model too, so ``audit run``
+    and ``train`` refuse before any canary or weight work); returns the scaled embedding types found."""
+    from dpaudit.errors import DPAuditError
+
+    scaled = set()
+    for name, m in model.named_modules():
+        if not any(p.requires_grad for p in m.parameters(recurse=False)) or not list(m.buffers(recurse=False)):
+            continue
+        if embedding_scale(m) is None:
+            raise DPAuditError(f"DP-SGD cannot take per-example gradients of the layer {name} ({type(m).__name__}): "
+                               "it holds buffers that per-example clipping does not privatise; train adapters "
+                               "(--trainable lora) or use --method dp-zo")
+        scaled.add(type(m))
+    return scaled
 
 
 _SCALED: set[type] = set()
