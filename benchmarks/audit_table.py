@@ -16,7 +16,7 @@ import math
 import time
 from pathlib import Path
 
-from dpaudit.audit.pipeline import AuditRunSettings, run_audit
+from dpaudit.workflows.audit_run import AuditRunSettings, run_audit
 from dpaudit.training.runner import TrainConfig
 
 def main() -> None:

@@ -67,7 +67,8 @@ def referee(sigma: float, p: float, steps: int, delta: float) -> float:
     sys.path.insert(0, "benchmarks")
     from pld_convergence import reference_epsilon
 
-    from dpaudit.accounting import Mechanism, budget
+    from dpaudit.accounting import Mechanism
+    from dpaudit.core import limits as budget
 
     with budget.limits(max_memory="8G"):
         return reference_epsilon(Mechanism("gaussian", sigma, p, steps), delta)

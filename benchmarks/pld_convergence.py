@@ -31,8 +31,9 @@ import math
 import random
 import time
 
-from dpaudit.accounting import Mechanism, budget, calibrate_sigma, pld
-from dpaudit.errors import DPAuditError
+from dpaudit.accounting import Mechanism, calibrate_sigma, pld
+from dpaudit.core import limits as budget
+from dpaudit.core.errors import DPAuditError
 
 REF_RUNGS = 6
 TOLERANCE = 1e-3

@@ -33,8 +33,8 @@ def worker(threads: int) -> float:
     from dpaudit.training.trainable import trainable_parameters
 
     adaptive = os.environ.get("DPAUDIT_BENCH_ADAPT") == "1"
-    if adaptive:  # the CLI's default: picked now, re-picked between steps (dpaudit.threads.Governor)
-        from dpaudit.threads import adapt, set_threads
+    if adaptive:  # the CLI's default: picked now, re-picked between steps (dpaudit.core.threads.Governor)
+        from dpaudit.core.threads import adapt, set_threads
 
         set_threads(None)
         torch.set_num_threads(threads)  # start from the parent's pick (with --late, made before the load came)
@@ -74,7 +74,7 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args.worker)))
         return
-    from dpaudit.threads import default_threads
+    from dpaudit.core.threads import default_threads
 
     spinners = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(args.busy)]
     if args.late:

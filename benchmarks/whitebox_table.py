@@ -36,7 +36,7 @@ def cell(args: tuple) -> dict:
 
     torch.set_num_threads(1)
     from dpaudit.audit.analysis import analyse
-    from dpaudit.audit.pipeline import AuditRunSettings, run_audit, white_box_canaries
+    from dpaudit.workflows.audit_run import AuditRunSettings, run_audit, white_box_canaries
     from dpaudit.training.runner import TrainConfig
 
     cfg = TrainConfig(method=method, target_epsilon=eps, secret_seed=seed, steps=steps, batch_size=batch,
@@ -56,7 +56,7 @@ def cell(args: tuple) -> dict:
 
 
 def audit_members(run_dir: Path):
-    from dpaudit.training.whitebox import WhiteBoxCanaries
+    from dpaudit.audit.whitebox_canaries import WhiteBoxCanaries
 
     return WhiteBoxCanaries.load(run_dir).members
 

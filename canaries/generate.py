@@ -10,7 +10,7 @@ import numpy as np
 
 from dpaudit.canaries.hf import tokenizer_identity
 from dpaudit.canaries.manifest import MAX_CANARIES, Canary, Manifest
-from dpaudit.errors import DPAuditError
+from dpaudit.core.errors import DPAuditError
 
 SECRET_ALPHABET = np.array(list("abcdefghijklmnopqrstuvwxyz0123456789"))
 SECRET_LENGTH = 12

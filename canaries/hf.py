@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
-from dpaudit.errors import DPAuditError
+from dpaudit.core.errors import DPAuditError
 from dpaudit.canaries.manifest import Manifest, TokenizerIdentity
 
 

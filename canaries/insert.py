@@ -12,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
-from dpaudit.atomic import atomic_write_text, guard_new_file
+from dpaudit.core.atomic import atomic_write_text, guard_new_file
 from dpaudit.canaries.manifest import Manifest
-from dpaudit.errors import DPAuditError
-from dpaudit.training.texts import detect_format, jsonl_text, physical_lines, read_file
+from dpaudit.core.errors import DPAuditError
+from dpaudit.core.texts import detect_format, jsonl_text, physical_lines, read_file
 
 @dataclass(frozen=True)
 class InsertSummary:

@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dpaudit.atomic import atomic_write_json
-from dpaudit.safe_json import load_json_file
-from dpaudit.errors import DPAuditError
+from dpaudit.core.atomic import atomic_write_json
+from dpaudit.core.safe_json import load_json_file
+from dpaudit.core.errors import DPAuditError
 
 FORMAT = "dpaudit-canaries/1"
 # An audit's power saturates long before this (the bounds gain little past ~10^4 canaries), while each

@@ -1,1 +1,1 @@
-"""The `dpaudit` command line (imported as dpaudit.cli)."""
+"""Layer 7, the `dpaudit` command line (imported as dpaudit.cli). May import every layer."""

@@ -13,8 +13,8 @@ from dpaudit.accounting import ACCOUNTANTS, calibrate_sigma, default_accountant,
 from dpaudit.accounting.mechanism import check_epsilon
 from dpaudit.accounting.noise import noise
 from dpaudit.accounting.result import json_float
-from dpaudit.atomic import guard_new_file
-from dpaudit.errors import DPAuditError
+from dpaudit.core.atomic import guard_new_file
+from dpaudit.core.errors import DPAuditError
 from dpaudit.cli.common import (
     AccountantOpt, BatchOpt, DatasetOpt, DeltaOpt, EpochsOpt, ForceOpt, JsonOpt, McBackendOpt, McSamplesOpt, McWorkersOpt, MechOpt,
     PhaseOpt, POpt, SamplingOpt, SeedOpt, StepsOpt, accountant_options, assumptions, bounded, console, emit_json, event_from,
@@ -97,7 +97,7 @@ McThreadsOpt = Annotated[Optional[int], typer.Option(
 
 def _torch_threads(backend: str, threads: int | None) -> None:
     if backend == "torch":  # torch is never imported otherwise: the accounting core is torch-free
-        from dpaudit.threads import set_threads
+        from dpaudit.core.threads import set_threads
 
         set_threads(threads)
 
@@ -301,7 +301,7 @@ def plot(
     """PNG of epsilon against sigma (for a schedule) or against steps (for a sigma)."""
     import numpy as np
 
-    from dpaudit.plots import epsilon_curve
+    from dpaudit.core.plots import epsilon_curve
 
     if vs not in ("sigma", "steps"):
         raise DPAuditError(f"--vs must be sigma or steps, got {vs!r}")

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 from rich.markup import escape
 
-from dpaudit.atomic import refuse_overlap
+from dpaudit.core.atomic import refuse_overlap
 from dpaudit.audit.headlines import headline_help
 from dpaudit.cli.common import LONG_TIMEOUT, MODEL_TIMEOUT, ForceOpt, JsonOpt, ThreadsOpt, bounded, console, emit_json
-from dpaudit.errors import DPAuditError
+from dpaudit.core.errors import DPAuditError
 
 if TYPE_CHECKING:
     from dpaudit.audit.analysis import AuditResult
@@ -100,7 +100,7 @@ def read_scores(path: Path):
 
     if not path.is_file():
         raise DPAuditError(f"scores file not found: {path}")
-    from dpaudit.safe_json import count_newlines
+    from dpaudit.core.safe_json import count_newlines
 
     rows_at_most = count_newlines(path, "scores file") + 1
     if rows_at_most > MAX_SCORES + 1:
@@ -176,9 +176,9 @@ def audit_checkpoint(
     from dpaudit.audit.analysis import analyse
     from dpaudit.audit.guesses import check_scores
     from dpaudit.audit.report import prepare_folder
-    from dpaudit.audit.scoring import score_checkpoint
+    from dpaudit.workflows.scoring import score_checkpoint
     from dpaudit.canaries.manifest import load_manifest
-    from dpaudit.threads import set_threads
+    from dpaudit.core.threads import set_threads
 
     set_threads(threads)
     if report is not None:

@@ -7,9 +7,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from dpaudit.atomic import guard_new_file, guard_new_folder, refuse_overlap, save_model_folder
+from dpaudit.core.atomic import guard_new_file, guard_new_folder, refuse_overlap, save_model_folder
 from dpaudit.cli.common import LONG_TIMEOUT, ForceOpt, JsonOpt, ThreadsOpt, bounded, emit
-from dpaudit.threads import set_threads
+from dpaudit.core.threads import set_threads
 
 app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Make new-token canaries and put them into data and models.")
 ManifestOpt = Annotated[Path, typer.Option("--canaries", "-c", help="Canary manifest (JSON) from `canaries make`.")]

@@ -15,7 +15,7 @@ from dpaudit.cli.common import (
     DEFAULT_MAX_MEMORY, DEFAULT_TIMEOUT, JsonOpt, MaxMemoryOpt, assumptions, console, emit_json, fmt, shuffle_lines,
     time_budget,
 )
-from dpaudit.training_config import load_privacy_config
+from dpaudit.accounting.config import load_privacy_config
 
 # What the sampler audit's verdict names, as the sampler dpaudit accounts it under (a cyclic pass puts each
 # example in one batch an epoch too, so the shuffle bound, which needs no randomness of the permutation, holds)
@@ -95,7 +95,7 @@ def _gate_sampler(log: Path, cfg) -> dict:
     from itertools import islice
 
     from dpaudit.audit.sampler import ALPHA, analyse_batches, read_log
-    from dpaudit.errors import DPAuditError
+    from dpaudit.core.errors import DPAuditError
 
     phases = cfg.event.phases
     batches = iter(read_log(log))

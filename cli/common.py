@@ -17,7 +17,7 @@ from rich.console import Console
 from dpaudit.accounting.mechanism import Mechanism, schedule  # noqa: F401 - schedule: the commands import it here
 from dpaudit.accounting.samplers import SAMPLINGS
 from dpaudit.accounting.noise import NOISES, noise, resolve_delta  # noqa: F401 - resolve_delta: likewise
-from dpaudit.errors import DPAuditError
+from dpaudit.core.errors import DPAuditError
 
 # On a terminal, rich fits the text to the window; elsewhere (a pipe, a log, CI) nothing is wrapped or cut:
 # a value split across lines, a truncated path or a canary broken mid-token would be copied wrong.
@@ -129,8 +129,8 @@ def emit(summary: dict, as_json: bool, text: str) -> None:
 @contextmanager
 def time_budget(seconds: float | None, what: str, max_memory: str | None = None):
     """Refuse (exit 2, one line) instead of hanging: SIGALRM interrupts the work after ``seconds``. The
-    accountants see the same deadline and memory budget (dpaudit.accounting.budget) and plan within it."""
-    from dpaudit.accounting import budget
+    accountants see the same deadline and memory budget (dpaudit.core.limits) and plan within it."""
+    from dpaudit.core import limits as budget
 
     if seconds is not None and not (seconds > 0 and math.isfinite(seconds)):
         raise DPAuditError(f"--timeout must be a positive number of seconds, got {seconds}")

@@ -15,7 +15,7 @@ import typer
 import typer.core
 from rich.markup import escape
 
-from dpaudit.errors import DPAuditError, Interrupted
+from dpaudit.core.errors import DPAuditError, Interrupted
 from dpaudit.cli import accounting_commands, audit_commands, canary_commands, check_command, train_commands
 from dpaudit.cli.common import err_console
 

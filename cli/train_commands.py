@@ -9,10 +9,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from dpaudit.atomic import guard_new_folder, refuse_overlap, save_model_folder
+from dpaudit.core.atomic import guard_new_folder, refuse_overlap, save_model_folder
 from dpaudit.cli.common import MODEL_TIMEOUT, ForceOpt, JsonOpt, ThreadsOpt, bounded, console, emit, err_console, fmt
-from dpaudit.errors import DPAuditError
-from dpaudit.threads import set_threads
+from dpaudit.core.errors import DPAuditError
+from dpaudit.core.threads import set_threads
 from dpaudit.training.directions import DEFAULT_DIRECTION
 
 MethodOpt = Annotated[str, typer.Option("--method", help="dp-zo or dp-sgd.")]
@@ -87,7 +87,7 @@ def _pretrained(model: Path | None) -> bool:
 
 def make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction, trainable,
                 bf16, seed, secret_seed, accountant, max_memory=None, model: Path | None = None, **extra):
-    from dpaudit.accounting.budget import parse_memory
+    from dpaudit.core.limits import parse_memory
     from dpaudit.accounting.noise import resolve_delta
     from dpaudit.training.methods import METHODS
     from dpaudit.training.runner import TrainConfig
@@ -117,7 +117,7 @@ def _resumed_flags(out: Path, flags: dict) -> dict:
     """``flags`` with every one left at its default replaced by the value the run was started with."""
     import click
 
-    from dpaudit import run_folder
+    from dpaudit.core import run_folder
 
     saved = run_folder.run_config(out, required=False) if out.is_dir() else None
     ctx = click.get_current_context(silent=True)
@@ -163,7 +163,7 @@ def train_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Fine-tune a local causal LM with DP-ZO or DP-SGD (sigma calibrated to --eps) or a non-private baseline."""
-    from dpaudit.training.texts import detect_format, read_texts
+    from dpaudit.core.texts import detect_format, read_texts
     from dpaudit.training.runner import train
 
     if resume:  # the run folder knows how it was started: only the flags that change need repeating
@@ -225,10 +225,10 @@ def audit_run(
     as_json: JsonOpt = False,
 ) -> None:
     """Canaries -> insert -> train (DP-ZO/DP-SGD at --eps) -> score -> report; exit 1 on a violation."""
-    from dpaudit.audit.pipeline import AuditRunSettings, run_audit
+    from dpaudit.workflows.audit_run import AuditRunSettings, run_audit
     from dpaudit.cli.audit_commands import present
 
-    from dpaudit.audit.pipeline import white_box_canaries
+    from dpaudit.workflows.audit_run import white_box_canaries
 
     if sigma is not None and eps == "1":
         eps = None  # --sigma replaces the default target
@@ -275,7 +275,7 @@ def replay_cmd(
     import torch
 
     from dpaudit.models.loading import load_causal_lm
-    from dpaudit.training.replay import max_weight_difference, replay_run
+    from dpaudit.workflows.replay import max_weight_difference, replay_run
 
     set_threads(threads)
     refuse_overlap(out, {"run": run, "base model": base}, folder_output=True)

@@ -1,6 +1,6 @@
 """dpaudit: calibrate, account and audit differentially private training."""
 
-from dpaudit.errors import DPAuditError
+from dpaudit.core.errors import DPAuditError
 
 __version__ = "0.1.0"
 __all__ = ["CanaryScoreAuditor", "DPAuditError", "SamplerAudit", "WhiteBoxProbe", "Mechanism", "NeighboringRelation", "__version__", "calibrate",

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from dpaudit.accounting import budget as budgets
+from dpaudit.core import limits as budgets
 from dpaudit.accounting.calibrate import Calibration, StepsAnswer
 from dpaudit.accounting.calibrate import calibrate_sigma as _calibrate_sigma
 from dpaudit.accounting.calibrate import max_steps as _max_steps

@@ -39,7 +39,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def llama_like_dir(tmp_path_factory) -> Path:
     """A Llama-family-like checkpoint: no bias terms, tied embeddings, untrained (no downloads)."""
-    from dpaudit.atomic import save_model_folder
+    from dpaudit.core.atomic import save_model_folder
     from dpaudit.models.corpus import sentences
     from dpaudit.models.embedded import build_model, build_tokenizer
 

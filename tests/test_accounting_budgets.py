@@ -11,10 +11,11 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from dpaudit.accounting import Mechanism, budget, calibrate_sigma, epsilon, pld, prv
+from dpaudit.accounting import Mechanism, calibrate_sigma, epsilon, pld, prv
+from dpaudit.core import limits as budget
 from dpaudit.accounting.registry import get_accountant
 from dpaudit.accounting.result import NeighboringRelation
-from dpaudit.errors import DPAuditError
+from dpaudit.core.errors import DPAuditError
 from tests.cli_helpers import assert_one_line_error, dpaudit
 
 
@@ -32,7 +33,8 @@ def test_a_pld_that_would_not_fit_is_coarsened_within_the_memory_budget():
     # p = 1e-3, T = 1e6: the converged grid composes ~8e6 points per direction (~1.2 GB); under 300M the
     # refinement stops at the finest grid that fits and says so. The bound is then a little looser, never lower.
     peak, out = _peak_rss_mb(
-        "from dpaudit.accounting import Mechanism, budget, epsilon\n"
+        "from dpaudit.accounting import Mechanism, epsilon\n"
+        "from dpaudit.core import limits as budget\n"
         "with budget.limits(max_memory='300M'):\n"
         "    r = epsilon(Mechanism('gaussian', 2.1138, 1e-3, 1_000_000), 1e-5, 'pld')\n"
         "print(r.accountant, r.epsilon, r.details.get('limited_by'))\n")
@@ -43,7 +45,8 @@ def test_a_pld_that_would_not_fit_is_coarsened_within_the_memory_budget():
     assert converged <= float(eps) <= converged * 1.01
     # sigma = 1e-3 at p = 0.5: one step's loss spans ~1e6 (24 GB before); now a finite bound in budget.
     peak, out = _peak_rss_mb(
-        "from dpaudit.accounting import Mechanism, budget, epsilon\n"
+        "from dpaudit.accounting import Mechanism, epsilon\n"
+        "from dpaudit.core import limits as budget\n"
         "with budget.limits(max_memory='600M'):\n"
         "    print(epsilon(Mechanism('gaussian', 0.001, 0.5, 10), 1e-5, 'pld').epsilon)\n")
     assert 1e5 < float(out) < math.inf and peak < 600 * 1.1

@@ -11,7 +11,7 @@ from dpaudit.audit import fdp, gaussian, gdp
 from dpaudit.audit.analysis import analyse
 from dpaudit.audit.auditor import HullThresholds
 from dpaudit.audit.guesses import roc_hull
-from dpaudit.errors import DPAuditError
+from dpaudit.core.errors import DPAuditError
 
 
 def deterministic_normal(mu, n):

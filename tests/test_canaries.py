@@ -10,9 +10,9 @@ from dpaudit.canaries.generate import make_canaries
 from dpaudit.canaries.hf import check_tokenizer_matches, extend_model
 from dpaudit.models.hf import load_tokenizer
 from dpaudit.canaries.insert import insert_canaries
-from dpaudit.training.texts import read_texts
+from dpaudit.core.texts import read_texts
 from dpaudit.canaries.manifest import load_manifest
-from dpaudit.errors import DPAuditError
+from dpaudit.core.errors import DPAuditError
 from dpaudit.models.loading import load_causal_lm
 
 

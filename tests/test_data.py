@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from dpaudit.errors import DPAuditError
+from dpaudit.core.errors import DPAuditError
 
 TEXTS = ["Alice lives in Paris.", "Bob number 7 sells maps in Oslo and Rome every day.", "Carol."] * 4
 

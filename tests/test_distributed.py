@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dpaudit.models.loading import load_causal_lm
-from dpaudit.training.replay import max_weight_difference
+from dpaudit.workflows.replay import max_weight_difference
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 
@@ -104,7 +104,7 @@ def test_dp_sgd_white_box_canaries_under_torchrun_read_what_one_process_reads(ti
     the reduced release. Either way the transcript is one process's (the noise streams are the same)."""
     import numpy as np
 
-    from dpaudit.training.whitebox import TRANSCRIPT
+    from dpaudit.audit.whitebox_canaries import TRANSCRIPT
 
     launch(tiny_model_dir, tmp_path / "one", "dp-sgd", 1, "whitebox")
     launch(tiny_model_dir, tmp_path / "two", "dp-sgd", 2, *layout, "whitebox")
@@ -115,7 +115,7 @@ def test_dp_sgd_white_box_canaries_under_torchrun_read_what_one_process_reads(ti
 
 
 def test_a_sharded_dp_zo_run_replays_on_one_process(sharded_zo):
-    from dpaudit.training.replay import replay_run
+    from dpaudit.workflows.replay import replay_run
 
     replayed, _ = replay_run(sharded_zo / "two")
     trained, _ = load_causal_lm(sharded_zo / "two" / "model")
@@ -175,7 +175,7 @@ def test_sharded_bf16_keeps_float32_master_weights(tiny_model_dir, tmp_path):
 def test_a_rank_without_its_own_gpu_is_refused(monkeypatch):
     import torch
 
-    from dpaudit.errors import DPAuditError
+    from dpaudit.core.errors import DPAuditError
     from dpaudit.training.distributed import setup_world
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -14,7 +14,7 @@ from dpaudit.training.data import tokenize
 from dpaudit.training.runner import TrainConfig, train
 from dpaudit.training.sgd import FirstOrderTrainer
 from dpaudit.training.trainable import select_trainable, trainable_parameters
-from dpaudit.training.whitebox import TRANSCRIPT
+from dpaudit.audit.whitebox_canaries import TRANSCRIPT
 
 TEXTS = [f"Alice number {i} lives in Paris and likes bread." for i in range(6)] + \
         ["zq xv kj wp " * 6 + "!", "a", "the cat sat on the mat and looked at the dog for a while"]
@@ -125,7 +125,7 @@ def gemma3_dir(tmp_path_factory):
     """A tiny Gemma 3 (scaled word embedding with an embed_scale buffer, tied output), built from its config."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    from dpaudit.atomic import save_model_folder
+    from dpaudit.core.atomic import save_model_folder
     from dpaudit.models.corpus import sentences
     from dpaudit.models.embedded import build_tokenizer
 
@@ -164,7 +164,7 @@ def test_a_scaled_embedding_gets_exact_per_example_gradients_in_both_modes(gemma
 
 
 def test_a_trainable_layer_with_state_is_refused_in_one_line():
-    from dpaudit.errors import DPAuditError
+    from dpaudit.core.errors import DPAuditError
     from dpaudit.training.sgd import supported_for_dp_sgd
 
     with pytest.raises(DPAuditError, match=r"layer 1 \(BatchNorm1d\).*--trainable lora"):
@@ -174,7 +174,7 @@ def test_a_trainable_layer_with_state_is_refused_in_one_line():
 def test_an_unsupported_layer_is_refused_at_preflight_before_any_work(tiny_model_dir, monkeypatch, gemma3_dir):
     """Issue 36: `audit run` reached the Opacus failure after 6.5 minutes of canary work; preflight (run before the
     output folder exists) now refuses from the config alone, and passes Gemma 3's scaled embedding."""
-    from dpaudit.errors import DPAuditError
+    from dpaudit.core.errors import DPAuditError
     from dpaudit.models import hf
     from dpaudit.training.runner import preflight
 

@@ -14,7 +14,7 @@ from dpaudit.accounting import pld, shuffle
 from dpaudit.accounting.mechanism import Mechanism, Phases, compose_phases, parse_phase, phase_from, schedule
 from dpaudit.accounting.registry import ACCOUNTANTS, default_accountant, epsilon
 from dpaudit.accounting.result import NeighboringRelation
-from dpaudit.errors import DPAuditError
+from dpaudit.core.errors import DPAuditError
 
 DELTA = 1e-5
 

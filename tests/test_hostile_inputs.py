@@ -146,7 +146,7 @@ def test_insert_refuses_a_text_that_is_not_text(tmp_path, manifest):
 
 
 def test_a_run_folder_has_one_writer_and_force_only_clears_dpaudits_own(tmp_path):
-    from dpaudit.lock import folder_lock
+    from dpaudit.core.lock import folder_lock
 
     busy = tmp_path / "busy"
     with folder_lock(busy):
@@ -186,7 +186,7 @@ def test_max_steps_is_the_largest_t_within_budget():
 
 
 def test_a_failed_folder_write_leaves_nothing_behind(tmp_path):
-    from dpaudit.atomic import atomic_folder
+    from dpaudit.core.atomic import atomic_folder
 
     target = tmp_path / "model"
     with pytest.raises(OSError):

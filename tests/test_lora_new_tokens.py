@@ -4,7 +4,7 @@ sums by both DP-SGD routes; the exported model carries the rows; DP-ZO replays s
 import pytest
 import torch
 
-from dpaudit.atomic import save_model_folder
+from dpaudit.core.atomic import save_model_folder
 from dpaudit.canaries.generate import make_canaries
 from dpaudit.canaries.hf import extend_model
 from dpaudit.models.loading import load_causal_lm
@@ -71,7 +71,7 @@ def test_lora_run_exports_trained_canary_rows(extended, tmp_path):
 
 
 def test_lora_dp_zo_run_with_new_rows_replays(extended, tmp_path):
-    from dpaudit.training.replay import max_weight_difference, replay_run
+    from dpaudit.workflows.replay import max_weight_difference, replay_run
 
     folder, texts = extended
     cfg = TrainConfig(method="dp-zo", target_epsilon=8.0, steps=5, batch_size=4, trainable="lora", secret_seed=0)

@@ -60,7 +60,7 @@ def test_tilted_sampling_reaches_small_delta_near_pld():
 
 def test_tilting_refuses_gaussian():
     from dpaudit.accounting.montecarlo_tilted import delta_for_epsilon_tilted
-    from dpaudit.errors import DPAuditError
+    from dpaudit.core.errors import DPAuditError
 
     with pytest.raises(DPAuditError, match="Laplace"):
         delta_for_epsilon_tilted(Mechanism("gaussian", 1.0, 0.1, 10), 1.0, 1000)

@@ -11,7 +11,7 @@ from opacus import PrivacyEngine  # noqa: E402
 from opacus.accountants import PRVAccountant  # noqa: E402
 
 import dpaudit  # noqa: E402
-from dpaudit.training.opacus_accountant import DpauditAccountant  # noqa: E402
+from dpaudit.integrations.opacus_accountant import DpauditAccountant  # noqa: E402
 
 
 def _private(engine, sigma=None, eps=None):
@@ -100,7 +100,7 @@ def test_mixed_histories_are_as_tight_as_converged_dp_accounting_and_split_ones_
 
 def test_a_per_step_noise_schedule_past_max_phases_is_composed_not_refused():
     """Issue 36: histories of more than 1000 distinct phases were refused. Rounded safe side (sigma down, p up)."""
-    from dpaudit.training.opacus_accountant import DpauditAccountant
+    from dpaudit.integrations.opacus_accountant import DpauditAccountant
 
     schedule = DpauditAccountant()
     for i in range(1200):

@@ -11,7 +11,7 @@ import torch
 
 from cli_helpers import dpaudit
 from dpaudit import WhiteBoxProbe
-from dpaudit.errors import DPAuditError
+from dpaudit.core.errors import DPAuditError
 
 warnings.filterwarnings("ignore", module="opacus")
 N, B = 512, 64

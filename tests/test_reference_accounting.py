@@ -9,7 +9,8 @@ import math
 import pytest
 from scipy.stats import norm
 
-from dpaudit.accounting import Mechanism, budget, calibrate_sigma, epsilon
+from dpaudit.accounting import Mechanism, calibrate_sigma, epsilon
+from dpaudit.core import limits as budget
 from dpaudit.accounting.montecarlo import MonteCarloSettings
 from dpaudit.accounting.prv import PrvOptions
 

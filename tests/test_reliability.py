@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from cli_helpers import assert_one_line_error, dpaudit
-from dpaudit.errors import DPAuditError
+from dpaudit.core.errors import DPAuditError
 
 TEXTS = [f"Alice number {i} lives in Paris and likes bread." for i in range(30)]
 
@@ -45,7 +45,7 @@ def _killed_run(tiny_model_dir, run, monkeypatch):
 
 def test_resume_on_other_data_composes_a_new_phase_and_refuses_other_noise(tiny_model_dir, tmp_path, monkeypatch):
     import dpaudit
-    from dpaudit import run_folder
+    from dpaudit.core import run_folder
     from dpaudit.training.runner import train
 
     run = tmp_path / "run"
@@ -111,7 +111,7 @@ def test_a_resume_on_other_data_never_lowers_eps_when_the_ledger_is_gone_or_stri
 
 def _hold_lock(folder):
     """Another process's lock on ``folder`` (flock: a second open file description conflicts)."""
-    from dpaudit.lock import LOCK
+    from dpaudit.core.lock import LOCK
 
     folder.mkdir(parents=True, exist_ok=True)
     fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT)
@@ -121,8 +121,8 @@ def _hold_lock(folder):
 
 
 def test_force_never_removes_a_folder_a_live_run_holds(tmp_path):
-    from dpaudit.atomic import guard_new_folder
-    from dpaudit.lock import mark, remove_folder
+    from dpaudit.core.atomic import guard_new_folder
+    from dpaudit.core.lock import mark, remove_folder
 
     out = tmp_path / "X"
     out.mkdir()
@@ -143,7 +143,7 @@ def test_force_never_removes_a_folder_a_live_run_holds(tmp_path):
 
 
 def test_audit_run_force_refuses_while_a_run_inside_is_live(tmp_path):
-    from dpaudit.lock import mark
+    from dpaudit.core.lock import mark
 
     out = tmp_path / "X"
     out.mkdir()
@@ -162,7 +162,7 @@ def test_audit_run_force_refuses_while_a_run_inside_is_live(tmp_path):
 
 @pytest.mark.parametrize("exchange", [True, False])
 def test_a_replaced_folder_stays_in_place_until_the_new_one_is_complete(tmp_path, monkeypatch, exchange):
-    from dpaudit import atomic
+    from dpaudit.core import atomic
 
     target = tmp_path / "ext1"
     target.mkdir()
@@ -336,7 +336,7 @@ def test_nested_json_anywhere_is_one_line_exit_2(tmp_path):
 
 
 def test_a_long_csv_field_is_read(tmp_path):
-    from dpaudit.training.texts import read_texts
+    from dpaudit.core.texts import read_texts
 
     path = tmp_path / "d.csv"
     path.write_text("text\n" + "x" * 300_000 + "\nshort\n")
@@ -402,7 +402,7 @@ def test_report_markdown_escapes_what_came_from_files():
 def test_membership_files_are_private_and_others_follow_the_umask(tmp_path, tiny_model_dir):
     from dpaudit.canaries.generate import make_canaries
     from dpaudit.models.loading import load_causal_lm
-    from dpaudit.atomic import save_model_folder
+    from dpaudit.core.atomic import save_model_folder
 
     model, tok = load_causal_lm(tiny_model_dir)
     path = make_canaries(tok, 4).save(tmp_path / "c.json")
@@ -440,7 +440,7 @@ def test_a_config_s_single_phase_is_reported_with_its_own_sigma(tmp_path):
 
 
 def test_white_box_membership_is_not_a_batch_stream():
-    from dpaudit.training.whitebox import WhiteBoxCanaries
+    from dpaudit.audit.whitebox_canaries import WhiteBoxCanaries
 
     members = WhiteBoxCanaries.make(1000, seed=0, membership_seed=12345).members
     for step in range(50):  # a batch stream is default_rng([secret, step])

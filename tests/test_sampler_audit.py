@@ -10,7 +10,7 @@ from scipy import stats
 from cli_helpers import assert_one_line_error, dpaudit
 from dpaudit import SamplerAudit
 from dpaudit.audit.sampler import analyse_batches
-from dpaudit.errors import DPAuditError
+from dpaudit.core.errors import DPAuditError
 
 N, B, T = 1000, 50, 200
 P = B / N

@@ -5,7 +5,7 @@ import multiprocessing
 import os
 import time
 
-from dpaudit import threads
+from dpaudit.core import threads
 
 
 def _spin():
@@ -45,7 +45,7 @@ def test_the_governor_leaves_a_core_another_process_took_and_takes_it_back(monke
 
     import torch
 
-    import dpaudit.threads as th
+    import dpaudit.core.threads as th
 
     clock, ticks = {"t": 0.0}, {"busy": 0, "total": 0}
     monkeypatch.setattr(th, "_cpus", lambda: {0, 1})

@@ -13,7 +13,7 @@ from scipy import stats
 from dpaudit.models.loading import load_causal_lm
 from dpaudit.training import zo
 from dpaudit.training.data import tokenize
-from dpaudit.training.replay import max_weight_difference
+from dpaudit.workflows.replay import max_weight_difference
 from dpaudit.training.runner import TrainConfig, train
 from dpaudit.training.sampling import poisson_batch
 from dpaudit.training.sgd import FirstOrderTrainer
@@ -114,7 +114,7 @@ def test_rademacher_direction_is_plus_minus_one_and_on_the_sqrt_d_sphere():
 
 def test_dp_zo_with_gaussian_directions_replays(tiny_model_dir, tmp_path):
     # The other replay tests train with the default (Rademacher) directions.
-    from dpaudit.training.replay import replay_run
+    from dpaudit.workflows.replay import replay_run
 
     cfg = TrainConfig(method="dp-zo", target_epsilon=2.0, steps=6, batch_size=8, lr=1e-3, secret_seed=3,
                       direction="gaussian")
@@ -134,7 +134,7 @@ def zo_run(tiny_model_dir, tmp_path_factory):
 
 
 def test_dp_zo_replay_reproduces_weights(zo_run, tiny_model_dir):
-    from dpaudit.training.replay import replay_run
+    from dpaudit.workflows.replay import replay_run
 
     replayed, _ = replay_run(zo_run.run_dir)
     trained, _ = load_causal_lm(zo_run.model_dir)
@@ -151,8 +151,8 @@ def test_runs_before_the_block_stream_replay_with_the_sequential_one(zo_run, tin
     the parameters in order; replay must use that stream for it, and refuse streams it does not know."""
     import shutil
 
-    from dpaudit.errors import DPAuditError
-    from dpaudit.training.replay import replay_run
+    from dpaudit.core.errors import DPAuditError
+    from dpaudit.workflows.replay import replay_run
     from dpaudit.training.streams import LEGACY, STREAM
     from dpaudit.training.trainable import trainable_parameters
 
@@ -201,8 +201,8 @@ def test_replay_draws_directions_on_the_runs_device_kind(zo_run, tmp_path, monke
     """CPU and CUDA generators give different z for one seed: a GPU run must be replayed on a GPU."""
     import shutil
 
-    from dpaudit.errors import DPAuditError
-    from dpaudit.training.replay import replay_run
+    from dpaudit.core.errors import DPAuditError
+    from dpaudit.workflows.replay import replay_run
 
     meta = json.loads((zo_run.run_dir / "run_config.json").read_text())
     assert meta["direction_device"] == ("cuda" if torch.cuda.is_available() else "cpu")
@@ -234,7 +234,7 @@ def test_killed_run_keeps_ledger_and_resumes(tiny_model_dir, tmp_path, monkeypat
         return real(*args, **kwargs)
 
     monkeypatch.setattr(zo, "zo_step", dies_at_step_8)
-    from dpaudit.errors import Interrupted
+    from dpaudit.core.errors import Interrupted
     with pytest.raises(Interrupted, match="interrupted at step 7; the ledger counts 8 steps"):
         train(tiny_model_dir, TEXTS, run, cfg, show_progress=False)
     ledger = json.loads((run / "privacy_ledger.json").read_text())
@@ -242,7 +242,7 @@ def test_killed_run_keeps_ledger_and_resumes(tiny_model_dir, tmp_path, monkeypat
     assert ledger["steps_executed"] == 8 and 0 < ledger["epsilon_spent"] <= ledger["epsilon_planned"] <= 2.0
     assert json.loads((run / "checkpoint" / "trainer_state.json").read_text())["step"] == 5
     monkeypatch.setattr(zo, "zo_step", real)
-    from dpaudit.errors import DPAuditError
+    from dpaudit.core.errors import DPAuditError
     with pytest.raises(DPAuditError, match="not empty"):
         train(tiny_model_dir, TEXTS, run, cfg, show_progress=False)
     # Steps 6 to 8 ran twice (killed after the step-5 checkpoint): resuming spends more than planned,
@@ -289,7 +289,7 @@ def test_a_dp_sgd_step_redone_after_resume_draws_fresh_noise(tiny_model_dir, tmp
     cfg = TrainConfig(method="dp-sgd", target_epsilon=8.0, steps=4, batch_size=8, save_every=2, secret_seed=5,
                       allow_overspend=True)
     monkeypatch.setattr(sampling, "poisson_batch", killed_at_step_4)
-    from dpaudit.errors import Interrupted
+    from dpaudit.core.errors import Interrupted
     with pytest.raises(Interrupted):
         train(tiny_model_dir, TEXTS, tmp_path / "run", cfg, show_progress=False)
     first = list(dict.fromkeys(keys))  # one key a step, in order

@@ -10,7 +10,7 @@ from cli_helpers import assert_one_line_error, dpaudit
 from dpaudit.audit.whitebox import audit_run_folder, transcript_scores
 from dpaudit.models.corpus import sentences
 from dpaudit.training.runner import TrainConfig, train
-from dpaudit.training.whitebox import MANIFEST, TRANSCRIPT
+from dpaudit.audit.whitebox_canaries import MANIFEST, TRANSCRIPT
 
 TEXTS = sentences(16, seed=3)
 

@@ -14,7 +14,7 @@ import math
 
 from dpaudit.accounting.mechanism import Mechanism
 from dpaudit.accounting.result import NO_SUBSAMPLING, SINGLE_RELEASE, DeltaResult, EpsilonResult
-from dpaudit.errors import DPAuditError
+from dpaudit.core.errors import DPAuditError
 
 
 def limitation(mech: Mechanism) -> str | None:

@@ -16,11 +16,11 @@ import math
 import time
 from dataclasses import dataclass, replace
 
-from dpaudit.accounting import budget
+from dpaudit.core import limits as budget
 from dpaudit.accounting.mechanism import Mechanism, check_delta, check_epsilon, miss_log_probability
 from dpaudit.accounting.registry import ACCOUNTANTS, default_accountant, epsilon, get_accountant
 from dpaudit.accounting.result import EpsilonResult
-from dpaudit.errors import DPAuditError
+from dpaudit.core.errors import DPAuditError
 
 SIGMA_MIN = 1e-3
 SIGMA_MAX = 1e6

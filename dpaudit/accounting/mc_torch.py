@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from dpaudit.accounting.mechanism import Mechanism
-from dpaudit.accounting.montecarlo import _log_mix, laplace_inside, laplace_regions
+from dpaudit.accounting.mc_losses import laplace_inside, laplace_regions, log_mix as _log_mix
 
 
 def _device():

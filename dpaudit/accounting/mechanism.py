@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from dpaudit.accounting.noise import NOISES, noise
 from dpaudit.accounting.samplers import scheme
-from dpaudit.errors import DPAuditError
+from dpaudit.core.errors import DPAuditError
 
 MECHANISMS = tuple(NOISES)
 MAX_PHASES = 1000  # a schedule of more distinct phases is refused (each is a PLD of its own)

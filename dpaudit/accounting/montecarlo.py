@@ -27,13 +27,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dpaudit.accounting import budget
+from dpaudit.core import limits as budget
 from dpaudit.accounting.mechanism import Mechanism
-from dpaudit.progress import progress_bar
-from dpaudit.accounting.result import DeltaResult, EpsilonResult, relation_of
-from dpaudit.errors import DPAuditError
+from dpaudit.core.progress import progress_bar
+from dpaudit.accounting.result import DeltaResult, EpsilonResult
+from dpaudit.accounting.samplers import relation_of
+from dpaudit.core.errors import DPAuditError
+from dpaudit.accounting.mc_losses import (  # noqa: F401 - shared with mc_torch and montecarlo_tilted
+    DIRECTIONS, bernstein_upper as _bernstein_upper, laplace_inside, laplace_regions, log_mix as _log_mix,
+)
 
-DIRECTIONS = ("remove", "add")
 MAX_ROWS = 16384
 # Work budget (per-step loss draws per direction) used when no sample count is given.
 DEFAULT_WORK = 2e8
@@ -62,26 +65,6 @@ class MonteCarloSettings:
             raise DPAuditError(f"mc workers must be >= 0, got {self.workers}")
 
 
-def _log_mix(p: float, a, xp=np):
-    """log(1 - p + p e^a), the loss of the subsampled step as a function of a = log(mu_1/mu_0).
-    ``xp``: the array module (numpy here, torch in mc_torch)."""
-    if p == 1.0:
-        return a
-    return xp.logaddexp(xp.full_like(a, math.log1p(-p)), math.log(p) + a)
-
-
-def laplace_inside(u, mirror_u, mech: Mechanism, direction: str, xp=np):
-    """One Laplace step's draws x in (0, 1) from uniforms ``u`` (and ``mirror_u`` for remove), for the numpy,
-    torch and tilted samplers alike: Lap(0, b) restricted to (0, 1) has density prop. to e^{-x/b}, so
-    x = -b log(1 - u (1 - e^{-1/b})); in the remove direction the draw is Lap(1, b)'s mirror 1 - x with
-    probability p."""
-    b, p = mech.sigma, mech.sampling_rate
-    x = -b * xp.log1p(-u * (1 - math.exp(-1 / b)))
-    if direction == "remove":
-        x = xp.where(mirror_u < p, 1 - x, x) if p < 1 else 1 - x
-    return x
-
-
 def _draws_per_sample(mech: Mechanism) -> float:
     """Expected number of per-step draws that one composed sample costs."""
     if mech.kind == "laplace":
@@ -100,16 +83,6 @@ def _gaussian_composed(mech: Mechanism, direction: str, rows: int, rng: np.rando
         loss = _log_mix(p, (2 * x - 1) / (2 * s * s))
         total += loss.sum(axis=1) if direction == "remove" else -loss.sum(axis=1)
     return total
-
-
-def laplace_regions(mech: Mechanism, direction: str) -> tuple[float, float, float]:
-    """P(x <= 0), P(0 < x < 1), P(x >= 1) for one step's draw x in ``direction``: a Laplace step's loss
-    is constant outside (0, 1)."""
-    b, p = mech.sigma, mech.sampling_rate
-    q = math.exp(-1 / b)
-    if direction == "remove":  # x ~ (1-p) Lap(0,b) + p Lap(1,b)
-        return (1 - p) / 2 + p * q / 2, (1 - q) / 2, (1 - p) * q / 2 + p / 2
-    return 0.5, (1 - q) / 2, q / 2  # add: x ~ Lap(0,b)
 
 
 def _laplace_composed(mech: Mechanism, direction: str, rows: int, rng: np.random.Generator) -> np.ndarray:
@@ -131,13 +104,6 @@ def composed_losses(mech: Mechanism, direction: str, rows: int, rng: np.random.G
     if mech.kind == "laplace":
         return _laplace_composed(mech, direction, rows, rng)
     return _gaussian_composed(mech, direction, rows, rng, max(1, chunk_elements // rows))
-
-
-def _bernstein_upper(s1: np.ndarray, s2: np.ndarray, n: int, fail: float) -> np.ndarray:
-    mean = s1 / n
-    var = np.maximum(0.0, (s2 - n * mean * mean) / (n - 1))
-    log_term = math.log(2 / fail)
-    return np.minimum(1.0, mean + np.sqrt(2 * var * log_term / n) + 7 * log_term / (3 * (n - 1)))
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,9 @@ import numpy as np
 from scipy import integrate, optimize
 
 from dpaudit.accounting.mechanism import Mechanism
-from dpaudit.accounting.montecarlo import DIRECTIONS, _bernstein_upper, _log_mix, laplace_inside, laplace_regions
-from dpaudit.errors import DPAuditError
+from dpaudit.accounting.mc_losses import DIRECTIONS, laplace_inside, laplace_regions
+from dpaudit.accounting.mc_losses import bernstein_upper as _bernstein_upper, log_mix as _log_mix
+from dpaudit.core.errors import DPAuditError
 
 MIN_ACCEPTANCE = 1e-3
 

@@ -13,7 +13,7 @@ def resolve_delta(kind: str, delta: float | None) -> float:
 
 
 def noise(kind: str) -> Noise:
-    from dpaudit.errors import DPAuditError
+    from dpaudit.core.errors import DPAuditError
 
     try:
         return NOISES[kind]

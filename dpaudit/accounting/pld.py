@@ -50,11 +50,12 @@ import math
 import time
 from dataclasses import dataclass
 
-from dpaudit.accounting import budget as budgets
+from dpaudit.core import limits as budgets
 from dpaudit.accounting.mechanism import Mechanism, Phases
 from dpaudit.accounting.noise import noise
-from dpaudit.accounting.result import DeltaResult, EpsilonResult, relation_of
-from dpaudit.errors import DPAuditError
+from dpaudit.accounting.result import DeltaResult, EpsilonResult
+from dpaudit.accounting.samplers import relation_of
+from dpaudit.core.errors import DPAuditError
 
 Event = Mechanism | Phases
 

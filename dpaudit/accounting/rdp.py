@@ -17,8 +17,9 @@ from __future__ import annotations
 import logging
 
 from dpaudit.accounting.mechanism import Mechanism
-from dpaudit.accounting.result import EpsilonResult, relation_of
-from dpaudit.errors import DPAuditError
+from dpaudit.accounting.result import EpsilonResult
+from dpaudit.accounting.samplers import relation_of
+from dpaudit.core.errors import DPAuditError
 
 ORDERS = ([1 + x / 10.0 for x in range(1, 100)] + list(range(11, 64)) + [64, 80, 96, 128, 192, 256, 384, 512,
                                                                          768, 1024, 2048, 4096, 8192])

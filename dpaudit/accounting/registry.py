@@ -21,7 +21,7 @@ from dpaudit.accounting.mechanism import Mechanism, Phases, check_delta, check_e
 from dpaudit.accounting.noise import noise
 from dpaudit.accounting.result import DeltaResult, EpsilonResult, NeighboringRelation
 from dpaudit.accounting.samplers import scheme
-from dpaudit.errors import DPAuditError
+from dpaudit.core.errors import DPAuditError
 
 Event = Mechanism | Phases
 

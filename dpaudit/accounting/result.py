@@ -27,14 +27,6 @@ REPLACE_ONE_WORDS = "replace-one (N public; a clipped sum moves by up to 2C)"
 ZERO_OUT_WORDS = "zero-out (one example replaced by a null one; each example meets at most one batch an epoch)"
 
 
-def relation_of(mech) -> str:
-    """How the neighbouring relation is covered for ``mech`` (a Mechanism or Phases), in words."""
-    from dpaudit.accounting.samplers import scheme
-
-    words = scheme(mech.sampling).relation_words
-    return words or (SINGLE_RELEASE if mech.is_single_release else ADD_REMOVE)
-
-
 @dataclass(frozen=True)
 class EpsilonResult:
     """``epsilon`` is an upper bound on the true epsilon at ``delta`` for ``neighboring``.

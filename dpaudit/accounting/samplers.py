@@ -19,8 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dpaudit.accounting.result import REPLACE_ONE_WORDS, ZERO_OUT_WORDS, NeighboringRelation
-from dpaudit.errors import DPAuditError
+from dpaudit.accounting.result import (
+    ADD_REMOVE, REPLACE_ONE_WORDS, SINGLE_RELEASE, ZERO_OUT_WORDS, NeighboringRelation,
+)
+from dpaudit.core.errors import DPAuditError
 
 
 @dataclass(frozen=True)
@@ -61,3 +63,9 @@ def scheme(name: str) -> Scheme:
         return SCHEMES[name]
     except (KeyError, TypeError):
         raise DPAuditError(f"unknown sampling {name!r}; choose one of {', '.join(SCHEMES)}") from None
+
+
+def relation_of(mech) -> str:
+    """How the neighbouring relation is covered for ``mech`` (a Mechanism or Phases), in words."""
+    words = scheme(mech.sampling).relation_words
+    return words or (SINGLE_RELEASE if mech.is_single_release else ADD_REMOVE)

@@ -134,7 +134,8 @@ def lower_bound(sigma: float, per_epoch: int, epochs: int, delta: float, grid: f
 
     if epochs < 1:
         return None
-    from dpaudit.accounting import budget, pld
+    from dpaudit.accounting import pld
+    from dpaudit.core import limits as budget
 
     epochs = min(epochs, LOWER_MAX_EPOCHS)  # fewer epochs: a smaller, still valid, lower bound
     grid = grid if grid is not None else min(LOWER_GRID, LOWER_SLACK / epochs)

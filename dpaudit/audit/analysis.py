@@ -21,7 +21,7 @@ from dpaudit.audit.guesses import check_scores
 from dpaudit.audit.headlines import BOUNDS, HEADLINES, WHY
 from dpaudit.audit.roc import RocSummary, summarise
 from dpaudit.audit.scores import Score, get_score
-from dpaudit.errors import DPAuditError
+from dpaudit.core.errors import DPAuditError
 
 @dataclass
 class AuditResult:

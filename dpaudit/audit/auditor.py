@@ -14,48 +14,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from dpaudit.audit import clopper_pearson, fdp, gaussian, gdp, one_run
-from dpaudit.audit.guesses import default_guess_counts, make_guesses, ranking, roc_hull
+from dpaudit.audit.guesses import (  # noqa: F401 - the strategies, importable from here as before
+    Candidate, HullThresholds, TopGuesses, default_guess_counts, make_guesses, ranking, roc_hull,
+)
 from dpaudit.audit.headlines import ANY_MECHANISM, GAUSSIAN_SHAPE, INDEPENDENT, WHITE_BOX_SUMS
-
-
-@dataclass(frozen=True)
-class Candidate:
-    k: int            # guesses made (the rest abstain)
-    v: int            # right guesses
-    label: str        # threshold or guess count, for the report
-
-
-ONE_SIDED_FRACTIONS = tuple(float(f) for f in np.geomspace(0.002, 1.0, 12))
-
-
-@dataclass(frozen=True)
-class TopGuesses:
-    """One-sided: guess "member" for the k highest scores, k on a geometric grid of m fixed in advance
-    (0.2 % ... 100 %, 12 counts). The guess sets depend on the ranking alone, never on the labels, so
-    Bonferroni over the 12 holds exactly."""
-    fractions: tuple[float, ...] = ONE_SIDED_FRACTIONS
-    name = "one-sided, top-k for counts k on a geometric grid fixed in advance (at most 12; equal ones merged)"
-    two_sided = False
-
-    def candidates(self, scores: np.ndarray, members: np.ndarray, seed: int) -> list[Candidate]:
-        order = ranking(scores, seed)
-        hits = np.cumsum(members[order])
-        counts = sorted({min(len(scores), max(1, int(round(f * len(scores))))) for f in self.fractions})
-        return [Candidate(k, int(hits[k - 1]), f"top {k}") for k in counts]
-
-
-@dataclass(frozen=True)
-class HullThresholds:
-    """One-sided: guess "member" above each ROC-convex-hull threshold, alpha split over the hull's vertices
-    (the rule of jax_privacy). The hull is found with the labels, so this correction is not a union bound
-    over label-free choices: at the null we measured 6.5 % (400 trials) and 9 % (200) false positives
-    at alpha = 5 %. Reported for comparison, never the automatic headline."""
-    name = "one-sided, ROC-hull thresholds (jax_privacy's rule)"
-    two_sided = False
-
-    def candidates(self, scores: np.ndarray, members: np.ndarray, seed: int) -> list[Candidate]:
-        # Every hull vertex is paid for, (0, 0) included (it can never win), as jax_privacy counts them.
-        return [Candidate(k, v, f"score >= {t:.6g}") for k, v, t in roc_hull(scores, members)]
 
 
 @dataclass(frozen=True)

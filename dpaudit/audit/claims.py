@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dpaudit import run_folder
+from dpaudit.core import run_folder
 
 MAX_BYTES = 1 << 20
 

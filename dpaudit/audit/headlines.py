@@ -36,13 +36,13 @@ class BoundSpec:
 
 
 def _top():
-    from dpaudit.audit.auditor import TopGuesses
+    from dpaudit.audit.guesses import TopGuesses
 
     return TopGuesses()
 
 
 def _hull():
-    from dpaudit.audit.auditor import HullThresholds
+    from dpaudit.audit.guesses import HullThresholds
 
     return HullThresholds()
 

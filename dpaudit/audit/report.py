@@ -10,12 +10,12 @@ from pathlib import Path
 
 import numpy as np
 
-from dpaudit.atomic import atomic_write_json, atomic_write_text, guard_new_folder
+from dpaudit.core.atomic import atomic_write_json, atomic_write_text, guard_new_folder
 from dpaudit.audit.analysis import AuditResult
 
 
 def prepare_folder(folder: Path, force: bool) -> Path:
-    from dpaudit.lock import mark
+    from dpaudit.core.lock import mark
 
     folder = Path(folder)
     guard_new_folder(folder, force)
@@ -105,7 +105,7 @@ def scores_csv(scores: np.ndarray, members: np.ndarray) -> str:
 
 
 def write_report(folder: Path, result: AuditResult, scores, members, context: dict) -> dict[str, Path]:
-    from dpaudit.plots import roc_plot
+    from dpaudit.core.plots import roc_plot
 
     folder = Path(folder)
     payload = {**result.to_dict(), "context": context}

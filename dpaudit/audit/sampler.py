@@ -56,7 +56,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dpaudit.errors import DPAuditError
+from dpaudit.core.errors import DPAuditError
 
 MAX_STEPS = 10_000_000
 MAX_EXAMPLES = 100_000_000
@@ -115,7 +115,7 @@ class _Collector:
     def _fits(self, examples: int) -> None:
         """The memory what is held will need (8 bytes a step's size, HASH its hash, twice 8 an example's count
         while its array grows, and the analysis's copies of both), against --max-memory."""
-        from dpaudit.accounting import budget
+        from dpaudit.core import limits as budget
 
         steps = len(self.sizes) + 4096
         budget.current().require(steps * (8 + self.HASH + 2 * 8 + 8 * self.HASH) + examples * 8 * 4,
@@ -314,7 +314,7 @@ class SamplerAudit:
 
     def write_log(self, path: Path) -> Path:
         """The batches as a log (``dpaudit audit sampler --log``): one JSON list of indices a line."""
-        from dpaudit.atomic import atomic_write_text
+        from dpaudit.core.atomic import atomic_write_text
 
         return atomic_write_text(path, "".join(json.dumps(b) + "\n" for b in self.batches()))
 

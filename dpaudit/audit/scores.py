@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dpaudit.errors import DPAuditError
+from dpaudit.core.errors import DPAuditError
 
 
 @dataclass(frozen=True)

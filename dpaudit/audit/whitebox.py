@@ -18,16 +18,14 @@ from pathlib import Path
 
 import numpy as np
 
-from dpaudit import run_folder
-from dpaudit.errors import DPAuditError
+from dpaudit.core import run_folder
+from dpaudit.core.errors import DPAuditError
 
 
 def _run_config(run_dir: Path) -> dict:
     """What the scoring needs of a run folder (run_config.json), or of a probe's folder (probe.json)."""
     if run_folder.is_probe_folder(run_dir):
-        from dpaudit.training.probe import read_spec
-
-        spec = read_spec(run_dir)
+        spec = run_folder.read_probe_spec(run_dir)
         method = "dp-sgd" if spec["kind"] == "gradient" else "scalar-sum"
         return {"config": {"method": method, "clip": spec["clip"]}, "probe": spec}
     return run_folder.run_config(run_dir)
@@ -52,8 +50,8 @@ def _alignment_scores(releases: np.ndarray, canaries, clip: float) -> dict[str, 
     a time, so memory is O(block), not O(transcript) (issue 36: a 100 MB transcript took 850 MB). The robust cut
     comes from an evenly strided sample of at most 2^20 entries (a function of the transcript, blind to
     membership, like the cut itself)."""
-    from dpaudit.accounting import budget
-    from dpaudit.training.whitebox import step_signs
+    from dpaudit.core import limits as budget
+    from dpaudit.audit.whitebox_canaries import step_signs
 
     steps, m = releases.shape
     block = max(1, BLOCK_VALUES // m)
@@ -87,7 +85,7 @@ def transcript_scores(run_dir: Path, meta: dict | None = None
                       ) -> tuple[dict[str, np.ndarray], np.ndarray, str, dict]:
     """({statistic: scores}, members, score name, facts) for a white-box run folder (``meta``: its
     ``_run_config``, when the caller has read it)."""
-    from dpaudit.training.whitebox import TRANSCRIPT, WhiteBoxCanaries, step_signs
+    from dpaudit.audit.whitebox_canaries import TRANSCRIPT, WhiteBoxCanaries, step_signs
 
     run_dir = Path(run_dir)
     meta = meta if meta is not None else _run_config(run_dir)

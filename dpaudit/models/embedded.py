@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dpaudit.atomic import save_model_folder
+from dpaudit.core.atomic import save_model_folder
 from dpaudit.models.hf import require_transformers
 from dpaudit.models.corpus import sentences
 

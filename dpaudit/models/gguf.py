@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from dpaudit.errors import DPAuditError
+from dpaudit.core.errors import DPAuditError
 
 STAMP = "dpaudit_gguf.json"
 
@@ -101,7 +101,7 @@ class _Header:
 def scan_header(source: Path) -> str:
     """Check the header and tensor table of the GGUF file ``source`` against the caps above and the memory
     available, and return their SHA-256 (the conversion's cache key). One line, exit 2, when refused."""
-    from dpaudit.accounting.budget import available_bytes, human_bytes
+    from dpaudit.core.limits import available_bytes, human_bytes
 
     try:
         with open(source, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
@@ -162,9 +162,9 @@ def _current(folder: Path, source: Path, digest: str) -> bool:
 
 def as_hf_folder(source: Path) -> Path:
     """The plain Hugging Face folder for the GGUF file ``source`` (converted on first use)."""
-    from dpaudit.atomic import save_model_folder
-    from dpaudit.lock import is_marked
-    from dpaudit.models.hf import require_transformers
+    from dpaudit.core.atomic import save_model_folder
+    from dpaudit.core.lock import is_marked
+    from dpaudit.models.dependency import require_transformers
 
     source = Path(source)
     folder = cache_folder(source)

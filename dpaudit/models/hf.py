@@ -5,20 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dpaudit.errors import DPAuditError
-
-
-def require_transformers():
-    try:
-        import transformers
-    except ImportError:  # the base install is accounting-only
-        raise DPAuditError("this command needs the training extras: pip install 'dpaudit[train]'") from None
-    import warnings
-
-    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")  # deprecation chatter
-    transformers.logging.set_verbosity_error()  # library chatter would bury our one-line messages
-    transformers.utils.logging.disable_progress_bar()
-    return transformers
+from dpaudit.core.errors import DPAuditError
+from dpaudit.models.dependency import require_transformers  # noqa: F401 - importable from here as before
 
 
 REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json", "processor_config.json")
@@ -33,7 +21,7 @@ def refuse_remote_code(folder: Path) -> None:
     it would mean running files that came with the checkpoint. (Loads also pass trust_remote_code=False.)
     A config too large or too nested to read is refused too, and a model config is checked for size
     (``check_model_size``) before anything is built from it."""
-    from dpaudit.safe_json import load_json_file
+    from dpaudit.core.safe_json import load_json_file
 
     for name in REMOTE_CODE_FILES:
         f = Path(folder) / name
@@ -77,8 +65,8 @@ def check_model_size(path: Path, config: dict, max_bytes: float | None = None) -
     load here uses) against ``max_bytes`` (default: the memory available to this process), and a layer
     count no model has. Checked before transformers builds anything, so a config naming 1e8 layers is
     refused in milliseconds instead of filling the memory or building modules for hours."""
-    from dpaudit.accounting import budget
-    from dpaudit.accounting.budget import available_bytes, human_bytes
+    from dpaudit.core import limits as budget
+    from dpaudit.core.limits import available_bytes, human_bytes
 
     if not isinstance(config, dict):
         raise DPAuditError(f"{path} is not a model config (a JSON object)")

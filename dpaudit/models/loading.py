@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dpaudit.errors import DPAuditError
+from dpaudit.core.errors import DPAuditError
 from dpaudit.models.hf import load_tokenizer, refuse_remote_code, require_transformers, resolve_model_path
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from dpaudit.errors import DPAuditError
+from dpaudit.core.errors import DPAuditError
 
 ENV = "DPAUDIT_ALLOW_BUGS"
 

@@ -19,8 +19,8 @@ import os
 import shutil
 from pathlib import Path
 
-from dpaudit.atomic import atomic_write_json, follow_umask
-from dpaudit.errors import DPAuditError
+from dpaudit.core.atomic import atomic_write_json, follow_umask
+from dpaudit.core.errors import DPAuditError
 
 FINAL, TMP, OLD = "checkpoint", ".checkpoint.tmp", ".checkpoint.old"
 MANIFEST = "checkpoint_manifest.json"

@@ -37,7 +37,7 @@ class TokenizedDataset:
 def tokenize(tokenizer, texts: list[str], max_length: int = 64) -> TokenizedDataset:
     """``texts`` tokenised, truncated and right-padded to ``max_length`` (the tokenizer's own padding and
     truncation sides are set for the call and restored)."""
-    from dpaudit.errors import DPAuditError
+    from dpaudit.core.errors import DPAuditError
 
     sides = getattr(tokenizer, "padding_side", None), getattr(tokenizer, "truncation_side", None)
     try:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dpaudit.errors import DPAuditError
+from dpaudit.core.errors import DPAuditError
 
 
 @dataclass(frozen=True)

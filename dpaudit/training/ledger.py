@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 
 from dpaudit.accounting.result import json_float
-from dpaudit.atomic import atomic_write_json
+from dpaudit.core.atomic import atomic_write_json
 
 GRID_POINTS = 25
 

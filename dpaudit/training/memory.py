@@ -23,9 +23,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dpaudit.accounting.budget import available_bytes  # noqa: F401 - callers read it here too
+from dpaudit.core.limits import available_bytes  # noqa: F401 - callers read it here too
 
-OVERHEAD = 160 * 2**20  # torch's own allocations, the tokenizer and the data (as accounting/budget.py)
+OVERHEAD = 160 * 2**20  # torch's own allocations, the tokenizer and the data (as core/limits.py)
 # What a process holds before any model: Python with torch, transformers and dpaudit imported (253 MB
 # resident measured on CPU torch 2.13, 2026-11-25). ``process_peak_bytes`` adds it, so the figure compares
 # with the process's peak RSS and with --max-memory (the embedded model: 0.46x its RSS without it).

@@ -65,7 +65,7 @@ class Method:
 
 
 def _dp_zo(s: TrainerSetup) -> Trainer:
-    from dpaudit import run_folder
+    from dpaudit.core import run_folder
     from dpaudit.training.streams import STREAM
     from dpaudit.training.zo import ZOSettings, ZOTrainer
 

@@ -1,7 +1,7 @@
 """A white-box probe for the user's own DP training: Opacus optimizers, or any PyTorch loop.
 
 The probe plants m canaries where DP acts and reads what DP releases, as the bundled trainers' --white-box
-does (training/whitebox.py holds the canaries, their signs and the transcript format; audit/whitebox.py
+does (audit/whitebox_canaries.py holds the canaries, their signs and the transcript format; audit/whitebox.py
 scores it). Each canary is a member with probability 1/2 (membership from fresh OS entropy, written 0600,
 never the secret that draws it; ``secret_seed=`` makes it reproducible, for tests and benchmarks only)
 and, as a member, is Poisson-sampled at each step with the run's rate p from the probe's own generator
@@ -34,12 +34,12 @@ from pathlib import Path
 
 import numpy as np
 
-from dpaudit.atomic import atomic_write_json
-from dpaudit.errors import DPAuditError
-from dpaudit.run_folder import PROBE
-from dpaudit.training.whitebox import GAIN, TRANSCRIPT, WhiteBoxCanaries
+from dpaudit.core.atomic import atomic_write_json
+from dpaudit.core.errors import DPAuditError
+from dpaudit.core.run_folder import PROBE, PROBE_KINDS, check_number as _check_number, read_probe_spec as read_spec
+from dpaudit.audit.whitebox_canaries import GAIN, TRANSCRIPT, WhiteBoxCanaries
 
-KINDS = ("gradient", "scalar")
+KINDS = PROBE_KINDS
 SAMPLING_DOMAIN = 0x77627370  # "wbsp": the canaries' per-step sampling, apart from membership's stream
 OPACUS_BYPASS = ("ghost (fast gradient clipping): Opacus clips each example in the loss's backward pass, which "
                  "canaries never enter, so the probe clips them itself at the optimizer's max_grad_norm")
@@ -112,7 +112,7 @@ class WhiteBoxProbe:
 
     # -- folder ------------------------------------------------------------------------------------------
     def _start(self, m: int, gain: float, seed: int) -> None:
-        from dpaudit.lock import MARKER, mark
+        from dpaudit.core.lock import MARKER, mark
 
         if self.out.exists() and any(p.name != MARKER for p in self.out.iterdir()):
             raise DPAuditError(f"{self.out} is not empty; give the probe a new folder, resume=True to continue the "
@@ -454,7 +454,7 @@ class WhiteBoxProbe:
                                                           alpha=alpha)
         if report:
             from dpaudit.audit.report import write_report
-            from dpaudit.lock import remove_folder
+            from dpaudit.core.lock import remove_folder
 
             remove_folder(self.out / "report")
             context = {"probe": self.source, "claimed eps": claimed_eps, "claimed eps from": source,
@@ -487,32 +487,6 @@ def _hooked_sample_rate(optimizer) -> float | None:
         return getattr(optimizer, "sample_rate", None)
     value = hook.__closure__[code.co_freevars.index("sample_rate")].cell_contents
     return float(value) if isinstance(value, (int, float)) else None
-
-
-def read_spec(folder: Path) -> dict:
-    """A probe folder's probe.json, checked: a clip, sample rate, gain or m no probe writes is refused (a clip of
-    -1 turned a VIOLATION into "consistent", issue 36)."""
-    from dpaudit.safe_json import load_json_file
-
-    spec = load_json_file(Path(folder) / PROBE, "probe description", max_bytes=1 << 20)
-    if not isinstance(spec, dict) or spec.get("format") != "dpaudit-probe/1" or spec.get("kind") not in KINDS:
-        raise DPAuditError(f"{folder} holds no dpaudit probe (probe.json)")
-    try:
-        _check_number("clip norm C", spec.get("clip"), above=0)
-        _check_number("sample rate", spec.get("sample_rate"), above=0, at_most=1)
-        _check_number("gain", spec.get("gain"), above=0)
-        if type(spec.get("m")) is not int or spec["m"] < 2:
-            raise DPAuditError("m is not an integer >= 2")
-    except DPAuditError as exc:
-        raise DPAuditError(f"{Path(folder) / PROBE} is not as a probe writes it ({exc}); refusing to audit it") from None
-    return spec
-
-
-def _check_number(what: str, x, *, above: float, at_most: float = math.inf) -> None:
-    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)) or not math.isfinite(x) \
-            or not (above < x <= at_most):
-        bounds = f"in ({above:g}, {at_most:g}]" if math.isfinite(at_most) else f"a finite number > {above:g}"
-        raise DPAuditError(f"the {what} must be {bounds}, got {x!r}")
 
 
 def _shapes(params) -> list[list[int]]:

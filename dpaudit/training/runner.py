@@ -12,11 +12,11 @@ from pathlib import Path
 
 import numpy as np
 
-from dpaudit.accounting.budget import TimeUp
-from dpaudit.atomic import atomic_write_json, save_model_folder
-from dpaudit.errors import DPAuditError, Interrupted
-from dpaudit import run_folder
-from dpaudit.progress import progress_bar
+from dpaudit.core.limits import TimeUp
+from dpaudit.core.atomic import atomic_write_json, save_model_folder
+from dpaudit.core.errors import DPAuditError, Interrupted
+from dpaudit.core import run_folder
+from dpaudit.core.progress import progress_bar
 from dpaudit.training import checkpoint
 from dpaudit.training.directions import DEFAULT_DIRECTION, DIRECTIONS
 from dpaudit.training.methods import METHODS
@@ -152,7 +152,7 @@ def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *,
     """Train into ``run_dir``, holding its lock (rank 0 of a distributed run) so no second run writes there."""
     from contextlib import nullcontext
 
-    from dpaudit.lock import folder_lock
+    from dpaudit.core.lock import folder_lock
 
     main_process = int(os.environ.get("RANK", "0")) == 0
     estimate = preflight(model_dir, cfg, len(texts), texts=texts) if main_process else None
@@ -172,7 +172,7 @@ def preflight(model_dir: Path, cfg: TrainConfig, examples: int, warn: bool = Tru
     example, so short texts never fill ``max_length``); without, at ``max_length`` (the side to err on)."""
     import torch
 
-    from dpaudit.accounting.budget import human_bytes
+    from dpaudit.core.limits import human_bytes
     from dpaudit.models.hf import MAX_CONFIG_BYTES, meta_model, resolve_model_path
     from dpaudit.training import memory
 
@@ -181,7 +181,7 @@ def preflight(model_dir: Path, cfg: TrainConfig, examples: int, warn: bool = Tru
         return None
     if cfg.max_memory:  # the weights alone must fit the budget given (meta_model checks the free memory)
         from dpaudit.models.hf import check_model_size
-        from dpaudit.safe_json import load_json_file
+        from dpaudit.core.safe_json import load_json_file
 
         check_model_size(folder / "config.json", load_json_file(folder / "config.json", "model config",
                                                                 MAX_CONFIG_BYTES), cfg.max_memory)
@@ -241,7 +241,7 @@ def _longest(folder: Path, texts: list[str], max_length: int) -> int:
 
 
 def _has_content(folder: Path) -> bool:
-    from dpaudit.lock import LOCK, MARKER
+    from dpaudit.core.lock import LOCK, MARKER
 
     return any(p.name not in (LOCK, MARKER) for p in folder.iterdir())
 
@@ -259,8 +259,8 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
     from dpaudit.training.shard import Sharding, full_state_dict, shard_model
     from dpaudit.training.streams import STREAM
     from dpaudit.training.trainable import select_trainable, trainable_parameters
-    from dpaudit.training.whitebox import WhiteBoxCanaries
-    from dpaudit.threads import adapt as adapt_threads
+    from dpaudit.audit.whitebox_canaries import WhiteBoxCanaries
+    from dpaudit.core.threads import adapt as adapt_threads
     from dpaudit.training.divergence import DivergenceWatch
     from dpaudit.training.methods import TrainerSetup
 
@@ -522,7 +522,7 @@ GRID_SLACK = 0.02
 def _released_steps(run_dir: Path, ledger: dict | None, cfg: TrainConfig) -> int:
     """Steps whose outputs may have been seen: the ledger's count, or more where the DP-ZO log or the
     white-box transcript holds more (a run written by an older dpaudit released before it counted)."""
-    from dpaudit.training.whitebox import TRANSCRIPT
+    from dpaudit.audit.whitebox_canaries import TRANSCRIPT
 
     counted = 0
     if ledger is not None:

@@ -178,7 +178,7 @@ def supported_for_dp_sgd(model) -> None:
 def check_layers(model) -> set[type]:
     """The refusal of ``supported_for_dp_sgd`` alone (no Opacus import; on a meta model too, so ``audit run``
     and ``train`` refuse before any canary or weight work); returns the scaled embedding types found."""
-    from dpaudit.errors import DPAuditError
+    from dpaudit.core.errors import DPAuditError
 
     scaled = set()
     for name, m in model.named_modules():

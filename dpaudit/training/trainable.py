@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dpaudit.errors import DPAuditError
+from dpaudit.core.errors import DPAuditError
 
 SUBSETS = ("full", "lora", "bias")
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dpaudit.atomic import atomic_write_json
-from dpaudit.errors import DPAuditError
+from dpaudit.core.atomic import atomic_write_json
+from dpaudit.core.errors import DPAuditError
 
 # Membership is drawn from the secret seed in its own domain (a SeedSequence spawn key), so it can never
 # coincide with a batch or noise stream, which are keyed [secret, step] without one.

@@ -12,11 +12,12 @@ Readers cap sizes and turn anything malformed into one DPAuditError (torch-free:
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
 
-from dpaudit.errors import DPAuditError
+from dpaudit.core.errors import DPAuditError
 
 RUN_CONFIG = "run_config.json"
 LEDGER = "privacy_ledger.json"
@@ -28,7 +29,7 @@ MAX_JSON = 16 << 20
 
 def read_json(path: Path, what: str) -> dict | None:
     """A run file dpaudit wrote, or None when it is absent; one line when it is not ours."""
-    from dpaudit.safe_json import load_json_file
+    from dpaudit.core.safe_json import load_json_file
 
     path = Path(path)
     if not path.exists():
@@ -73,7 +74,7 @@ def zo_log(folder: Path) -> tuple[np.ndarray, np.ndarray]:
 
 def log_lines(folder: Path) -> int:
     """Lines in the DP-ZO log, counted in blocks (what a run released, whatever its ledger says)."""
-    from dpaudit.safe_json import count_newlines
+    from dpaudit.core.safe_json import count_newlines
 
     path = Path(folder) / ZO_LOG
     return count_newlines(path, "DP-ZO log") if path.is_file() else 0
@@ -85,3 +86,32 @@ def truncate_log(path: Path, steps: int) -> None:
         return
     lines = path.read_text(encoding="utf-8").splitlines()[:steps]
     path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+
+
+PROBE_KINDS = ("gradient", "scalar")  # a WhiteBoxProbe's releases: gradient sums or scalar sums
+
+
+def read_probe_spec(folder: Path) -> dict:
+    """A probe folder's probe.json, checked: a clip, sample rate, gain or m no probe writes is refused (a clip of
+    -1 turned a VIOLATION into "consistent", issue 36)."""
+    from dpaudit.core.safe_json import load_json_file
+
+    spec = load_json_file(Path(folder) / PROBE, "probe description", max_bytes=1 << 20)
+    if not isinstance(spec, dict) or spec.get("format") != "dpaudit-probe/1" or spec.get("kind") not in PROBE_KINDS:
+        raise DPAuditError(f"{folder} holds no dpaudit probe (probe.json)")
+    try:
+        check_number("clip norm C", spec.get("clip"), above=0)
+        check_number("sample rate", spec.get("sample_rate"), above=0, at_most=1)
+        check_number("gain", spec.get("gain"), above=0)
+        if type(spec.get("m")) is not int or spec["m"] < 2:
+            raise DPAuditError("m is not an integer >= 2")
+    except DPAuditError as exc:
+        raise DPAuditError(f"{Path(folder) / PROBE} is not as a probe writes it ({exc}); refusing to audit it") from None
+    return spec
+
+
+def check_number(what: str, x, *, above: float, at_most: float = math.inf) -> None:
+    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)) or not math.isfinite(x) \
+            or not (above < x <= at_most):
+        bounds = f"in ({above:g}, {at_most:g}]" if math.isfinite(at_most) else f"a finite number > {above:g}"
+        raise DPAuditError(f"the {what} must be {bounds}, got {x!r}")

@@ -8,7 +8,7 @@ import io
 import json
 from pathlib import Path
 
-from dpaudit.errors import DPAuditError
+from dpaudit.core.errors import DPAuditError
 
 FORMATS = ("jsonl", "txt", "csv")
 

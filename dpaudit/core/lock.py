@@ -1,7 +1,7 @@
 """Run folders: a marker that says dpaudit made the folder (so --force only ever clears its own), and an
 advisory lock so two runs never write one folder at once.
 
-The lock is flock(2) on <folder>/.dpaudit.lock: the kernel drops it when its process dies, so a lock is
+The lock is flock(2) on <folder>/.dpaudit.core.lock: the kernel drops it when its process dies, so a lock is
 never stale; the file says who holds it (pid and host) for the message a second writer gets.
 """
 
@@ -14,10 +14,10 @@ import socket
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from dpaudit.errors import DPAuditError
+from dpaudit.core.errors import DPAuditError
 
 MARKER = ".dpaudit-folder"
-LOCK = ".dpaudit.lock"
+LOCK = ".dpaudit.core.lock"
 
 
 def mark(folder: Path) -> None:

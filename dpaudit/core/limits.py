@@ -17,7 +17,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from dpaudit.errors import DPAuditError
+from dpaudit.core.errors import DPAuditError
 
 DEFAULT_MAX_MEMORY = 2 * 1024**3  # bytes
 DEFAULT_TIMEOUT = 60.0  # seconds, for a command

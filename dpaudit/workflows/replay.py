@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dpaudit import run_folder
-from dpaudit.errors import DPAuditError
+from dpaudit.core import run_folder
+from dpaudit.core.errors import DPAuditError
 
 
 def replay_run(run_dir: Path, base_model: Path | None = None):

@@ -11,10 +11,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from dpaudit.atomic import atomic_write_json, atomic_write_text, save_model_folder
+from dpaudit.core.atomic import atomic_write_json, atomic_write_text, save_model_folder
 from dpaudit.audit.analysis import AuditResult, analyse
 from dpaudit.audit.report import prepare_folder, write_report
-from dpaudit.lock import remove_folder
+from dpaudit.core.lock import remove_folder
 from dpaudit.training.runner import TrainConfig, TrainResult, preflight, train
 
 
@@ -68,7 +68,7 @@ def run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, force:
               **kwargs) -> tuple[AuditResult, TrainResult, dict]:
     """The whole audit in ``out`` (a non-empty folder only with --force, and only one dpaudit made), holding
     the folder's lock so a second run into the same folder is refused."""
-    from dpaudit.lock import folder_lock
+    from dpaudit.core.lock import folder_lock
 
     if kwargs.get("model") is not None:
         preflight(kwargs["model"], cfg, settings.examples, warn=False)  # refusals before the folder exists
@@ -80,11 +80,11 @@ def run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, force:
 def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model: Path | None = None,
                data: Path | None = None, data_format: str | None = None, field: str = "text",
                show_progress: bool = True) -> tuple[AuditResult, TrainResult, dict]:
-    from dpaudit.audit.scoring import score_checkpoint
+    from dpaudit.workflows.scoring import score_checkpoint
     from dpaudit.canaries.generate import make_canaries
     from dpaudit.canaries.hf import extend_model
     from dpaudit.canaries.insert import insert_canaries
-    from dpaudit.training.texts import detect_format, read_texts
+    from dpaudit.core.texts import detect_format, read_texts
     from dpaudit.models.corpus import sentences
     from dpaudit.models.loading import load_causal_lm
 
@@ -121,7 +121,7 @@ def _white_box(out: Path, cfg: TrainConfig, settings: AuditRunSettings, base: Pa
                show_progress: bool):
     """Train with white-box canaries planted, then audit the transcript (no model scoring needed)."""
     from dpaudit.audit.whitebox import audit_run_folder
-    from dpaudit.training.texts import detect_format, read_texts
+    from dpaudit.core.texts import detect_format, read_texts
     from dpaudit.models.corpus import sentences
 
     if data is None:

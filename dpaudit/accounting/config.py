@@ -14,7 +14,7 @@ from dpaudit.accounting.mechanism import (
 )
 from dpaudit.accounting.noise import NOISES
 from dpaudit.accounting.samplers import SAMPLINGS
-from dpaudit.errors import DPAuditError
+from dpaudit.core.errors import DPAuditError
 
 KNOWN_KEYS = {
     "mechanism", "sigma", "noise_multiplier", "sampling_rate", "batch_size", "dataset_size",

@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from dpaudit.atomic import atomic_write  # noqa: E402
+from dpaudit.core.atomic import atomic_write  # noqa: E402
 
 
 def save_figure(fig, path: Path) -> Path:

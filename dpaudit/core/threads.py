@@ -9,7 +9,7 @@ import math
 import os
 from pathlib import Path
 
-from dpaudit.errors import DPAuditError
+from dpaudit.core.errors import DPAuditError
 
 
 def cpu_quota() -> float | None:

@@ -6,8 +6,8 @@ import numpy as np
 
 from dpaudit.canaries.hf import check_tokenizer_matches
 from dpaudit.canaries.manifest import Manifest
-from dpaudit.errors import DPAuditError
-from dpaudit.progress import progress_bar
+from dpaudit.core.errors import DPAuditError
+from dpaudit.core.progress import progress_bar
 
 
 def secret_losses(model, tokenizer, manifest: Manifest, batch_size: int = 32, show_progress: bool = True,

@@ -1,0 +1,100 @@
+"""The layers point one way (issue 37): an import graph built from the source (AST; nothing is imported or run)
+must have no cycle and no arrow from a lower layer to a higher one. Failures name the file and line.
+
+    core -> accounting -> audit statistics -> models, canaries -> training -> workflows -> integrations -> api, cli
+
+Each package's __init__ docstring says what it may import; LAYERS below is the one table of it.
+"""
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# Where each import name lives (the design card keeps cli/ and canaries/ at the top of the repository).
+ROOTS = {"dpaudit.cli": REPO / "cli", "dpaudit.canaries": REPO / "canaries", "dpaudit": REPO / "dpaudit"}
+LAYERS = {  # package (or top-level module) of dpaudit -> its rank; a module may import its own rank or lower
+    "core": 0, "accounting": 1, "audit": 2, "models": 3, "canaries": 3, "training": 4, "workflows": 5,
+    "integrations": 6, "api": 7, "cli": 7, "__init__": 7,
+}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for name, root in ROOTS.items():
+        for f in sorted(root.rglob("*.py")):
+            if name == "dpaudit" and any(f.is_relative_to(r) for n, r in ROOTS.items() if n != "dpaudit"):
+                continue
+            parts = [p for p in f.relative_to(root).with_suffix("").parts if p != "__init__"]
+            found[".".join([name, *parts])] = f
+    return found
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def graph():
+    mods = modules()
+    edges = defaultdict(list)  # module -> [(imported module, line)]
+    for name, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                # `from pkg import sub` imports the package's __init__ too, unless what it names are modules
+                subs = [f"{node.module}.{a.name}" for a in node.names]
+                targets = [t for t in subs if t in mods] or [node.module]
+            for t in targets:
+                if t in mods and t != name:
+                    edges[name].append((t, node.lineno))
+    return mods, edges
+
+
+def test_every_module_is_in_a_layer():
+    mods, _ = graph()
+    assert not [m for m in mods if layer(m) not in LAYERS], "modules outside every layer"
+
+
+def test_no_arrow_points_up():
+    mods, edges = graph()
+    wrong = [f"{mods[a].relative_to(REPO)}:{line} imports {b} ({layer(a)} -> {layer(b)})"
+             for a, targets in edges.items() for b, line in targets
+             if layer(a) in LAYERS and layer(b) in LAYERS and LAYERS[layer(b)] > LAYERS[layer(a)]]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_cycle():
+    mods, edges = graph()
+    nodes = {a: sorted({b for b, _ in targets}) for a, targets in edges.items()}
+    index, low, stack, on, cycles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):  # Tarjan's strongly connected components, recursive (the graph has a few hundred nodes)
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in nodes.get(v, []):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                cycles.append(sorted(part))
+
+    for v in sorted(mods):
+        if v not in index:
+            visit(v)
+    where = [" <-> ".join(f"{c} ({mods[c].relative_to(REPO)})" for c in cycle) for cycle in cycles]
+    assert not cycles, "\n".join(where)
