@@ -16,7 +16,7 @@ from rich.console import Console
 
 from dpaudit.accounting.mechanism import Mechanism, schedule  # noqa: F401 - schedule: the commands import it here
 from dpaudit.accounting.samplers import SAMPLINGS
-from dpaudit.accounting.noise import NOISES, noise, resolve_delta  # noqa: F401 - resolve_delta: likewise
+from dpaudit.accounting.noises import NOISES, noise, resolve_delta  # noqa: F401 - resolve_delta: likewise
 from dpaudit.core.errors import DPAuditError
 
 # On a terminal, rich fits the text to the window; elsewhere (a pipe, a log, CI) nothing is wrapped or cut:

@@ -88,7 +88,7 @@ def _pretrained(model: Path | None) -> bool:
 def make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction, trainable,
                 bf16, seed, secret_seed, accountant, max_memory=None, model: Path | None = None, **extra):
     from dpaudit.core.limits import parse_memory
-    from dpaudit.accounting.noise import resolve_delta
+    from dpaudit.accounting.noises import resolve_delta
     from dpaudit.training.methods import METHODS
     from dpaudit.training.runner import TrainConfig
 

@@ -26,7 +26,7 @@ from dpaudit.accounting.calibrate import calibrate_sigma as _calibrate_sigma
 from dpaudit.accounting.calibrate import max_steps as _max_steps
 from dpaudit.accounting.mechanism import Mechanism, Phases, check_epsilon, schedule
 from dpaudit.accounting.mechanism import event as _event
-from dpaudit.accounting.noise import resolve_delta
+from dpaudit.accounting.noises import resolve_delta
 from dpaudit.accounting.registry import delta as _delta
 from dpaudit.accounting.registry import epsilon as _epsilon
 from dpaudit.accounting.result import DeltaResult, EpsilonResult, NeighboringRelation

@@ -11,7 +11,7 @@ TEXTS = [f"Carol number {i} sells {'maps' if i % 2 else 'tea'} in Oslo." for i i
 
 def stop_after(steps: int) -> None:
     """Every rank exits as the step after ``steps`` begins, as a killed run would (batches are drawn once a step)."""
-    import dpaudit.training.sampling as sampling
+    import dpaudit.training.batches as sampling
 
     draw, calls = sampling.poisson_batch, []
 

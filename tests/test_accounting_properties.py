@@ -84,7 +84,7 @@ def test_vectorised_step_pld_equals_dp_accountings(kind, sigma, p, points, pessi
     from dp_accounting.pld import privacy_loss_distribution as lib
 
     from dpaudit.accounting import pld
-    from dpaudit.accounting.noise import noise
+    from dpaudit.accounting.noises import noise
 
     mech = Mechanism(kind, sigma, p, 1)
     grid = pld.step_loss_range(mech, 1e-5) / points
@@ -108,7 +108,7 @@ def test_our_composition_is_dp_accountings_self_compose_bit_for_bit(sigma, p, t)
     import numpy as np
 
     from dpaudit.accounting import pld
-    from dpaudit.accounting.noise import noise
+    from dpaudit.accounting.noises import noise
 
     mech = Mechanism("gaussian", sigma, p, t)
     single = noise("gaussian").pld(mech, pld.first_grid(mech, 1e-5), True, -50.0)._pmf_remove.to_dense_pmf()  # noqa: SLF001
@@ -127,7 +127,7 @@ def test_our_truncation_bounds_are_dp_accountings(sigma, p, t, remove):
     from dp_accounting.pld import common
 
     from dpaudit.accounting import pld
-    from dpaudit.accounting.noise import noise
+    from dpaudit.accounting.noises import noise
 
     mech = Mechanism("gaussian", sigma, p, t)
     single = noise("gaussian").pld(mech, pld.first_grid(mech, 1e-5) / 3, True, -50.0)

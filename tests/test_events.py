@@ -216,7 +216,7 @@ def test_the_discrete_gaussian_is_one_file_and_pld_covers_it():
     assert discrete.accountant == "pld"
     assert discrete.epsilon == pytest.approx(continuous.epsilon, rel=0.05)  # at large sigma the two coincide
     assert "does not cover" in ACCOUNTANTS["rdp"].supports(Mechanism("discrete-gaussian", 2.0, 0.1, 10), DELTA)
-    from dpaudit.accounting.noise import noise
+    from dpaudit.accounting.noises import noise
 
     rng = np.random.default_rng(0)
     draws = np.array([noise("discrete-gaussian").draw(rng, 3.0) for _ in range(4000)])

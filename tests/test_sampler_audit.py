@@ -220,3 +220,17 @@ def test_the_sampler_audit_stays_within_max_memory(tmp_path):
     out = dpaudit("audit", "sampler", "--log", log, "--max-memory", "300M")
     assert_one_line_error(out)
     assert "memory budget" in out.stderr
+
+
+def test_a_sampler_audit_s_log_reads_back_as_the_same_verdict(tmp_path):
+    """SamplerAudit.write_log (public: a CI job logs its loader's batches for `check --sampler-log`) writes what
+    read_log reads: the same batches, the same verdict, from the command line too."""
+    from dpaudit.audit.sampler import read_log
+
+    batches = shuffled(np.random.default_rng(4))
+    audit = SamplerAudit(batches, steps=T, dataset_size=N, sample_rate=P)
+    log = audit.write_log(tmp_path / "batches.log")
+    assert [list(b) for b in read_log(log)] == [[int(i) for i in b] for b in batches]
+    assert analyse_batches(read_log(log), N, P).looks_like == audit.run().looks_like
+    out = dpaudit("audit", "sampler", "--log", log, "-N", N, "--p", P)
+    assert out.returncode == 1 and "shuffled epochs" in out.stdout

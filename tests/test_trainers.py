@@ -15,7 +15,7 @@ from dpaudit.training import zo
 from dpaudit.training.data import tokenize
 from dpaudit.workflows.replay import max_weight_difference
 from dpaudit.training.runner import TrainConfig, train
-from dpaudit.training.sampling import poisson_batch
+from dpaudit.training.batches import poisson_batch
 from dpaudit.training.sgd import FirstOrderTrainer
 from dpaudit.training.trainable import select_trainable, trainable_parameters
 
@@ -272,7 +272,7 @@ def test_killed_run_keeps_ledger_and_resumes(tiny_model_dir, tmp_path, monkeypat
 def test_a_dp_sgd_step_redone_after_resume_draws_fresh_noise(tiny_model_dir, tmp_path, monkeypatch):
     """Killed after step 3 (checkpoint at step 2) and resumed: step 3 runs again with another batch. Its
     noise must be new; the same noise on another clipped sum would release their difference unprotected."""
-    import dpaudit.training.sampling as sampling
+    import dpaudit.training.batches as sampling
     from dpaudit.training import sgd
 
     keys = []

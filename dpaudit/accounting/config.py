@@ -12,7 +12,7 @@ import yaml
 from dpaudit.accounting.mechanism import (
     Mechanism, Phases, check_delta, check_epsilon, compose_phases, phase_from, schedule,
 )
-from dpaudit.accounting.noise import NOISES
+from dpaudit.accounting.noises import NOISES
 from dpaudit.accounting.samplers import SAMPLINGS
 from dpaudit.core.errors import DPAuditError
 

@@ -15,11 +15,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from dpaudit.accounting.noise import NOISES, noise
+from dpaudit.accounting.noises import noise
 from dpaudit.accounting.samplers import scheme
 from dpaudit.core.errors import DPAuditError
 
-MECHANISMS = tuple(NOISES)
 MAX_PHASES = 1000  # a schedule of more distinct phases is refused (each is a PLD of its own)
 
 

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 from dpaudit.core import limits as budgets
 from dpaudit.accounting.mechanism import Mechanism, Phases
-from dpaudit.accounting.noise import noise
+from dpaudit.accounting.noises import noise
 from dpaudit.accounting.result import DeltaResult, EpsilonResult
 from dpaudit.accounting.samplers import relation_of
 from dpaudit.core.errors import DPAuditError

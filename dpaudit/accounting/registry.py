@@ -18,7 +18,7 @@ from typing import Callable
 
 from dpaudit.accounting import analytic, pure
 from dpaudit.accounting.mechanism import Mechanism, Phases, check_delta, check_epsilon
-from dpaudit.accounting.noise import noise
+from dpaudit.accounting.noises import noise
 from dpaudit.accounting.result import DeltaResult, EpsilonResult, NeighboringRelation
 from dpaudit.accounting.samplers import scheme
 from dpaudit.core.errors import DPAuditError

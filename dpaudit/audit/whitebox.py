@@ -75,7 +75,7 @@ def _robust_cut(values: np.ndarray) -> tuple[float, float]:
 
 def public_noise(seeds: np.ndarray, kind: str, scale: float) -> np.ndarray:
     """The noise each step's public seed would give (what a trainer that misuses it adds)."""
-    from dpaudit.accounting.noise import noise
+    from dpaudit.accounting.noises import noise
 
     draw = noise(kind).draw
     return np.array([draw(np.random.default_rng(int(s)), scale) for s in seeds])

@@ -255,7 +255,7 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
     from dpaudit.training.distributed import setup_world
     from dpaudit.training.ledger import PrivacyLedger
     from dpaudit.training.new_tokens import new_token_ids
-    from dpaudit.training.sampling import poisson_batch, shuffled_batches
+    from dpaudit.training.batches import poisson_batch, shuffled_batches
     from dpaudit.training.shard import Sharding, full_state_dict, shard_model
     from dpaudit.training.streams import STREAM
     from dpaudit.training.trainable import select_trainable, trainable_parameters
@@ -285,7 +285,7 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
                 (run_dir / name).exists() for name in (checkpoint.FINAL, checkpoint.TMP, checkpoint.OLD))):
             raise DPAuditError(f"{run_dir} holds steps of a run but no {run_folder.LEDGER}: refusing to resume a run "
                                "whose spending is unknown; start a new run folder")
-        if (run_dir / "model").is_dir():
+        if (run_dir / run_folder.MODEL).is_dir():
             raise DPAuditError(f"the run in {run_dir} is complete; there is nothing to resume")
         if world.is_main:  # the newest verified copy, moved to checkpoint/ (hashed once, here)
             found = checkpoint.newest_intact(run_dir)
@@ -428,7 +428,7 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
     if main:
         ledger.record(cfg.steps + discarded, steps_in_model=cfg.steps)
     seconds = time.perf_counter() - began
-    final = run_dir / "model"
+    final = run_dir / run_folder.MODEL
     weights = full_state_dict(model) if sharded else None  # every rank takes part
     if main:  # the finished model replaces the resume checkpoint (no second copy of the weights)
         final = _export(run_dir, model, tokenizer, weights)
@@ -583,4 +583,4 @@ def _export(run_dir: Path, model, tokenizer, weights: dict | None = None) -> Pat
     ``weights``: the whole state of a sharded model, gathered on this rank."""
     from dpaudit.training.trainable import merged
 
-    return save_model_folder(run_dir / "model", merged(model), tokenizer, state_dict=weights)
+    return save_model_folder(run_dir / run_folder.MODEL, merged(model), tokenizer, state_dict=weights)
