@@ -251,6 +251,9 @@ def audit_sampler(
             t = verdict.tests[name]
             console.print(f"  {name}: dispersion {t['dispersion']:.3g} (1 for Poisson; p too uniform "
                           f"{t['p_too_uniform']:.2g}, too variable {t['p_too_variable']:.2g})", highlight=False)
+        most = verdict.tests["most inclusions of one example"]
+        console.print(f"  most inclusions of one example: {most['count']} (example {most['example']}; "
+                      f"{most['expected']:.3g} expected, p {most['p_value']:.2g})", highlight=False)
         for note in verdict.notes:
             console.print(f"  note: {escape(note)}", highlight=False)
     if not verdict.poisson_accounting_valid:

@@ -102,20 +102,28 @@ def _gate_sampler(log: Path, cfg) -> dict:
     alpha = ALPHA / len(phases)
     parts, logged, consistent = [], 0, True
     for i, m in enumerate(phases):
-        window = list(islice(batches, m.steps))
-        logged += len(window)
-        if len(window) < 2:
-            parts.append({"phase": i + 1, "steps_logged": len(window), "verdict": "not tested (fewer than 2 batches)"})
-            continue
+        seen = [0]
+
+        def window(steps=m.steps):  # streamed: a phase's batches are never all held at once
+            for batch in islice(batches, steps):
+                seen[0] += 1
+                yield batch
+
         try:
-            verdict = analyse_batches(window, dataset_size=m.dataset_size or cfg.dataset_size,
+            verdict = analyse_batches(window(), dataset_size=m.dataset_size or cfg.dataset_size,
                                       sample_rate=m.sampling_rate, alpha=alpha)
         except DPAuditError as exc:
+            logged += seen[0]
+            if seen[0] < 2:
+                parts.append({"phase": i + 1, "steps_logged": seen[0], "verdict": "not tested (fewer than 2 batches)"})
+                continue
             raise DPAuditError(f"sampler log {log}, phase {i + 1}: {exc}") from None
+        logged += seen[0]
+        window_steps = seen[0]
         observed = next((name for start, name in OBSERVED if verdict.looks_like.startswith(start)), None)
         ok = observed == m.sampling
         consistent = consistent and ok
-        parts.append({"phase": i + 1, **verdict.to_dict(), "steps_logged": len(window), "observed_sampling": observed,
+        parts.append({"phase": i + 1, **verdict.to_dict(), "steps_logged": window_steps, "observed_sampling": observed,
                       "config_sampling": m.sampling, "consistent_with_config": ok})
     extra = sum(1 for _ in batches)
     steps = sum(m.steps for m in phases)

@@ -60,3 +60,27 @@ def test_audit_run_bad_inputs(tmp_path, args, message):
     out = dpaudit("audit", "run", "--out", tmp_path / "x", *args)
     assert_one_line_error(out)
     assert message in out.stderr
+
+
+def test_a_rerun_reuses_its_canaries_and_extended_model(tiny_model_dir, tmp_path):
+    """Issue 36: `audit run --model` made and extended the canaries again on every run (3-5 minutes and ~2 GB on
+    a 270M model). A rerun into the same folder with the same base model and canary settings reuses them; another
+    seed makes them again."""
+    import json
+
+    def run(*extra):
+        out = dpaudit("audit", "run", "--out", tmp_path / "a", "--model", tiny_model_dir, "--method", "dp-sgd",
+                      "--eps", "8", "-m", "20", "--examples", "40", "-T", "2", "-B", "8", "--secret-seed", "1",
+                      "--threads", "1", "--force", "--json", *extra, timeout=600)
+        assert out.returncode in (0, 1), out.stderr
+        return json.loads(out.stdout)["context"]
+
+    first = run()
+    made = (tmp_path / "a" / "extended_model" / "config.json").stat().st_mtime_ns
+    manifest = (tmp_path / "a" / "canaries.json").read_text()
+    again = run()
+    assert "canaries" not in first and "reused" in again["canaries"]
+    assert (tmp_path / "a" / "extended_model" / "config.json").stat().st_mtime_ns == made
+    assert (tmp_path / "a" / "canaries.json").read_text() == manifest
+    other = run("--seed", "3")
+    assert "canaries" not in other and (tmp_path / "a" / "canaries.json").read_text() != manifest

@@ -1,7 +1,7 @@
 """Is a training run's batch sampler Poisson? Tests on the batches it drew (no torch needed).
 
-Poisson sampling at rate p over N examples and T steps (what the accountants assume) has two
-fingerprints, each tested with its own chi-square statistic:
+Poisson sampling at rate p over N examples and T steps (what the accountants assume) leaves three
+fingerprints in the batches, each tested against its exact null distribution:
 
 1. Batch sizes. |B_t| ~ Binomial(N, p), independent over t; S = sum_t (|B_t| - Np)^2 / (Np(1 - p)). Fixed-
    size batches make S ~ 0 (its lower tail); a sampler that varies more than Poisson, its upper tail.

@@ -91,10 +91,15 @@ def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model
     base = model if model is not None else embedded_default(out / "base_model", settings.seed)
     if cfg.white_box:
         return _white_box(out, cfg, settings, base, data, data_format, field, show_progress)
-    lm, tok = load_causal_lm(base)
-    manifest = make_canaries(tok, settings.canaries, seed=settings.seed, prefix_length=settings.prefix_length,
-                             name_or_path=str(base))
-    manifest.save(out / "canaries.json")
+    stamp = _extension_stamp(base, settings)
+    manifest = _reusable_canaries(out, stamp)
+    lm = tok = None
+    if manifest is None:  # made and extended again: the stamp goes first, so a crash leaves nothing to reuse
+        (out / REUSE_STAMP).unlink(missing_ok=True)
+        lm, tok = load_causal_lm(base)
+        manifest = make_canaries(tok, settings.canaries, seed=settings.seed, prefix_length=settings.prefix_length,
+                                 name_or_path=str(base))
+        manifest.save(out / "canaries.json")
     if data is None:
         data = out / "public_data.jsonl"
         atomic_write_text(data, "".join(json.dumps({"text": s}) + "\n"
@@ -104,9 +109,11 @@ def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model
     train_file = out / f"train_data.{fmt}"
     insert_canaries(manifest, data, train_file, fmt=fmt, field=field, repeats=settings.repeats,
                     seed=settings.seed, force=True)
-    extend_model(lm, tok, manifest)
-    save_model_folder(out / "extended_model", lm, tok)
-    del lm
+    if lm is not None:
+        extend_model(lm, tok, manifest)
+        save_model_folder(out / "extended_model", lm, tok)
+        del lm
+        atomic_write_json(out / REUSE_STAMP, {**stamp, "manifest_sha256": _sha256(out / "canaries.json")})
     remove_folder(out / "run")
     result = train(out / "extended_model", read_texts(train_file, fmt, field), out / "run", cfg,
                    show_progress=show_progress)
@@ -114,7 +121,52 @@ def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model
     claimed = result.epsilon if math.isfinite(result.epsilon) else None
     audit = analyse(scores, members, claimed_epsilon=claimed, delta=cfg.delta, alpha=settings.alpha, score="neg-loss",
                     mechanism=cfg.mechanism if cfg.private else None)
-    return _finish(out, cfg, base, audit, result, scores, members, {})
+    reused = {} if tok is not None else {
+        "canaries": "reused with the extended model from an earlier run in this folder (same base model files, "
+                    "canary count, seed and prefix length)"}
+    return _finish(out, cfg, base, audit, result, scores, members, reused)
+
+
+REUSE_STAMP = "extended_model.json"  # what canaries.json and extended_model/ were made from
+
+
+def _extension_stamp(base: Path, settings: AuditRunSettings) -> dict:
+    """What the canaries and the extended model depend on: the base model's files (path, names, sizes and
+    modification times: a changed file is a new model) and the canary settings (count, seed, prefix length).
+    Membership is drawn from the seed too, so the same stamp is the same manifest."""
+    base = Path(base).resolve()
+    files = [base] if base.is_file() else sorted(f for f in base.iterdir() if f.is_file())
+    return {"format": 1, "base": str(base),
+            "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files],
+            "canaries": settings.canaries, "seed": settings.seed, "prefix_length": settings.prefix_length}
+
+
+def _reusable_canaries(out: Path, stamp: dict):
+    """The manifest of an earlier run in ``out`` whose canaries and extended model match ``stamp`` (issue 36:
+    every `audit run --model` made and extended them again, 3-5 minutes and about 2 GB on a 270M model), or
+    None. Anything unreadable or changed (the manifest's hash is in the stamp) is made again."""
+    from dpaudit.canaries.manifest import load_manifest
+    from dpaudit.core.errors import DPAuditError
+    from dpaudit.core.run_folder import read_json
+
+    try:
+        old = read_json(out / REUSE_STAMP, "canary extension stamp")
+        if not old or {k: v for k, v in old.items() if k != "manifest_sha256"} != stamp \
+                or not (out / "extended_model" / "config.json").is_file() \
+                or old.get("manifest_sha256") != _sha256(out / "canaries.json"):
+            return None
+        return load_manifest(out / "canaries.json")
+    except (DPAuditError, OSError):
+        return None
+
+
+def _sha256(path: Path) -> str | None:
+    import hashlib
+
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None
 
 
 def _white_box(out: Path, cfg: TrainConfig, settings: AuditRunSettings, base: Path, data, data_format, field,
