@@ -131,12 +131,14 @@ REUSE_STAMP = "extended_model.json"  # what canaries.json and extended_model/ we
 
 
 def _extension_stamp(base: Path, settings: AuditRunSettings) -> dict:
-    """What the canaries and the extended model depend on: the base model's files (path, names, sizes and
-    modification times: a changed file is a new model) and the canary settings (count, seed, prefix length).
+    """What the canaries and the extended model depend on: the base model's files (the folder it resolves to,
+    its files' names, sizes and modification times: a changed file is a new model) and the canary settings (count, seed, prefix length).
     Membership is drawn from the seed too, so the same stamp is the same manifest."""
-    base = Path(base).resolve()
-    files = [base] if base.is_file() else sorted(f for f in base.iterdir() if f.is_file())
-    return {"format": 1, "base": str(base),
+    from dpaudit.models.hf import resolve_model_path
+
+    folder = resolve_model_path(base).resolve()  # a hub cache's snapshot, a GGUF's converted folder
+    files = sorted(f for f in folder.iterdir() if f.is_file())
+    return {"format": 1, "base": str(Path(base).resolve()), "folder": str(folder),
             "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files],
             "canaries": settings.canaries, "seed": settings.seed, "prefix_length": settings.prefix_length}
 
