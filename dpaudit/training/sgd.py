@@ -139,11 +139,13 @@ class _NoisyShards:
         self.original_optimizer.step()
 
 
-def embedding_scale(module) -> float | None:
+def embedding_scale(module, verify: bool = True) -> float | None:
     """The constant c of a scaled embedding (Gemma's ``Gemma3TextScaledWordEmbedding``: E[ids] x c, c held in
     an ``embed_scale`` buffer, typically sqrt(width)); 1 for a plain nn.Embedding; None for anything else.
     A subclass counts as scaled only when its one buffer is a scalar ``embed_scale`` and its forward is
-    E[ids] x c on a probe input, so a subclass that does something else is never taken for one."""
+    E[ids] x c on a probe input, so a subclass that does something else is never taken for one. ``verify`` False
+    skips that forward (inside a backward hook, for a layer ``check_layers`` verified when the trainer was built:
+    a forward there would run the hooks again)."""
     if type(module) is torch.nn.Embedding:
         return 1.0
     if not isinstance(module, torch.nn.Embedding):
@@ -153,7 +155,7 @@ def embedding_scale(module) -> float | None:
     if set(buffers) != {"embed_scale"} or scale is None or scale.numel() != 1:
         return None
     c = float(scale) if not scale.is_meta else math.nan  # a meta model (preflight): its structure alone
-    if module.weight.is_meta:
+    if module.weight.is_meta or not verify:
         return c
     ids = torch.arange(min(4, module.num_embeddings), device=module.weight.device).unsqueeze(0)
     with torch.no_grad():
@@ -227,7 +229,7 @@ def _layer_gradient(module, inputs: torch.Tensor, output_grads: torch.Tensor):
     inputs (n, T, in) and output gradients (n, T, out), or an embedding's token ids (n, T) and output
     gradients (n, T, dim), with rows of its padding index zeroed (torch gives that row no gradient)."""
     if isinstance(module, torch.nn.Embedding):  # a scaled embedding's gradient is c x its output gradients
-        return "embedding", inputs, _mask_padding(module, inputs, output_grads) * (embedding_scale(module) or 1.0)
+        return "embedding", inputs, _mask_padding(module, inputs, output_grads) * (embedding_scale(module, verify=False) or 1.0)
     if inputs.dim() == 2:  # no sequence axis
         inputs, output_grads = inputs.unsqueeze(1), output_grads.unsqueeze(1)
     return "linear", inputs.to(output_grads.dtype), output_grads
