@@ -28,7 +28,8 @@ STATE = "trainer_state.json"
 OPTIMIZER = "optimizer.pt"
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
+    """SHA-256 of a file, read in blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
@@ -38,7 +39,7 @@ def _sha256(path: Path) -> str:
 
 def seal(folder: Path, step: int) -> None:
     """Write the manifest of everything in ``folder`` (its last file: a folder without one is not intact)."""
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_of(p)}
              for p in sorted(Path(folder).iterdir()) if p.is_file() and p.name != MANIFEST}
     atomic_write_json(Path(folder) / MANIFEST, {"step": int(step), "files": files})
 
@@ -57,7 +58,7 @@ def intact_step(folder: Path) -> int | None:
             f = folder / name
             if Path(name).name != name or f.is_symlink() or not f.is_file():
                 return None
-            if f.stat().st_size != facts["bytes"] or _sha256(f) != facts["sha256"]:
+            if f.stat().st_size != facts["bytes"] or sha256_of(f) != facts["sha256"]:
                 return None
         state = json.loads((folder / STATE).read_text(encoding="utf-8"))
         return step if isinstance(state, dict) and state.get("step") == step else None

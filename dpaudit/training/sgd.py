@@ -173,8 +173,8 @@ def supported_for_dp_sgd(model) -> None:
     for kind in check_layers(model):
         if kind not in _SCALED:
             _SCALED.add(kind)
-            register_grad_sampler(kind)(_scaled_embedding_grad_sample)
-            register_norm_sampler(kind)(_scaled_embedding_norm_sample)
+            register_grad_sampler(kind)(_scaled("compute_embedding_grad_sample"))
+            register_norm_sampler(kind)(_scaled("compute_embedding_norm_sample"))
 
 
 def check_layers(model) -> set[type]:
@@ -197,17 +197,15 @@ def check_layers(model) -> set[type]:
 _SCALED: set[type] = set()
 
 
-def _scaled_embedding_grad_sample(layer, activations, backprops):
-    """Opacus' embedding rule on c x the output gradients (d(E[ids] c)/dE = c per use)."""
-    from opacus.grad_sample.embedding import compute_embedding_grad_sample
+def _scaled(rule: str):
+    """Opacus' embedding ``rule`` (per-example gradients or their norms) on c x the output gradients: the
+    gradient of E[ids] x c with respect to E is c per use."""
+    def sample(layer, activations, backprops):
+        from opacus.grad_sample import embedding
 
-    return compute_embedding_grad_sample(layer, activations, backprops * float(layer.embed_scale))
+        return getattr(embedding, rule)(layer, activations, backprops * float(layer.embed_scale))
 
-
-def _scaled_embedding_norm_sample(layer, activations, backprops):
-    from opacus.grad_sample.embedding import compute_embedding_norm_sample
-
-    return compute_embedding_norm_sample(layer, activations, backprops * float(layer.embed_scale))
+    return sample
 
 
 def _mask_padding(module, ids: torch.Tensor, output_grads: torch.Tensor) -> torch.Tensor:
@@ -229,7 +227,8 @@ def _layer_gradient(module, inputs: torch.Tensor, output_grads: torch.Tensor):
     inputs (n, T, in) and output gradients (n, T, out), or an embedding's token ids (n, T) and output
     gradients (n, T, dim), with rows of its padding index zeroed (torch gives that row no gradient)."""
     if isinstance(module, torch.nn.Embedding):  # a scaled embedding's gradient is c x its output gradients
-        return "embedding", inputs, _mask_padding(module, inputs, output_grads) * (embedding_scale(module, verify=False) or 1.0)
+        scale = embedding_scale(module, verify=False) or 1.0
+        return "embedding", inputs, _mask_padding(module, inputs, output_grads) * scale
     if inputs.dim() == 2:  # no sequence axis
         inputs, output_grads = inputs.unsqueeze(1), output_grads.unsqueeze(1)
     return "linear", inputs.to(output_grads.dtype), output_grads

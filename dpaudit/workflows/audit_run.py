@@ -163,10 +163,10 @@ def _reusable_canaries(out: Path, stamp: dict):
 
 
 def _sha256(path: Path) -> str | None:
-    import hashlib
+    from dpaudit.training.checkpoint import sha256_of
 
     try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        return sha256_of(path)
     except OSError:
         return None
 
