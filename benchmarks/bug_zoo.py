@@ -17,6 +17,7 @@ from whitebox_table import cell
 
 def main() -> None:
     from dpaudit.training.bugs import BUGS
+    from dpaudit.training.methods import METHODS
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--eps", nargs="+", type=float, default=[1, 4])
@@ -35,7 +36,7 @@ def main() -> None:
              str(args.out / f"{method}-{bug}-eps{eps:g}-B{args.batch_size}"), None if bug == "none" else bug,
              args.batch_size)
             for method in args.methods for bug in args.bugs for eps in args.eps
-            if bug == "none" or method in BUGS[bug].methods]
+            if bug == "none" or METHODS[method].release in BUGS[bug].releases]
     with ProcessPoolExecutor(args.workers) as pool:
         rows = list(pool.map(cell, jobs))
     print("| method | bug | claimed eps | p | sigma | headline bound (mu) | statistic | verdict | wall s |")

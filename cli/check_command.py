@@ -16,11 +16,8 @@ from dpaudit.cli.common import (
     time_budget,
 )
 from dpaudit.accounting.config import load_privacy_config
+from dpaudit.accounting.samplers import observed_as
 
-# What the sampler audit's verdict names, as the sampler dpaudit accounts it under (a cyclic pass puts each
-# example in one batch an epoch too, so the shuffle bound, which needs no randomness of the permutation, holds)
-OBSERVED = (("Poisson", "poisson"), ("shuffled epochs", "shuffle"), ("a cyclic pass", "shuffle"),
-            ("fixed-size batches drawn without replacement", "fixed"), ("balls-in-bins", "balls-in-bins"))
 
 
 def check(
@@ -120,7 +117,7 @@ def _gate_sampler(log: Path, cfg) -> dict:
             raise DPAuditError(f"sampler log {log}, phase {i + 1}: {exc}") from None
         logged += seen[0]
         window_steps = seen[0]
-        observed = next((name for start, name in OBSERVED if verdict.looks_like.startswith(start)), None)
+        observed = observed_as(verdict.looks_like)  # the sampler dpaudit accounts what the log looks like under
         ok = observed == m.sampling
         consistent = consistent and ok
         parts.append({"phase": i + 1, **verdict.to_dict(), "steps_logged": window_steps, "observed_sampling": observed,

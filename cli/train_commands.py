@@ -88,11 +88,11 @@ def _pretrained(model: Path | None) -> bool:
 def make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction, trainable,
                 bf16, seed, secret_seed, accountant, max_memory=None, model: Path | None = None, **extra):
     from dpaudit.core.limits import parse_memory
-    from dpaudit.accounting.noises import resolve_delta
+    from dpaudit.accounting.noises import NOISES, resolve_delta
     from dpaudit.training.methods import METHODS
     from dpaudit.training.runner import TrainConfig
 
-    if mech in ("gaussian", "laplace"):  # an unknown one is refused by TrainConfig, naming it
+    if mech in NOISES:  # an unknown one is refused by TrainConfig, naming it
         delta = resolve_delta(mech, delta)
     if lr is None and method in METHODS:  # the tiny model's defaults would blow a pretrained one up
         lr = METHODS[method].default_lr(trainable, _pretrained(model))

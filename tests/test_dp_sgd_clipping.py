@@ -96,7 +96,7 @@ def test_white_box_transcript_and_ledger_do_not_depend_on_the_mode(tiny_model_di
 
 
 def test_gradient_inner_products_match_explicit_per_example_gradients():
-    from dpaudit.training.sgd import _layer_gradient, gradient_inner_product
+    from dpaudit.training.per_example import layer_gradient as _layer_gradient, gradient_inner_product
 
     g = torch.Generator().manual_seed(0)
     n, t, s, vocab, width = 3, 5, 4, 7, 6
@@ -142,7 +142,7 @@ def test_a_scaled_embedding_gets_exact_per_example_gradients_in_both_modes(gemma
     """Issue 36: Opacus rejected Gemma 3's scaled embedding (an embed_scale buffer), exit 3 after minutes.
     Both modes now give the clipped sum of each example's own gradient, computed here one example at a time."""
     from dpaudit.training.data import per_example_loss
-    from dpaudit.training.sgd import embedding_scale
+    from dpaudit.training.per_example import embedding_scale
 
     model, tok = load_causal_lm(gemma3_dir)
     assert embedding_scale(model.get_input_embeddings()) == pytest.approx(32 ** 0.5, rel=1e-3)
@@ -165,7 +165,7 @@ def test_a_scaled_embedding_gets_exact_per_example_gradients_in_both_modes(gemma
 
 def test_a_trainable_layer_with_state_is_refused_in_one_line():
     from dpaudit.core.errors import DPAuditError
-    from dpaudit.training.sgd import supported_for_dp_sgd
+    from dpaudit.training.per_example import supported_for_dp_sgd
 
     with pytest.raises(DPAuditError, match=r"layer 1 \(BatchNorm1d\).*--trainable lora"):
         supported_for_dp_sgd(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)))

@@ -87,7 +87,8 @@ def test_a_resume_on_other_data_never_lowers_eps_when_the_ledger_is_gone_or_stri
                                                                                     monkeypatch, tamper):
     """Issue 36: with the ledger deleted the resumed ledger read 13.53 (>= 19.91 composed); with sampling_rate,
     examples and data_sha256 removed, 13.93, below the 16.45 already recorded. Refused, never under-counted."""
-    from dpaudit.training.runner import _fingerprint, train
+    from dpaudit.training.resume import fingerprint as _fingerprint
+    from dpaudit.training.runner import train
 
     run = tmp_path / "run"
     cfg = _killed_run(tiny_model_dir, run, monkeypatch)

@@ -273,7 +273,7 @@ def test_a_dp_sgd_step_redone_after_resume_draws_fresh_noise(tiny_model_dir, tmp
     """Killed after step 3 (checkpoint at step 2) and resumed: step 3 runs again with another batch. Its
     noise must be new; the same noise on another clipped sum would release their difference unprotected."""
     import dpaudit.training.batches as sampling
-    from dpaudit.training import sgd
+    from dpaudit.training import dp_step as sgd
 
     keys = []
     add = sgd.add_normal_

@@ -19,7 +19,7 @@ from dpaudit.core.errors import DPAuditError
 
 def limitation(mech: Mechanism) -> str | None:
     """None when this accountant is exact for ``mech``, else why it does not apply."""
-    if not isinstance(mech, Mechanism) or mech.sampling != "poisson":
+    if not isinstance(mech, Mechanism):  # the samplers it covers: the registry's rule (Accountant.covers)
         return "analytic covers one phase without subsampling; use pld for this schedule"
     if mech.kind == "gaussian" and mech.sampling_rate == 1.0:
         return None

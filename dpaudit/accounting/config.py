@@ -13,7 +13,7 @@ from dpaudit.accounting.mechanism import (
     Mechanism, Phases, check_delta, check_epsilon, compose_phases, phase_from, schedule,
 )
 from dpaudit.accounting.noises import NOISES
-from dpaudit.accounting.samplers import SAMPLINGS
+from dpaudit.accounting.samplers import names as sampler_names
 from dpaudit.core.errors import DPAuditError
 
 KNOWN_KEYS = {
@@ -186,8 +186,8 @@ def load_privacy_config(path: Path) -> PrivacyConfig:
         delta = facts.default_delta
     check_delta(delta, allow_zero=facts.pure_dp)
     n = _number(data, "dataset_size", int)
-    sampling = _name(data, "sampling", SAMPLINGS, "poisson")
-    claim = _name(data, "claim_accounted_as", SAMPLINGS, None)
+    sampling = _name(data, "sampling", sampler_names(), "poisson")
+    claim = _name(data, "claim_accounted_as", sampler_names(), None)
     if "phases" in data:
         event = _phases(data, mechanism, sigma, n)
     else:
@@ -240,7 +240,7 @@ def _phases(data: dict, mechanism: str, sigma: float | None, n: int | None):
             if name in spec:
                 raise DPAuditError(f"config phase {i} gives {name} twice")
             if name == "sampling":
-                spec[name] = _name(phase, key, SAMPLINGS, None)
+                spec[name] = _name(phase, key, sampler_names(), None)
             elif name == "mech":
                 spec[name] = _name(phase, key, tuple(NOISES), None)
             else:

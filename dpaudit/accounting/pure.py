@@ -22,7 +22,7 @@ import math
 
 from dpaudit.accounting.mechanism import Mechanism
 from dpaudit.accounting.result import EpsilonResult
-from dpaudit.accounting.samplers import relation_of
+from dpaudit.accounting.samplers import relation_of, scheme
 from dpaudit.core.errors import DPAuditError
 
 RR_BYTES_PER_STEP = 48  # randomized_response_delta: a few float64 arrays of T + 1 entries
@@ -54,10 +54,9 @@ def _require_laplace(mech: Mechanism, name: str) -> None:
 
 
 def phase_epsilon(mech: Mechanism) -> float:
-    """eps_1 of one step of ``mech``: Poisson (add/remove) or without replacement (replace-one, 2 / sigma)."""
-    if mech.sampling == "fixed":
-        return step_epsilon(mech.sigma / 2, mech.sampling_rate)
-    return step_epsilon(mech.sigma, mech.sampling_rate)
+    """eps_1 of one step of ``mech``: Poisson (add/remove) or without replacement (replace-one: the sampler's
+    sensitivity 2, so 2 / sigma)."""
+    return step_epsilon(mech.sigma / scheme(mech.sampling).sensitivity, mech.sampling_rate)
 
 
 def epsilon(mech: Mechanism, delta: float) -> EpsilonResult:
@@ -80,7 +79,7 @@ def sigma_closed_form(mech: Mechanism, target_eps: float) -> float | None:
     if not isinstance(mech, Mechanism):
         return None
     sigma = sigma_for_step_epsilon(target_eps / mech.steps, mech.sampling_rate)
-    return 2 * sigma if mech.sampling == "fixed" else sigma
+    return scheme(mech.sampling).sensitivity * sigma
 
 
 def prv_epsilon(mech: Mechanism, delta: float) -> EpsilonResult:

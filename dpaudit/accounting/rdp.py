@@ -18,7 +18,8 @@ import logging
 
 from dpaudit.accounting.mechanism import Mechanism
 from dpaudit.accounting.result import EpsilonResult
-from dpaudit.accounting.samplers import relation_of
+from dpaudit.accounting.noises import noise
+from dpaudit.accounting.samplers import relation_of, scheme
 from dpaudit.core.errors import DPAuditError
 
 ORDERS = ([1 + x / 10.0 for x in range(1, 100)] + list(range(11, 64)) + [64, 80, 96, 128, 192, 256, 384, 512,
@@ -29,13 +30,12 @@ def epsilon(mech: Mechanism, delta: float) -> EpsilonResult:
     import dp_accounting
     from dp_accounting.rdp import rdp_privacy_accountant
 
-    if mech.kind != "gaussian":
-        raise DPAuditError("the rdp accountant here covers the subsampled Gaussian only; for Laplace use pld or mc")
+    if limitation(mech):
+        raise DPAuditError(limitation(mech))
     if delta <= 0:
         raise DPAuditError("the Gaussian mechanism has no finite epsilon at delta = 0; give delta > 0")
-    fixed = mech.sampling == "fixed"
-    relation = (dp_accounting.NeighboringRelation.REPLACE_ONE if fixed
-                else dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    facts = scheme(mech.sampling)
+    relation = dp_accounting.NeighboringRelation[facts.relation.name]
     accountant = rdp_privacy_accountant.RdpAccountant(orders=ORDERS, neighboring_relation=relation)
     absl = logging.getLogger("absl")
     level = absl.level
@@ -51,17 +51,20 @@ def epsilon(mech: Mechanism, delta: float) -> EpsilonResult:
         epsilon=eps,
         delta=delta,
         relation=relation_of(mech),
-        guarantee="upper bound (Renyi DP conversion; looser than pld)" + (
-            "; fixed-size batches: dp-accounting's sampled-without-replacement event, replace-one, sensitivity 2C"
-            if fixed else ""),
+        guarantee="upper bound (Renyi DP conversion; looser than pld)" + (f"; {facts.rdp_note}" if facts.rdp_note else ""),
     )
 
 
 def _event(mech: Mechanism):
     import dp_accounting
 
-    if mech.sampling == "fixed":  # replace-one moves a clipped sum by up to 2C: multiplier sigma / 2
-        return dp_accounting.SampledWithoutReplacementDpEvent(
-            mech.dataset_size, mech.batch_size, dp_accounting.GaussianDpEvent(mech.sigma / 2))
-    event = dp_accounting.GaussianDpEvent(mech.sigma)
-    return dp_accounting.PoissonSampledDpEvent(mech.sampling_rate, event) if mech.sampling_rate < 1 else event
+    facts = scheme(mech.sampling)  # replace-one moves a clipped sum by up to 2C: multiplier sigma / 2
+    if facts.rdp_event is None:
+        raise DPAuditError(f"the rdp accountant has no event for {mech.sampling} sampling")
+    return facts.rdp_event(mech, noise(mech.kind).rdp_event(mech.sigma / facts.sensitivity))
+
+
+def limitation(mech) -> str | None:
+    """None when every phase's noise has an RDP event (noises/: ``Noise.rdp_event``; the Gaussian's), else why not."""
+    missing = sorted({part.kind for part in mech.phases if noise(part.kind).rdp_event(1.0) is None})
+    return f"rdp does not cover the {', '.join(missing)} mechanism" if missing else None

@@ -16,7 +16,7 @@ import importlib
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from dpaudit.accounting import analytic, pure
+from dpaudit.accounting import analytic, pure, rdp
 from dpaudit.accounting.mechanism import Mechanism, Phases, check_delta, check_epsilon
 from dpaudit.accounting.noises import noise
 from dpaudit.accounting.result import DeltaResult, EpsilonResult, NeighboringRelation
@@ -42,10 +42,16 @@ class Accountant:
     sigma_fn: Callable | None = None     # closed form (mech, eps, delta) -> sigma
     options: str | None = None           # "module:Class" of its typed options
     limitation: Callable[[Event], str | None] | None = None
-    samplings: tuple[str, ...] = ("poisson",)  # the batch samplers it accounts (each under its own relation)
+    # the batch samplers it accounts (each under its own relation), beyond those whose record names it
+    # (samplers/: Scheme.accountants)
+    samplings: tuple[str, ...] = ("poisson",)
     phases: bool = False                        # composes several phases
     quick: bool = False          # answers in about a second at any T: a search's start and its valid fallback
     search: str | None = None    # "module:function" -> search.SearchHooks (calibrate, max-steps)
+
+    def covers(self, sampling: str) -> bool:
+        """Whether it accounts ``sampling``: listed here, or among the sampler record's own accountants."""
+        return sampling in self.samplings or self.name in scheme(sampling).accountants
 
     def search_hooks(self):
         return _load(self.search)() if self.search else None
@@ -60,11 +66,11 @@ class Accountant:
         if relation is not None and relation != facts.relation:
             return (f"{sampling} sampling is accounted under {facts.relation.value} neighbours, "
                     f"not {relation.value}")
-        if sampling not in self.samplings:
-            others = [n for n, a in ACCOUNTANTS.items() if sampling in a.samplings]
+        if not self.covers(sampling):
+            others = [n for n, a in ACCOUNTANTS.items() if a.covers(sampling)]
             return f"{self.name} does not account {sampling} sampling (accounted by {', '.join(others)})"
         if isinstance(mech, Phases) and not self.phases:
-            others = [n for n, a in ACCOUNTANTS.items() if a.phases and sampling in a.samplings]
+            others = [n for n, a in ACCOUNTANTS.items() if a.phases and a.covers(sampling)]
             return f"{self.name} accounts one phase; {', '.join(others)} compose phases"
         missing = [] if self.mechanisms is None else sorted({m.kind for m in mech.phases} - set(self.mechanisms))
         if missing:
@@ -128,21 +134,21 @@ ACCOUNTANTS: dict[str, Accountant] = {
         Accountant("pure", ("laplace",), False,
                    "subsampled Laplace as pure eps-DP, basic composition",
                    "dpaudit.accounting.pure:epsilon", sigma_fn=lambda m, e, d: pure.sigma_closed_form(m, e),
-                   samplings=("poisson", "fixed"), phases=True),
+                   phases=True),
         Accountant("pure-prv", ("laplace",), True,
                    "each step as randomized response with eps_1, composed exactly",
                    "dpaudit.accounting.pure:prv_epsilon"),
-        Accountant("rdp", ("gaussian",), True,
+        Accountant("rdp", None, True,
                    "Renyi DP (valid at any delta; looser); fixed-size batches: sampled without replacement, "
-                   "replace-one", "dpaudit.accounting.rdp:epsilon", samplings=("poisson", "fixed"), phases=True,
-                   quick=True),
+                   "replace-one", "dpaudit.accounting.rdp:epsilon", phases=True,
+                   quick=True, limitation=rdp.limitation),
         Accountant("analytic", ("gaussian", "laplace"), False,
                    "exact without subsampling (analytic Gaussian / one Laplace release)",
                    "dpaudit.accounting.analytic:epsilon", delta_fn="dpaudit.accounting.analytic:delta",
                    sigma_fn=analytic.sigma_closed_form, limitation=analytic.limitation),
         Accountant("shuffle", None, False,
                    "shuffled epochs without amplification: each example in at most one batch an epoch, zero-out",
-                   "dpaudit.accounting.shuffle:epsilon", samplings=("shuffle",), phases=True),
+                   "dpaudit.accounting.shuffle:epsilon", samplings=(), phases=True),
     ]
 }
 

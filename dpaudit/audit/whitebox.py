@@ -26,8 +26,8 @@ def _run_config(run_dir: Path) -> dict:
     """What the scoring needs of a run folder (run_config.json), or of a probe's folder (probe.json)."""
     if run_folder.is_probe_folder(run_dir):
         spec = run_folder.read_probe_spec(run_dir)
-        method = "dp-sgd" if spec["kind"] == "gradient" else "scalar-sum"
-        return {"config": {"method": method, "clip": spec["clip"]}, "probe": spec}
+        release = "gradient-transcript" if spec["kind"] == "gradient" else "scalar-sums"
+        return {"config": {"clip": spec["clip"]}, "probe": spec, "release": release}
     return run_folder.run_config(run_dir)
 
 
@@ -91,19 +91,19 @@ def transcript_scores(run_dir: Path, meta: dict | None = None
     meta = meta if meta is not None else _run_config(run_dir)
     cfg = meta["config"]
     canaries = WhiteBoxCanaries.load(run_dir)
-    clip, method = float(cfg["clip"]), cfg["method"]
+    clip, release = float(cfg["clip"]), run_folder.release_of(meta)
     probe = meta.get("probe")
     if probe is not None:
         if canaries.run_id != probe["run_id"] or canaries.m != probe["m"]:
             raise DPAuditError(f"{run_dir}: the canary manifest and probe.json come from different probe runs")
-    if method == "scalar-sum":  # a probe of scalar releases: one noisy sum a step
+    if release == "scalar-sums":  # a probe of scalar releases: one noisy sum a step
         sums = np.fromfile(run_dir / TRANSCRIPT, dtype="<f4").astype(float) if (run_dir / TRANSCRIPT).is_file() \
             else np.zeros(0)
         steps = len(sums)
         signs = np.stack([step_signs(canaries.seed, t, canaries.m) for t in range(steps)]) if steps else None
         stats = {"correlation": signs.T @ sums / clip} if steps else {}
         name = "white-box-dp-zo"
-    elif method == "dp-sgd":
+    elif release == "gradient-transcript":
         path = run_dir / TRANSCRIPT
         size = path.stat().st_size if path.is_file() else 0
         if size % (4 * canaries.m):
@@ -113,7 +113,7 @@ def transcript_scores(run_dir: Path, meta: dict | None = None
             raise DPAuditError(f"{run_dir} has no released steps to audit")
         stats = _alignment_scores(np.memmap(path, dtype="<f4", mode="r", shape=(steps, canaries.m)), canaries, clip)
         name = "white-box-dp-sgd"
-    else:
+    elif release == "zo-log":
         seeds, scalars = run_folder.zo_log(run_dir)
         steps = len(scalars)
         batch = float(meta.get("expected_batch_size") or cfg["batch_size"])
@@ -125,6 +125,8 @@ def transcript_scores(run_dir: Path, meta: dict | None = None
             known = public_noise(seeds, cfg["mechanism"], clip * float(sigma))
             stats["correlation, public-seed noise removed"] = signs.T @ (sums - known) / clip
         name = "white-box-dp-zo"
+    else:
+        raise DPAuditError(f"{run_dir}: its method releases nothing a white-box audit reads (only the final model)")
     if steps == 0:
         raise DPAuditError(f"{run_dir} has no released steps to audit")
     return stats, canaries.members, name, {"steps": steps, "white-box canaries": canaries.m, "canary gain (x C)": canaries.gain}

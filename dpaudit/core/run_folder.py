@@ -90,6 +90,19 @@ def truncate_log(path: Path, steps: int) -> None:
 
 PROBE_KINDS = ("gradient", "scalar")  # a WhiteBoxProbe's releases: gradient sums or scalar sums
 
+# What a folder holds of each step's release, which decides how a white-box audit reads it: the canaries'
+# coordinates of each noisy gradient sum (DP-SGD, gradient probes), each step's noisy scalar sum (scalar probes),
+# or the (seed, scalar) log (DP-ZO). A method's record names its own (training/methods.py).
+RELEASES = ("gradient-transcript", "scalar-sums", "zo-log")
+_BEFORE_RELEASE = {"dp-sgd": "gradient-transcript", "dp-zo": "zo-log"}  # run folders written before it was said
+
+
+def release_of(meta: dict) -> str | None:
+    """A run folder's release (``RELEASES``; None: only the final model) from its run_config.json (``meta``)."""
+    if "release" in meta:
+        return meta["release"]
+    return _BEFORE_RELEASE.get((meta.get("config") or {}).get("method"))
+
 
 def read_probe_spec(folder: Path) -> dict:
     """A probe folder's probe.json, checked: a clip, sample rate, gain or m no probe writes is refused (a clip of

@@ -56,15 +56,18 @@ def peak_bytes(shape: ModelShape, *, trainable: int, method: str, examples: int,
                shards: int = 1) -> int:
     """Estimated peak bytes of one step over ``examples`` sequences of ``tokens`` tokens at once (per
     rank, when the model is sharded over ``shards`` ranks)."""
+    from dpaudit.training.methods import method as method_record
+
+    forward_only = method_record(method).zeroth_order  # no backward: activations, gradients, moments absent
     width = 2 if bf16 else 4
     state = 4 if shards > 1 else width  # sharded bf16 keeps float32 master shards
     unit = max(shape.vocab * shape.hidden, (shape.parameters - shape.vocab * shape.hidden) // max(1, shape.layers))
     # Two units gathered, each also in its all-gather buffer (DP-ZO, forward only: one and its buffer).
-    gathered = (2 if method == "dp-zo" else 4) * unit * width if shards > 1 else 0
+    gathered = (2 if forward_only else 4) * unit * width if shards > 1 else 0
     weights = shape.parameters * state // shards + gathered
     n = examples * tokens
     logits = 3 * n * shape.vocab * 4
-    if method == "dp-zo":
+    if forward_only:
         return int(OVERHEAD + weights + logits + n * (8 * shape.hidden + 4 * shape.intermediate) * width)
     moments = trainable * state * (2 if optimizer == "adamw" else 0) // shards
     grads = trainable * state // shards + (2 * unit * 4 if shards > 1 else 0)  # + reduce-scatter buffer

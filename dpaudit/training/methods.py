@@ -8,9 +8,12 @@ the run folder. A trainer owns one step and its optimizer state, behind four cal
     load_state_dict(state)                                             its inverse, on --resume
     close()                                                            ends the run (transcripts closed, memory freed)
 
-``METHODS`` maps a method's name to its defaults, the noises it can add, the kind of white-box canary it
-takes and how its trainer is built from a ``TrainerSetup``; the CLI's choices and the run's checks read it,
-so a new method is one entry here. Trainer modules are imported only when one is built.
+``METHODS`` maps a method's name to its record: defaults, the noises it can add, the kind of white-box canary it
+takes, what it releases, the facts the run's checks and estimates need, and how its trainer is built from a
+``TrainerSetup``. The CLI's choices, the run's checks, the memory estimate, sharding, replay and the white-box
+audit read the record, never the name, so a new method is one record (``register_method``) plus the file of
+its trainer; tests/test_extension.py adds one from a temporary module and trains with it. Trainer modules are
+imported only when one is built.
 """
 
 from __future__ import annotations
@@ -58,6 +61,16 @@ class Method:
     # Learning rates for a pretrained model (any model dpaudit did not build), by trainable subset: the
     # defaults above were tuned on the tiny embedded model and blow a pretrained one up (issue 32).
     pretrained_lr: dict | None = None
+    # What the run folder holds of each step's release (core/run_folder.RELEASES): "gradient-transcript" (the
+    # white-box canaries' coordinates of each noisy gradient sum), "zo-log" (the (seed, scalar) log, from which
+    # the run replays), or None (only the final model).
+    release: str | None = None
+    zeroth_order: bool = False          # forward passes only, around weights perturbed between them (memory, sharding)
+    per_example_gradients: bool = False  # clips per-example gradients (--per-sample-grads; layers it cannot clip)
+    noise_note: str = ""                # why a noise it does not add is refused, for people
+
+    def refuse_noise(self, kind: str) -> str:
+        return self.noise_note or f"{self.name} does not add {kind} noise; it adds {' or '.join(self.mechanisms)}"
 
     def default_lr(self, trainable: str, pretrained: bool) -> float:
         table = self.pretrained_lr or {}
@@ -67,19 +80,19 @@ class Method:
 def _dp_zo(s: TrainerSetup) -> Trainer:
     from dpaudit.core import run_folder
     from dpaudit.training.streams import STREAM
+    from dpaudit.training.bugs import planted
     from dpaudit.training.zo import ZOSettings, ZOTrainer
 
     cfg = s.cfg
     zo = ZOSettings(lr=cfg.lr, phi=cfg.phi, clip=cfg.clip if cfg.private else None,
                     noise=cfg.mechanism if cfg.private and s.noise_sigma > 0 else None, sigma=s.noise_sigma,
-                    direction=cfg.direction, clip_examples=not cfg.bug.skip_clipping,
-                    micro_batch=cfg.micro_batch, stream=STREAM)
+                    direction=cfg.direction, micro_batch=cfg.micro_batch, stream=STREAM)
     log_path = s.run_dir / run_folder.ZO_LOG
     if s.main:
         run_folder.truncate_log(log_path, s.start)
-    return ZOTrainer(s.model, s.params, zo, run_seed=cfg.seed, expected_batch=s.batch_size, private=cfg.private,
-                     rng=s.rng, log_path=log_path if s.main else None, bug=cfg.bug, canaries=s.canaries,
-                     clip=cfg.clip, all_sum=s.world.sum, sharding=s.sharding)
+    return planted(ZOTrainer, cfg.bug)(s.model, s.params, zo, run_seed=cfg.seed, expected_batch=s.batch_size,
+                                       private=cfg.private, rng=s.rng, log_path=log_path if s.main else None,
+                                       canaries=s.canaries, clip=cfg.clip, all_sum=s.world.sum, sharding=s.sharding)
 
 
 def _dp_sgd(s: TrainerSetup) -> Trainer:
@@ -103,7 +116,27 @@ def _dp_sgd(s: TrainerSetup) -> Trainer:
 # Defaults tuned on the embedded default (see docs/trainers.md); every one can be overridden.
 METHODS: dict[str, Method] = {
     "dp-zo": Method("dp-zo", {"lr": 3e-5, "clip": 0.05, "steps": 3000}, ("gaussian", "laplace"), "scalar", _dp_zo,
-                    pretrained_lr={"full": 1e-6, "lora": 1e-5}),
+                    pretrained_lr={"full": 1e-6, "lora": 1e-5}, release="zo-log", zeroth_order=True),
     "dp-sgd": Method("dp-sgd", {"lr": 5e-3, "clip": 1.0, "steps": 300}, ("gaussian",), "gradient", _dp_sgd,
-                     pretrained_lr={"full": 5e-5, "bias": 1e-3, "lora": 5e-4}),
+                     pretrained_lr={"full": 5e-5, "bias": 1e-3, "lora": 5e-4}, release="gradient-transcript",
+                     per_example_gradients=True,
+                     noise_note="DP-SGD clips an L2 norm and adds Gaussian noise; --mech laplace is for dp-zo"),
 }
+
+
+def register_method(method: Method) -> None:
+    """Add a method (Opacus' registry style: outside code can extend it). Refuses a name already taken."""
+    from dpaudit.core.errors import DPAuditError
+
+    if method.name in METHODS:
+        raise DPAuditError(f"a method named {method.name!r} exists already")
+    METHODS[method.name] = method
+
+
+def method(name: str) -> Method:
+    from dpaudit.core.errors import DPAuditError
+
+    try:
+        return METHODS[name]
+    except (KeyError, TypeError):
+        raise DPAuditError(f"unknown method {name!r}; use {' or '.join(METHODS)}") from None

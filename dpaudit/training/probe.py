@@ -14,20 +14,11 @@ noise).
 - Scalar canaries (DP-ZO-style releases): canary i adds gain x C x s[i, t], clipped to +-C, to the step's
   clipped sum of scalars. Released: the step's noisy sum (4 bytes a step).
 
-With Opacus (``WhiteBoxProbe.attach(optimizer)``) the probe attaches through the optimizer's seams, as its
-accountant hook does: it puts the sampled canaries into ``p.summed_grad`` once a step - in the
-per-sample-gradient modes (hooks, functorch, expanded weights) as extra per-sample rows that the
-optimizer's own ``clip_and_accumulate`` clips, right after (and at the clip norm of) the examples'
-clipping; in ghost / fast gradient clipping, where the per-example norms are taken in the loss's backward
-pass that no canary enters, just before ``add_noise``, clipped by the probe at the optimizer's
-``max_grad_norm`` (the report says so) - and after ``scale_grad`` its step hook (chained before the
-accountant's) reads the release back, times ``expected_batch_size x accumulated_iterations`` when the loss
-is a mean, which is the noisy sum again.
+With Opacus, ``WhiteBoxProbe.attach(optimizer)`` attaches through the optimizer's own seams (probe_opacus.py).
 """
 
 from __future__ import annotations
 
-import math
 import os
 import uuid
 from pathlib import Path
@@ -41,8 +32,6 @@ from dpaudit.audit.whitebox_canaries import GAIN, TRANSCRIPT, WhiteBoxCanaries
 
 KINDS = PROBE_KINDS
 SAMPLING_DOMAIN = 0x77627370  # "wbsp": the canaries' per-step sampling, apart from membership's stream
-OPACUS_BYPASS = ("ghost (fast gradient clipping): Opacus clips each example in the loss's backward pass, which "
-                 "canaries never enter, so the probe clips them itself at the optimizer's max_grad_norm")
 
 
 class WhiteBoxProbe:
@@ -310,117 +299,11 @@ class WhiteBoxProbe:
                secret_seed: int | None = None) -> "WhiteBoxProbe":
         """Attach to an Opacus ``DPOptimizer`` (any grad_sample_mode, after ``make_private`` or
         ``make_private_with_epsilon``); the user's training loop stays as it is. Given ``model``, the audit
-        also checks that every trainable tensor is noised by this optimizer."""
-        try:
-            from opacus.optimizers import DPOptimizer
-            from opacus.optimizers.optimizer_fast_gradient_clipping import DPOptimizerFastGradientClipping
-        except ImportError:
-            raise DPAuditError("WhiteBoxProbe.attach needs opacus: pip install 'dpaudit[train]'") from None
-        if not isinstance(optimizer, DPOptimizer):
-            raise DPAuditError(f"WhiteBoxProbe.attach takes an Opacus DPOptimizer, got {type(optimizer).__name__} "
-                               "(for another loop, use WhiteBoxProbe(params, ...) with canary_gradients/observe)")
-        rate = sample_rate if sample_rate is not None else _hooked_sample_rate(optimizer)
-        if rate is None:
-            raise DPAuditError("the optimizer does not say its sample rate (no Opacus accountant hook is attached); "
-                               "pass sample_rate=")
-        ghost = isinstance(optimizer, DPOptimizerFastGradientClipping)
-        rank = int(getattr(optimizer, "rank", 0) or 0)  # Opacus' distributed optimizers know their rank
-        if rank != 0:
-            return _Passive()  # rank 0 plants the canaries and reads the release; the others train as they are
-        probe = cls(optimizer.params, m=m, clip=float(optimizer.max_grad_norm if np.isscalar(optimizer.max_grad_norm)
-                                                       else max(optimizer.max_grad_norm)),
-                    sample_rate=rate, out=out, gain=gain, seed=seed, resume=resume, model=model,
-                    secret_seed=secret_seed, _source=f"Opacus {type(optimizer).__name__}")
-        probe.bypass = OPACUS_BYPASS if ghost else None
-        probe.accountant = accountant
-        probe._write_spec(optimizer=type(optimizer).__name__,
-                          noise_multiplier=float(optimizer.noise_multiplier),
-                          expected_batch_size=optimizer.expected_batch_size)
-        previous_hook, injected = optimizer.step_hook, [False]
+        also checks that every trainable tensor is noised by this optimizer. How: probe_opacus.py."""
+        from dpaudit.training.probe_opacus import attach
 
-        def once_a_step():
-            if not injected[0]:  # gradient accumulation clips several times a step; canaries enter once
-                probe._inject(optimizer, ghost)
-                injected[0] = True
-
-        if ghost:  # the sums arrive clipped: the canaries join them just before the noise
-            add_noise = optimizer.add_noise
-
-            def add_noise_with_canaries():
-                once_a_step()
-                add_noise()
-
-            optimizer.add_noise = add_noise_with_canaries
-        else:  # in the same call as the examples' clipping, at whatever clip norm it uses then
-            clip_and_accumulate = optimizer.clip_and_accumulate
-
-            def clip_with_canaries():
-                clip_and_accumulate()
-                once_a_step()
-
-            optimizer.clip_and_accumulate = clip_with_canaries
-
-        def read(opt, ranks: int = 1) -> None:
-            scale = opt.expected_batch_size * opt.accumulated_iterations if opt.loss_reduction == "mean" else 1.0
-            probe.observe(probe.step, [p.grad for p in opt.params], scale * ranks)
-
-        distributed = hasattr(optimizer, "reduce_gradients")
-
-        def step_hook(opt):
-            injected[0] = False
-            if not distributed:
-                read(opt)
-            if previous_hook is not None:
-                previous_hook(opt)
-
-        if distributed:  # the release is the sum over the ranks: read it once reduced (DDP: after the hook)
-            reduce_gradients = optimizer.reduce_gradients
-
-            def reduce_then_read():
-                reduce_gradients()
-                read(optimizer, optimizer.world_size if optimizer.loss_reduction == "mean" else 1)
-
-            optimizer.reduce_gradients = reduce_then_read
-        optimizer.attach_step_hook(step_hook)  # chained before the accountant's, which still runs
-        return probe
-
-    def _inject(self, optimizer, ghost: bool) -> None:
-        import torch
-
-        sampled, signs = self.begin(self.step), self.canaries.signs(self.step)
-        if not sampled.size:
-            return
-        if ghost:
-            return self.add_to_summed_grad(self.params, float(optimizer.max_grad_norm))
-        # Per-sample modes: the canaries are rows of per-sample gradients (zero but at their coordinate),
-        # clipped and summed by the optimizer's own clip_and_accumulate. It runs on a view of the optimizer
-        # that holds only the tensors the sampled canaries sit on: a canary's row is zero everywhere else, so
-        # the other tensors would add nothing to its norm or its sum, only a pass over every weight.
-        from types import SimpleNamespace
-
-        owners = sorted({self.where[i][0] for i in sampled})
-        rows = len(sampled)
-        held = {k: getattr(self.params[k], "grad_sample", None) for k in owners}
-        try:
-            for k in owners:
-                p = self.params[k]
-                g = torch.zeros((rows, p.numel()), dtype=p.dtype, device=p.device)
-                for r, i in enumerate(sampled):
-                    kk, off = self.where[i]
-                    if kk == k:
-                        g[r, off] = self.canaries.gain * self.clip * signs[i]
-                p.grad_sample = g.view(rows, *p.shape)
-            view = SimpleNamespace(params=[self.params[k] for k in owners], max_grad_norm=optimizer.max_grad_norm,
-                                   _get_flat_grad_sample=optimizer._get_flat_grad_sample)
-            view.grad_samples = [p.grad_sample for p in view.params]
-            norms = getattr(optimizer, "max_grad_norms", None)  # per-layer clipping: each tensor its own
-            if norms is not None:
-                index = {id(p): n for p, n in zip(optimizer.params, norms)}
-                view.max_grad_norms = [index[id(p)] for p in view.params]
-            type(optimizer).clip_and_accumulate(view)
-        finally:
-            for k, g in held.items():
-                self.params[k].grad_sample = g
+        return attach(cls, optimizer, m=m, out=out, sample_rate=sample_rate, accountant=accountant, gain=gain,
+                      seed=seed, resume=resume, model=model, secret_seed=secret_seed)
 
     # -- the audit ---------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -463,30 +346,6 @@ class WhiteBoxProbe:
                        **{k: v for k, v in facts.items() if not isinstance(v, dict)}}
             write_report(self.out / "report", result, scores, members, context)
         return result
-
-
-class _Passive:
-    """What ``attach`` returns on a rank other than 0 of a distributed run: it plants and records nothing
-    (rank 0's probe does, once for the whole run), and its audit is rank 0's to make."""
-
-    step = 0
-
-    def close(self) -> None:
-        pass
-
-    def audit(self, *args, **kwargs):
-        return None
-
-
-def _hooked_sample_rate(optimizer) -> float | None:
-    """The sample rate PrivacyEngine gave the accountant's step hook (``get_optimizer_hook_fn(sample_rate,
-    ...)``): the optimizer itself does not keep it, and the data loader may not be at hand."""
-    hook = getattr(optimizer, "step_hook", None)
-    code = getattr(hook, "__code__", None)
-    if code is None or "sample_rate" not in code.co_freevars:
-        return getattr(optimizer, "sample_rate", None)
-    value = hook.__closure__[code.co_freevars.index("sample_rate")].cell_contents
-    return float(value) if isinstance(value, (int, float)) else None
 
 
 def _shapes(params) -> list[list[int]]:

@@ -13,7 +13,7 @@ No library implements this (MeZO's and DP-ZO's code are research scripts), hence
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -111,13 +111,12 @@ def clipped_sum(diffs: torch.Tensor, clip: float | None) -> float:
 
 
 def privatize(total: float, settings: ZOSettings, denominator: float, rng: np.random.Generator) -> float:
-    """s = (clipped sum + noise) / (2 phi B): the only data-dependent quantity of a step."""
-    if settings.noise == "gaussian":
-        total += rng.normal(0.0, settings.clip * settings.sigma)
-    elif settings.noise == "laplace":
-        total += rng.laplace(0.0, settings.clip * settings.sigma)
-    elif settings.noise is not None:
-        raise ValueError(f"unknown noise {settings.noise!r}")
+    """s = (clipped sum + noise) / (2 phi B): the only data-dependent quantity of a step. The noise is drawn by
+    its own record (accounting/noises: ``noise(kind).draw``), with scale C sigma."""
+    if settings.noise is not None:
+        from dpaudit.accounting.noises import noise
+
+        total += noise(settings.noise).draw(rng, settings.clip * settings.sigma)
     return total / (2 * settings.phi * denominator)
 
 
@@ -166,42 +165,55 @@ def public_seed(seed: int, step: int) -> int:
 class ZOTrainer:
     """DP-ZO behind the trainer protocol (methods.Trainer): ``run_step`` (one step, returns the loss),
     ``state_dict`` (nothing beyond the weights) and ``close``. Its transcript is the (seed, scalar) log.
-    White-box canaries and planted bugs enter here: sampled canaries add their loss differences to the
-    clipped sum; "actual-batch" divides by the realised batch, "public-noise-seed" draws the noise from
-    the step's public seed (both with the claim unchanged)."""
+    Sampled white-box canaries add their loss differences to the clipped sum. The step's seams, which planted
+    bugs override (bugs.py): ``clip_norm`` (each difference clipped to [-C, C]), ``divisor`` (the expected
+    batch size B), ``noise_rng`` (the run's secret generator) and ``on_release`` (the log line)."""
 
     def __init__(self, model, params, settings: ZOSettings, *, run_seed: int, expected_batch: int, private: bool,
-                 rng: np.random.Generator, log_path=None, bug=None, canaries=None, clip: float = 1.0,
+                 rng: np.random.Generator, log_path=None, canaries=None, clip: float = 1.0,
                  all_sum=lambda x: x, sharding=None):
-        self.model, self.params, self.settings = model, params, settings
+        self.model, self.params = model, params
+        self.settings = replace(settings, clip_examples=self.clip_norm_of(settings) == settings.clip)
         # Dropout off (as MeZO does): the two forwards of a step must evaluate one function, or their
         # difference is that of two dropout masks, not of theta +- phi z (GPT-2 and OPT checkpoints ship
         # with dropout 0.1; from_pretrained happens to return eval mode, a wrapper may not).
         model.eval()
         self.sharding = sharding  # shard.Sharding when the weights are sharded over the ranks
         self.run_seed, self.expected_batch, self.private = run_seed, expected_batch, private
-        self.rng, self.bug, self.canaries, self.clip, self.all_sum = rng, bug, canaries, clip, all_sum
+        self.rng, self.canaries, self.clip, self.all_sum = rng, canaries, clip, all_sum
+        self.realised_batch = 0
         self.log = open(log_path, "a", encoding="utf-8") if log_path is not None else None
 
-    def run_step(self, step: int, batch, n_sampled: int, sampled_canaries) -> float:
-        import json
+    # -- the seams ---------------------------------------------------------------------------------------
+    def clip_norm_of(self, settings: ZOSettings) -> float | None:
+        return settings.clip
 
+    def divisor(self) -> float:
+        return self.expected_batch if self.private else max(1, self.realised_batch)
+
+    def noise_rng(self, seed: int) -> np.random.Generator:
+        return self.rng
+
+    def on_release(self, step: int, seed: int, scalar: float) -> None:
+        if self.log is not None:
+            import json
+
+            self.log.write(json.dumps({"step": step, "seed": seed, "scalar": scalar}) + "\n")
+            self.log.flush()
+
+    def run_step(self, step: int, batch, n_sampled: int, sampled_canaries) -> float:
         seed = public_seed(self.run_seed, step)
-        realised = max(1, n_sampled)
-        denom = (realised if self.bug is not None and self.bug.actual_batch else self.expected_batch) \
-            if self.private else realised
+        self.realised_batch = n_sampled
         diffs = None
         if len(sampled_canaries):
             c = self.canaries
             diffs = torch.as_tensor(c.gain * self.clip * c.signs(step)[sampled_canaries])
-        noise_rng = np.random.default_rng(seed) if self.bug is not None and self.bug.public_noise else self.rng
         sharded = self.sharding is not None
-        scalar, loss = zo_step(self.model, self.params, batch, seed, self.settings, denom, noise_rng, self.all_sum,
-                               canary_diffs=diffs, shard_sum=self.sharding.sum if sharded else None,
+        scalar, loss = zo_step(self.model, self.params, batch, seed, self.settings, self.divisor(),
+                               self.noise_rng(seed), self.all_sum, canary_diffs=diffs,
+                               shard_sum=self.sharding.sum if sharded else None,
                                passes=self.sharding.passes(n_sampled, self.settings.micro_batch) if sharded else 0)
-        if self.log is not None:
-            self.log.write(json.dumps({"step": step, "seed": seed, "scalar": scalar}) + "\n")
-            self.log.flush()
+        self.on_release(step, seed, scalar)
         return loss
 
     def state_dict(self) -> None:

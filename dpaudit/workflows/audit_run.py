@@ -38,7 +38,9 @@ def white_box_canaries(cfg: TrainConfig, alpha: float = 0.05) -> int:
     mu / sqrt(1 + m mu^2 / (2 T)), estimated from m scores with standard error about 2 / sqrt(m). We take
     the m on a grid that maximises mu / sqrt(1 + m mu^2 / (2 T)) - 2 z_alpha / sqrt(m), with mu the claim's.
     """
-    if cfg.method == "dp-sgd":
+    from dpaudit.training.methods import METHODS
+
+    if METHODS[cfg.method].canaries == "gradient":
         return 1000
     from scipy.stats import norm
 

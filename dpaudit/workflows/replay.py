@@ -20,7 +20,7 @@ def replay_run(run_dir: Path, base_model: Path | None = None):
     run_dir = Path(run_dir)
     meta = run_folder.run_config(run_dir)
     cfg = meta["config"]
-    if cfg.get("method") != "dp-zo":
+    if run_folder.release_of(meta) != "zo-log":
         raise DPAuditError("only DP-ZO runs can be replayed from their log (DP-SGD releases whole gradients)")
     seeds, scalars = run_folder.zo_log(run_dir)
     steps = [(int(a), float(b)) for a, b in zip(seeds, scalars)]

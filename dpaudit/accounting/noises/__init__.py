@@ -4,8 +4,8 @@ which other accountants' hooks the noise has (``rdp_event``, ``composed_sigma``)
 
 Everything that differs between noises lives in its own module here, so the rest of the code asks
 ``noise(kind).<fact>`` instead of branching on the name. The modules of this package are found at import
-(``NOISES``): a new noise is one new module defining ``NOISE``, and the accountants whose contract it
-meets (``pld`` for any noise with a privacy loss; ``rdp`` for one with an ``rdp_event``) cover it. Libraries
+(``NOISES``): a new noise is one new module defining ``NOISE`` (or ``register_noise`` from outside code;
+tests/test_extension.py adds one), and the accountants whose contract it meets (``pld`` for any noise with a privacy loss; ``rdp`` for one with an ``rdp_event``) cover it. Libraries
 are imported when a fact is asked for, so reading the table costs nothing at start-up.
 """
 
@@ -68,6 +68,15 @@ def _discover() -> dict[str, Noise]:
 
 
 NOISES: dict[str, Noise] = _discover()
+
+
+def register_noise(instance: Noise) -> None:
+    """Add a noise from outside code. Refuses a kind already taken."""
+    from dpaudit.core.errors import DPAuditError
+
+    if instance.kind in NOISES:
+        raise DPAuditError(f"a noise named {instance.kind!r} exists already")
+    NOISES[instance.kind] = instance
 
 
 def resolve_delta(kind: str, delta: float | None) -> float:

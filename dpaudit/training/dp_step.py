@@ -1,0 +1,164 @@
+"""The DP-SGD step as a chain of small overridable methods, the Opacus way (``opacus/optimizers/optimizer.py``:
+``pre_step`` calls clip_and_accumulate, add_noise, scale_grad, then the step hook). ``DPStep`` is a mixin in
+front of an Opacus optimizer class that splits those calls into the seams an audit and a planted bug need:
+
+    clip_norm()          the norm each example is clipped at (Opacus' max_grad_norm)
+    join_clipped_sum()   what joins the clipped sum before the noise: the white-box canaries (``probe``)
+    noise_std()          sigma x C
+    draw_noise(t, i, s)  N(0, s^2) added to tensor i in place, from the step's position-addressable stream
+                         (streams.py: the same numbers a sharded run draws slice by slice)
+    divisor()            what the noisy sum is divided by: the expected batch size (x accumulated iterations)
+    on_release(scale)    the release, read (the probe's transcript), before Opacus' step hook
+
+With no probe and no bug, each seam is Opacus' own behaviour. A planted bug is a mixin overriding one seam
+(bugs.py: ``NoClipping``, ``RealisedBatch``), put in front by ``bugs.planted``. ``NoisyShards`` is the same
+chain for sharded weights (DP-ZeRO), whose clipped sums arrive reduce-scattered.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dpaudit.training.streams import add_normal_
+
+
+class DPStep:
+    """Mixin: ``class X(DPStep, opacus.optimizers.DPOptimizer)`` (or any of its subclasses)."""
+
+    probe = None                 # the run's WhiteBoxProbe (probe.py) or None
+    noise_key: int = 0           # the step's noise stream (streams.step_key), set per step
+    realised_batch: int | None = None  # the step's realised batch size, set per step (read by RealisedBatch)
+
+    # -- the seams ---------------------------------------------------------------------------------------
+    def clip_norm(self) -> float:
+        return self.max_grad_norm
+
+    def join_clipped_sum(self) -> None:
+        if self.probe is not None:  # canaries join once: rank 0's sum, as its noise does
+            self.probe.add_to_summed_grad(self.params, self.clip_norm())
+
+    def noise_std(self) -> float:
+        return self.noise_multiplier * self.max_grad_norm
+
+    def draw_noise(self, tensor: torch.Tensor, index: int, std: float) -> None:
+        add_normal_(tensor, self.noise_key, index, std)
+
+    def divisor(self) -> float:
+        return self.expected_batch_size * self.accumulated_iterations if self.loss_reduction == "mean" else 1.0
+
+    def on_release(self, scale: float) -> None:
+        if self.probe is not None:  # the release, in units of the expected batch's sum
+            self.probe.observe(self.probe.step, [p.grad for p in self.params], scale)
+
+    # -- Opacus' calls, made of the seams ----------------------------------------------------------------
+    def clip_and_accumulate(self):
+        norm = self.clip_norm()
+        if norm == self.max_grad_norm:
+            return super().clip_and_accumulate()
+        kept, self.max_grad_norm = self.max_grad_norm, norm
+        try:
+            super().clip_and_accumulate()
+        finally:
+            self.max_grad_norm = kept
+
+    def add_noise(self):
+        """The clipped sum plus the noise, in place; under data parallelism on rank 0 only, before the ranks'
+        sums are added."""
+        from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
+
+        adds = getattr(self, "rank", 0) == 0
+        if adds:
+            self.join_clipped_sum()
+        std = self.noise_std()
+        for i, p in enumerate(self.params):
+            _check_processed_flag(p.summed_grad)
+            if adds and std > 0:
+                self.draw_noise(p.summed_grad, i, std)
+            p.grad = p.summed_grad.view_as(p)
+            _mark_as_processed(p.summed_grad)
+
+    def scale_grad(self):
+        divisor = self.divisor()
+        for p in self.params:
+            p.grad /= divisor
+        if not self.distributed:
+            self.on_release(self.expected_batch_size * self.accumulated_iterations)
+
+    distributed = False  # the ranks' release is read once reduced (DistributedDPStep)
+
+
+class DistributedDPStep(DPStep):
+    distributed = True
+
+    def reduce_gradients(self):
+        """Data parallelism: the release is the ranks' average (each scaled by B / world), read once reduced."""
+        super().reduce_gradients()
+        self.on_release(self.expected_batch_size * self.accumulated_iterations * self.world_size)
+
+
+class InPlace:
+    """Mixin for Opacus' fast-gradient-clipping optimizer without its gradient-sized copy: p.grad already holds
+    the clipped sum, which Opacus copies to p.summed_grad before adding the noise; here the sum is p.grad
+    itself (add_noise then adds in place)."""
+
+    def accumulate(self):
+        for p in self.params:
+            p.summed_grad = p.grad
+
+
+def dp_optimizer(opacus_class, *mixins):
+    """``opacus_class`` with the DP step's seams (and ``mixins`` in front: a planted bug, InPlace)."""
+    step = DistributedDPStep if hasattr(opacus_class, "reduce_gradients") else DPStep
+    return type("".join(b.__name__ for b in mixins) + f"DPStep{opacus_class.__name__}", (*mixins, step, opacus_class), {})
+
+
+class NoisyShards(DPStep):
+    """DP-SGD's release on sharded weights (DP-ZeRO, shard.py), with the same seams: after the reduce-scatter,
+    each rank's p.grad holds its slice of the clipped sum over all ranks' examples; the rank adds its slice of
+    the step's noise stream (the numbers one process adds to the whole sum), divides by the expected batch
+    size, and the base optimizer updates its shards. No copy of a gradient is made."""
+
+    def __init__(self, base, params, std: float, expected_batch_size: float, clip: float = 1.0, probe=None,
+                 all_sum=None) -> None:
+        self.original_optimizer, self.params = base, params
+        self.std, self.expected_batch_size, self.max_grad_norm = std, expected_batch_size, clip
+        self.probe, self.all_sum = probe, all_sum  # white-box canaries; the ranks' sum of a numpy vector
+        self.slices = []
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.original_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def join_clipped_sum(self) -> None:
+        if self.probe is not None:  # each canary joins the slice its coordinate lies in, on one rank
+            self.probe.add_to_slices(self.slices, self.clip_norm())
+
+    def noise_std(self) -> float:
+        return self.std
+
+    def draw_noise(self, tensor: torch.Tensor, index: int, std: float) -> None:
+        _, at, total = self.slices[index]
+        add_normal_(tensor, self.noise_key, index, std, at, total)
+
+    def divisor(self) -> float:
+        return self.expected_batch_size
+
+    def on_release(self, scale: float) -> None:
+        if self.probe is not None:
+            self.probe.observe_slices(self.probe.step, self.slices, scale, self.all_sum)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        from dpaudit.training.shard import local_slices
+
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self.slices = list(local_slices([p.grad for p in self.params]))
+        self.join_clipped_sum()
+        std, divisor = self.noise_std(), self.divisor()
+        for i, (grad, _, _) in enumerate(self.slices):
+            if std > 0:
+                self.draw_noise(grad, i, std)
+            grad.div_(divisor)
+        self.on_release(self.expected_batch_size)
+        self.original_optimizer.step()

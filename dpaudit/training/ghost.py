@@ -1,0 +1,152 @@
+"""Ghost clipping (Li et al. 2022; Opacus' fast gradient clipping): each example's gradient norm from the
+layers' inputs and output gradients alone, then the clipped sum from a second backward of sum_i c_i l_i.
+
+``GhostClipping`` is Opacus' GradSampleModuleFastGradientClipping with three changes.
+
+Tied weights (the input and output embedding of most small LMs): Opacus refuses ghost clipping for a
+parameter two layers use. Here each use's (inputs, output gradients) is kept until the last one has
+reported, and the norm comes from the pairwise products (``per_example.gradient_inner_product``): exact,
+and never B x vocabulary x width. If a tied parameter sits in a layer that is neither linear nor a plain
+embedding, every tied use gets Opacus' per-example gradients instead (summed over the uses, normed, freed).
+
+Embeddings with a padding index: torch gives that row no gradient, so its part of the norm is dropped too
+(Opacus counts it, which is not the norm of the gradient the second pass sums).
+
+The norm pass: Opacus' hooks need only each layer's input and output gradient, but a plain backward also
+forms every weight gradient (about half its cost), only to throw it away. Every hooked layer's output gets
++ probe, a scalar zero; differentiating with respect to the probe alone runs every hook while autograd
+skips the weight gradients. Values are unchanged (x + 0 = x).
+
+Imported only when a DP-SGD trainer is built (it needs opacus, the ``train`` extra).
+"""
+
+from __future__ import annotations
+
+import torch
+from opacus.grad_sample import GradSampleModuleFastGradientClipping
+
+from dpaudit.training.per_example import (
+    embedding_scale, gradient_inner_product, layer_gradient, without_padding_rows,
+)
+
+
+class LayerUses:
+    """Which trainable parameters each layer uses, by name. Parameters are named, not held: under FSDP2 a
+    layer's hooks see gathered copies of its weights, not the sharded parameters, so norms are kept by
+    (layer, attribute) -> the parameter's first name."""
+
+    def __init__(self, model) -> None:
+        self.name_of: dict[tuple[int, str], str] = {}
+        self.users: dict[str, int] = {}   # parameter name -> how many layers use it
+        self.hooked = []                  # layers holding a trainable parameter
+        first: dict[int, str] = {}
+        for prefix, m in model.named_modules():
+            mine = [(attr, p) for attr, p in m.named_parameters(recurse=False) if p.requires_grad]
+            for attr, p in mine:
+                name = first.setdefault(id(p), f"{prefix}.{attr}" if prefix else attr)
+                self.name_of[(id(m), attr)] = name
+                self.users[name] = self.users.get(name, 0) + 1
+            if mine:
+                self.hooked.append(m)
+        self.tied = {id(m) for m in self.hooked if any(
+            self.users[self.name_of[(id(m), a)]] > 1 for a, p in m.named_parameters(recurse=False) if p.requires_grad)}
+        self.exact = {id(m) for m in self.hooked if id(m) in self.tied and (
+            type(m) is torch.nn.Linear or (embedding_scale(m) is not None and m.max_norm is None
+                                           and not m.scale_grad_by_freq and not m.sparse))}
+        if self.tied - self.exact:
+            self.exact = set()  # a tied weight in another kind of layer: Opacus' per-example route for every tied use
+
+
+class GhostClipping(GradSampleModuleFastGradientClipping):
+    """``model`` wrapped for ghost clipping at ``clip`` (inf: a clip factor of 1, the "no-clip" planted bug)."""
+
+    def __init__(self, model, clip: float) -> None:
+        self.layers = LayerUses(model)
+        # strict=False: buffers were checked by supported_for_dp_sgd (a scaled embedding's constant only)
+        super().__init__(model, max_grad_norm=clip, loss_reduction="sum", use_ghost_clipping=True, strict=False)
+        device = next(model.parameters()).device
+        self.probe = torch.zeros((), device=device, requires_grad=True)
+        self.all_probed = True
+        self.uses: dict[str, list] = {}  # tied weight -> its uses' gradient factors so far
+        self.norms: dict[str, torch.Tensor] = {}  # parameter name -> per-example gradient norms
+        for m in self.layers.hooked:  # removed with Opacus' own hooks
+            self.autograd_grad_sample_hooks.append(m.register_forward_hook(self._add_probe))
+
+    def _add_probe(self, module, _inputs, output):
+        if not (self.hooks_enabled and module.training and torch.is_grad_enabled()):
+            return None
+        if not (torch.is_tensor(output) and output.is_floating_point()):
+            self.all_probed = False  # this step's norm pass differentiates for the weights instead
+            return None
+        return output + self.probe
+
+    def norm_pass(self, loss, params) -> torch.Tensor:
+        """Runs the hooks (each example's gradient norm); returns the clipping factors."""
+        inputs = [self.probe] if self.all_probed else params
+        self.norms = {}
+        torch.autograd.grad(loss, inputs, retain_graph=True, allow_unused=True)
+        self.all_probed = True
+        if set(self.layers.users) - set(self.norms):  # never a stale norm
+            raise RuntimeError("a trainable layer did not report its per-example gradient norms")
+        return self.get_clipping_coef()
+
+    def get_norm_sample(self) -> torch.Tensor:
+        norms = list(self.norms.values())
+        norm_sample = torch.stack([n.to(norms[0].device) for n in norms]).norm(2, dim=0)
+        self.per_sample_gradient_norms = norm_sample
+        return norm_sample
+
+    def _collect(self, module) -> None:
+        """Moves the norms Opacus left on the layer's (possibly gathered) parameters to ``norms``."""
+        for attr, p in module.named_parameters(recurse=False):
+            if p.requires_grad and getattr(p, "_norm_sample", None) is not None:
+                self.norms[self.layers.name_of[(id(module), attr)]] = p._norm_sample
+                p._norm_sample = None
+
+    def capture_activations_hook(self, module, *args, **kwargs):
+        for p in module.parameters(recurse=False):  # FSDP2's gathered copies lack Opacus' fields
+            if not hasattr(p, "_forward_counter"):
+                p._forward_counter, p.grad_sample = 0, None
+        ghost = self.use_ghost_clipping  # Opacus raises for tied weights under ghost clipping
+        self.use_ghost_clipping = ghost and id(module) not in self.layers.tied
+        try:
+            return super().capture_activations_hook(module, *args, **kwargs)
+        finally:
+            self.use_ghost_clipping = ghost
+
+    def capture_backprops_hook(self, module, forward_input, forward_output, loss_reduction, batch_first):
+        if not self.hooks_enabled:
+            return None
+        if id(module) in self.layers.exact:
+            self._tied_backprops(module, forward_output, loss_reduction, batch_first)
+            return self._collect(module)
+        forward_output = without_padding_rows(module, forward_output)
+        ghost = self.use_ghost_clipping
+        self.use_ghost_clipping = ghost and id(module) not in self.layers.tied
+        try:
+            super().capture_backprops_hook(module, forward_input, forward_output, loss_reduction, batch_first)
+        finally:
+            self.use_ghost_clipping = ghost
+        return self._collect(module)
+
+    def _tied_backprops(self, module, forward_output, loss_reduction, batch_first) -> None:
+        activations, backprops = self.rearrange_grad_samples(
+            module=module, backprops=forward_output[0].detach(), loss_reduction=loss_reduction,
+            batch_first=batch_first)
+        use = layer_gradient(module, activations[0], backprops)
+        for attr, p in module.named_parameters(recurse=False):
+            if not p.requires_grad:
+                continue
+            name = self.layers.name_of[(id(module), attr)]
+            if self.layers.users[name] > 1:
+                self.uses.setdefault(name, []).append(use)
+            else:  # the bias of a linear layer whose weight is tied
+                p._norm_sample = use[2].sum(1).flatten(1).norm(dim=1)
+            p._forward_counter -= 1
+            if p._forward_counter == 0 and name in self.uses:
+                parts = self.uses.pop(name)
+                square = sum(gradient_inner_product(u, v) * (1 if i == j else 2)
+                             for i, u in enumerate(parts) for j, v in enumerate(parts) if j >= i)
+                p._norm_sample = square.clamp(min=0).sqrt()
+        if not module.activations and hasattr(module, "max_batch_len"):
+            del module.max_batch_len

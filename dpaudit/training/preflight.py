@@ -1,0 +1,90 @@
+"""Refusals made before any folder is created or weight read, from the model's config alone (a meta model):
+a trainable subset the model lacks, a layer DP-SGD cannot clip per example, and a step estimated not to fit
+the memory given (training/memory.py)."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+from dpaudit.core.errors import DPAuditError
+from dpaudit.training.methods import METHODS
+
+
+def preflight(model_dir: Path, cfg, examples: int, warn: bool = True,
+              texts: list[str] | None = None) -> int | None:
+    """Refusals that need only the model's config, made before any folder is created or weight read:
+    a trainable subset the model lacks, and (``cfg.max_memory``) a step estimated not to fit. Returns
+    the estimated peak bytes of a step (None when the folder has no config to read). ``warn``: say when
+    the estimate is above the free memory (once per run: ``train`` says it, callers checking early don't).
+    Given ``texts``, a step is estimated at their longest tokenised length (a batch is cut to its longest
+    example, so short texts never fill ``max_length``); without, at ``max_length`` (the side to err on)."""
+    import torch
+
+    from dpaudit.core.limits import human_bytes
+    from dpaudit.models.hf import MAX_CONFIG_BYTES, meta_model, resolve_model_path
+    from dpaudit.training import memory
+
+    folder = resolve_model_path(model_dir)
+    if not (folder / "config.json").is_file():
+        return None
+    if cfg.max_memory:  # the weights alone must fit the budget given (meta_model checks the free memory)
+        from dpaudit.models.hf import check_model_size
+        from dpaudit.core.safe_json import load_json_file
+
+        check_model_size(folder / "config.json", load_json_file(folder / "config.json", "model config",
+                                                                MAX_CONFIG_BYTES), cfg.max_memory)
+    model = meta_model(folder)
+    if METHODS[cfg.method].per_example_gradients and cfg.private and cfg.trainable == "full":
+        from dpaudit.training.per_example import check_layers
+
+        check_layers(model)  # a layer DP-SGD cannot clip per example: refused before any canary or weight work
+    names = [name for name, _ in model.named_parameters()]
+    if cfg.trainable == "bias" and not any(name.endswith(".bias") for name in names):
+        raise DPAuditError(f"the model in {model_dir} has no bias terms (Llama-family models have none), so "
+                           "--trainable bias (DP-BiTFiT) has nothing to train; use --trainable lora or full")
+    total = sum(p.numel() for p in model.parameters())
+    if cfg.trainable == "full":
+        trainable = total
+    elif cfg.trainable == "bias":
+        trainable = sum(p.numel() for name, p in model.named_parameters() if name.endswith(".bias"))
+    else:  # LoRA on every linear layer
+        trainable = sum(cfg.lora_rank * (m.in_features + m.out_features) for m in model.modules()
+                        if isinstance(m, torch.nn.Linear))
+    shards = int(os.environ.get("WORLD_SIZE", "1")) if cfg.shard else 1
+    tokens = cfg.max_length if texts is None else longest_tokens(folder, texts, cfg.max_length)
+    settings = dict(shape=memory.ModelShape.of(model.config, total), trainable=trainable, method=cfg.method,
+                    tokens=tokens, bf16=cfg.bf16, optimizer=cfg.optimizer,
+                    per_sample_grads=cfg.per_sample_grads, private=cfg.private, shards=shards)
+    share = math.ceil(memory.largest_batch(cfg.batch_size or examples) / shards)  # this rank's
+    at_once = min(cfg.micro_batch, share) if cfg.micro_batch else share
+    estimate = memory.process_peak_bytes(examples=at_once, **settings)
+    if cfg.max_memory and estimate > cfg.max_memory:
+        fits = memory.examples_that_fit(cfg.max_memory, **settings)
+        hint = (f"--micro-batch {fits} fits (same batches, noise and accounting)" if fits else
+                "not even one example fits: try --trainable lora, --bf16 or --method dp-zo")
+        raise DPAuditError(f"a step of {cfg.method} on {at_once} examples x {tokens} tokens needs about "
+                           f"{human_bytes(estimate)}, over --max-memory {human_bytes(cfg.max_memory)}; {hint}")
+    available = memory.available_bytes() if warn else None
+    if not cfg.max_memory and available is not None and estimate > available:
+        import sys
+
+        fits = memory.examples_that_fit(available, **settings)
+        print(f"warning: a step of {cfg.method} on {at_once} examples x {tokens} tokens needs about "
+              f"{human_bytes(estimate)}, more than the {human_bytes(available)} available; "
+              + (f"--micro-batch {fits} would fit" if fits else "not even one example would fit"),
+              file=sys.stderr, flush=True)
+    return estimate
+
+
+def longest_tokens(folder: Path, texts: list[str], max_length: int) -> int:
+    """The longest of ``texts`` in tokens, at most ``max_length`` (the widest batch a run can draw)."""
+    from dpaudit.models.hf import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(folder)
+        lengths = tokenizer(texts, add_special_tokens=False, truncation=True, max_length=max_length)["input_ids"]
+    except Exception:  # noqa: BLE001 - an estimate only: the run itself reports a tokenizer it cannot use
+        return max_length
+    return max(1, min(max_length, max((len(ids) for ids in lengths), default=1)))

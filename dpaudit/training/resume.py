@@ -1,0 +1,196 @@
+"""The resume policy: what a run folder must hold for ``--resume`` to continue it, and what a resumed run may
+change. A resume continues from the newest intact checkpoint with the run's own plan; steps released after that
+checkpoint are spent and stay counted (redone with fresh noise); other data is composed as a new phase, never
+re-accounted at the new rate; a folder whose spending cannot be read is refused, never guessed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from dpaudit.core import run_folder
+from dpaudit.core.errors import DPAuditError
+from dpaudit.training import checkpoint
+
+
+@dataclass
+class Opening:
+    """Where a (re)started run begins: its first step, the weights to load, and the old ledger's facts."""
+    start: int = 0
+    model_dir: Path | str = ""
+    base_model: str = ""               # the original model, never a checkpoint
+    previous_ledger: dict | None = None
+    released_before: int = 0           # steps whose outputs may have been seen
+
+
+def open_run(run_dir: Path, model_dir, cfg, resume: bool, world) -> Opening:
+    """Check the folder (empty for a new run; a resumable run of the same plan for --resume) and find where to
+    start; rank 0 moves the newest verified checkpoint into place. Every rank returns the same opening."""
+    opening = Opening(model_dir=model_dir, base_model=str(model_dir))
+    found = None
+    if resume:
+        found = _check_resumable(run_dir, cfg, opening, world)
+    elif run_dir.exists() and has_content(run_dir):
+        raise DPAuditError(f"run folder {run_dir} is not empty; pass --resume to continue it or use a new folder")
+    world.barrier()  # every rank has checked the folder before rank 0 writes to it
+    if resume:
+        step = (found[1] if found else None) if world.is_main else checkpoint.intact_step(run_dir / checkpoint.FINAL)
+        if step is not None:
+            opening.start, opening.model_dir = step, run_dir / checkpoint.FINAL
+    if world.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    return opening
+
+
+def _check_resumable(run_dir: Path, cfg, opening: Opening, world):
+    if cfg.trainable == "lora":
+        raise DPAuditError("resuming a LoRA run is not supported; start it again")
+    previous = run_folder.run_config(run_dir, required=False)
+    if previous is not None:
+        before, now = plan_of(previous["config"]), plan_of(config_for_state(cfg))
+        if before != now:  # names only: values are the user's and are not echoed
+            differ = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+            raise DPAuditError(f"{run_dir} holds a run with another configuration (not as it was started: "
+                               f"{', '.join(differ)}; pass the run's own), or use a new folder")
+        opening.base_model = str(previous.get("base_model", opening.base_model))
+    opening.previous_ledger = run_folder.ledger(run_dir)
+    opening.released_before = released_steps(run_dir, opening.previous_ledger, cfg)
+    if opening.previous_ledger is None and (opening.released_before or any(
+            (run_dir / name).exists() for name in (checkpoint.FINAL, checkpoint.TMP, checkpoint.OLD))):
+        raise DPAuditError(f"{run_dir} holds steps of a run but no {run_folder.LEDGER}: refusing to resume a run "
+                           "whose spending is unknown; start a new run folder")
+    if (run_dir / run_folder.MODEL).is_dir():
+        raise DPAuditError(f"the run in {run_dir} is complete; there is nothing to resume")
+    return checkpoint.newest_intact(run_dir) if world.is_main else None  # the newest verified copy, hashed once
+
+
+def check_spending(ledger, plan, opening: Opening, discarded: int, cfg, run_dir: Path) -> None:
+    """A resumed run's refusals on what it would spend: below what its old ledger recorded (the ledger does not
+    describe the run), or above the target or the plan without --allow-overspend."""
+    if opening.previous_ledger is not None:
+        never_below(opening.previous_ledger, ledger, opening.released_before, run_dir)
+    if plan.phases and ledger.total_epsilon > cfg.target_epsilon and not cfg.allow_overspend:
+        raise DPAuditError(f"resuming on other data composes {len(plan.phases)} phases, which spend eps "
+                           f"{ledger.total_epsilon:.4g} > the target {cfg.target_epsilon:g}; pass --allow-overspend to "
+                           "accept (it is recorded in the ledger)")
+    if discarded and ledger.total_epsilon > max(ledger.planned_epsilon, cfg.target_epsilon) and not cfg.allow_overspend:
+        raise DPAuditError(f"resuming would spend eps {ledger.total_epsilon:.4g} > the planned "
+                           f"{ledger.planned_epsilon:.4g}: {discarded} steps ran after the last checkpoint and count "
+                           "again; pass --allow-overspend to accept (it is recorded in the ledger)")
+
+
+# What the ledger accounts: a resume that changes any of them would re-account the steps already taken.
+RESUME_IDENTITY = ("method", "mechanism", "sigma", "clip", "delta", "sampling_rate", "examples", "data_sha256")
+DATA_KEYS = ("sampling_rate", "examples", "data_sha256")  # a resume on other data: a new phase, composed
+
+
+def resume_phases(plan, header: dict, previous: dict, released: int, run_dir: Path):
+    """(plan, header) for resuming a run whose ledger says ``previous`` after ``released`` released steps.
+
+    The method, noise, clip and delta must be the ledger's (else refused, naming what differs). Other data
+    (another N, p or text) starts a new phase at ledger step ``released``: the steps already released stay
+    accounted at the old rate and the rest at the new one, composed in sequence (never re-accounted at the
+    new p, which would under-count). The run keeps the ledger's sigma: a calibrated sigma is not calibrated
+    again for the new data (that would change the noise of a run already part-spent)."""
+    missing = [k for k in RESUME_IDENTITY if k not in previous] if plan.private else []
+    if missing:
+        raise DPAuditError(f"{run_dir / run_folder.LEDGER} does not say its {', '.join(missing)}: refusing to resume a "
+                           "run whose spending is unknown; start a new run folder")
+    data_changed = [k for k in DATA_KEYS if k in previous and previous[k] != header[k]]
+    if data_changed and plan.private and plan.calibrated and isinstance(previous.get("sigma"), (int, float)):
+        plan = replace(plan, mechanism=plan.mechanism.with_sigma(float(previous["sigma"])))
+        header = {**header, "sigma": plan.sigma}
+    differ = [k for k in RESUME_IDENTITY if k not in DATA_KEYS and k in previous and previous[k] != header[k]]
+    if differ or (data_changed and not plan.private):
+        raise DPAuditError(f"resuming {run_dir} with another {', '.join(differ or data_changed)} than its ledger "
+                           "accounts: the steps already taken would be re-accounted at the new values and eps "
+                           "under-counted. Resume with the run's own method, noise, clip and delta (other data is "
+                           "composed as a new phase), or start a new run folder")
+    phases = [dict(p) for p in previous.get("phases") or [] if isinstance(p, dict)]
+    if not phases and data_changed:
+        phases = [{"from_step": 0, **{k: previous.get(k) for k in DATA_KEYS}}]
+    if data_changed:
+        phases.append({"from_step": released, **{k: header[k] for k in DATA_KEYS}})
+    if not phases:
+        return plan, header
+    try:
+        steps = [(int(p["from_step"]), float(p["sampling_rate"])) for p in phases]
+    except (KeyError, TypeError, ValueError):
+        raise DPAuditError(f"{run_dir / run_folder.LEDGER} lists phases it does not describe; refusing to resume "
+                           "a run whose spending is unknown") from None
+    return plan.in_phases(steps), {**header, "phases": phases}
+
+
+def never_below(previous: dict, ledger, released: int, run_dir: Path) -> None:
+    """A resumed run never ends having spent less than its old ledger already recorded as spent: the new
+    ledger's total (released steps, redone ones and the rest, composed) must reach the old epsilon_spent (else
+    the ledger, or the data, is not what the run spent on; issue 36: a stripped ledger resumed at 13.93 below
+    the 16.45 already recorded). The old figure is read at a grid point at or after the steps it counted, so a
+    total within GRID_SLACK of it is not refused: a legitimate resume on more data near the end of a run can
+    come that close."""
+    before = previous.get("epsilon_spent")
+    if isinstance(before, (int, float)) and not isinstance(before, bool) and math.isfinite(before) and released:
+        now = ledger.total_epsilon
+        if now < before * (1 - GRID_SLACK):
+            raise DPAuditError(f"resuming {run_dir} would spend eps {now:.4g} in all, below the {before:.4g} its "
+                               "ledger already recorded: the ledger does not describe the run; refusing to resume a "
+                               "run whose spending is unknown (start a new run folder)")
+
+
+GRID_SLACK = 0.02
+
+
+def released_steps(run_dir: Path, ledger: dict | None, cfg) -> int:
+    """Steps whose outputs may have been seen: the ledger's count, or more where the DP-ZO log or the
+    white-box transcript holds more (a run written by an older dpaudit released before it counted)."""
+    from dpaudit.audit.whitebox_canaries import TRANSCRIPT
+
+    counted = 0
+    if ledger is not None:
+        counted = ledger.get("steps_executed")
+        if type(counted) is not int or counted < 0:
+            raise DPAuditError(f"{run_dir / run_folder.LEDGER} does not say how many steps ran; refusing to resume a run whose "
+                               "spending is unknown")
+    counted = max(counted, run_folder.log_lines(run_dir))
+    transcript = run_dir / TRANSCRIPT
+    if cfg.white_box and transcript.is_file():
+        counted = max(counted, transcript.stat().st_size // (4 * cfg.white_box))
+    return counted
+
+
+def fingerprint(texts: list[str]) -> str:
+    """SHA-256 of the training texts, each prefixed by its length (a resume must train on the same data)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in texts:
+        b = t.encode("utf-8", "surrogatepass")
+        h.update(len(b).to_bytes(8, "little"))
+        h.update(b)
+    return h.hexdigest()
+
+
+def config_for_state(cfg) -> dict:
+    d = asdict(cfg)
+    d.pop("secret_seed")  # never written down: it would reveal batches and noise
+    d.pop("allow_overspend")  # a permission for this resume, not part of the run's plan
+    d["target_epsilon"] = d["target_epsilon"] if math.isfinite(d["target_epsilon"]) else "inf"
+    return d
+
+
+# How a step is computed, not what it computes: a resume may change them.
+EXECUTION_ONLY = ("per_sample_grads", "micro_batch", "max_memory", "shard", "stop_on_divergence")
+
+
+def plan_of(config: dict) -> dict:
+    return {k: v for k, v in config.items() if k not in EXECUTION_ONLY}
+
+
+def has_content(folder: Path) -> bool:
+    from dpaudit.core.lock import LOCK, MARKER
+
+    return any(p.name not in (LOCK, MARKER) for p in folder.iterdir())
+
+
