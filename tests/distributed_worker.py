@@ -1,4 +1,4 @@
-"""Launched by tests/test_distributed.py under torchrun: one short training run, same seeds on every rank.
+"""Launched by tests/training/test_distributed.py under torchrun: one short training run, same seeds on every rank.
 argv: model run method [options: shard, sphere, bf16, micro, save, resume, stop=K (exit at step K)]."""
 
 import sys

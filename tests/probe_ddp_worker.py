@@ -1,4 +1,4 @@
-"""Launched by tests/test_probe.py under torchrun (gloo, CPU): Opacus DDP (DPDDP + DistributedDPOptimizer)
+"""Launched by tests/training/test_probe.py under torchrun (gloo, CPU): Opacus DDP (DPDDP + DistributedDPOptimizer)
 with a WhiteBoxProbe attached on every rank. argv: out sigma claimed_eps."""
 
 import sys

@@ -98,3 +98,13 @@ def test_no_import_cycle():
             visit(v)
     where = [" <-> ".join(f"{c} ({mods[c].relative_to(REPO)})" for c in cycle) for cycle in cycles]
     assert not cycles, "\n".join(where)
+
+
+def test_test_files_mirror_the_packages_they_test():
+    """tests/<package>/test_<module or subject>.py, one folder per package of dpaudit; only this file (the whole
+    code's shape) sits at the top."""
+    tests = REPO / "tests"
+    loose = sorted(p.name for p in tests.glob("test_*.py") if p.name != "test_layers.py")
+    assert not loose, f"test files outside a package folder: {loose}"
+    folders = {p.parent.name for p in tests.rglob("test_*.py") if p.parent != tests}
+    assert folders <= set(LAYERS) - {"__init__"}, f"test folders that are no package: {sorted(folders - set(LAYERS))}"

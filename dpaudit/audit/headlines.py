@@ -1,7 +1,7 @@
 """The registry of eps lower bounds: each bound's name, how it is computed, why it is valid, what it is
 valid for, and whether it needs delta > 0, in one table. The audit (``analysis.analyse``), the headline
 rule, the report's "why valid" line and the CLI's --headline help are all read from it, so none can drift
-from the others (tests/test_audit_statistics.py compares the help with it).
+from the others (tests/audit/test_audit_statistics.py compares the help with it).
 
 A leaf module (no numpy at import): the CLI's help is built from it; each ``compute`` imports the
 auditor when called.
@@ -20,7 +20,7 @@ ANY_MECHANISM = "any (eps, delta)-DP mechanism"
 GAUSSIAN_SHAPE = "mechanisms with a Gaussian trade-off curve (mu-GDP; DP-SGD/DP-ZO over many steps by the CLT)"
 WHITE_BOX_SUMS = ("white-box scores that are sums of canary-aligned signals over many steps (Gaussian by the "
                   "CLT), from a mu-GDP mechanism or a Poisson-subsampled Gaussian one (G_mu at the score's shift "
-                  "is below its accounted eps: tests/test_audit_bounds.py)")
+                  "is below its accounted eps: tests/audit/test_audit_bounds.py)")
 INDEPENDENT = "independent canaries (many runs); indicative in one run"
 
 

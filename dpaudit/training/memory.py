@@ -8,7 +8,7 @@ the backward pass frees as the gradients form (so only half of the smaller of th
 top of the larger). DP-SGD with ghost clipping adds the output gradients alive during its norm pass
 (~15 %); with materialised per-example gradients, one copy of the trainable parameters per example;
 DP-ZO keeps no activations beyond one forward; every process adds ~160 MB of its own. Checked
-against the live peaks benchmarks/trainers.py measured (tests/test_memory.py holds them): 0-45 %
+against the live peaks benchmarks/trainers.py measured (tests/training/test_memory.py holds them): 0-45 %
 above (the side to err on), never more than 5 % below.
 
 Sharded over W ranks (``shards``, shard.py): a rank keeps 1/W of the weights (float32 master copies

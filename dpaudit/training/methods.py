@@ -12,7 +12,7 @@ the run folder. A trainer owns one step and its optimizer state, behind four cal
 takes, what it releases, the facts the run's checks and estimates need, and how its trainer is built from a
 ``TrainerSetup``. The CLI's choices, the run's checks, the memory estimate, sharding, replay and the white-box
 audit read the record, never the name, so a new method is one record (``register_method``) plus the file of
-its trainer; tests/test_extension.py adds one from a temporary module and trains with it. Trainer modules are
+its trainer; tests/training/test_extension.py adds one from a temporary module and trains with it. Trainer modules are
 imported only when one is built.
 """
 

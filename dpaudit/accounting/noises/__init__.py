@@ -5,7 +5,7 @@ which other accountants' hooks the noise has (``rdp_event``, ``composed_sigma``)
 Everything that differs between noises lives in its own module here, so the rest of the code asks
 ``noise(kind).<fact>`` instead of branching on the name. The modules of this package are found at import
 (``NOISES``): a new noise is one new module defining ``NOISE`` (or ``register_noise`` from outside code;
-tests/test_extension.py adds one), and the accountants whose contract it meets (``pld`` for any noise with a privacy loss; ``rdp`` for one with an ``rdp_event``) cover it. Libraries
+tests/training/test_extension.py adds one), and the accountants whose contract it meets (``pld`` for any noise with a privacy loss; ``rdp`` for one with an ``rdp_event``) cover it. Libraries
 are imported when a fact is asked for, so reading the table costs nothing at start-up.
 """
 

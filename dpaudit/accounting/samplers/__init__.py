@@ -4,7 +4,7 @@ One small record per scheme, one module per scheme in this package (``SCHEME = S
 as the noises are), so that accountants and commands ask ``scheme(name).<fact>`` instead of branching on the
 name: the relation, the sensitivity of a clipped sum under it, the accountants that cover it, dp-accounting's
 event for one step (where its RDP accountant covers the scheme), and the words for people. A new sampler is one
-module here (or ``register_scheme`` from outside code); tests/test_extension.py adds one and accounts with it.
+module here (or ``register_scheme`` from outside code); tests/training/test_extension.py adds one and accounts with it.
 
 The schemes: ``poisson`` (poisson.py), ``fixed`` (fixed.py), ``shuffle`` (shuffle.py; its accountant is
 accounting/shuffle.py) and ``balls-in-bins`` (balls_in_bins.py, named so that it is refused with the reason).

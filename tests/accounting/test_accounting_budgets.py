@@ -16,7 +16,7 @@ from dpaudit.core import limits as budget
 from dpaudit.accounting.registry import get_accountant
 from dpaudit.accounting.result import NeighboringRelation
 from dpaudit.core.errors import DPAuditError
-from tests.cli_helpers import assert_one_line_error, dpaudit
+from cli_helpers import assert_one_line_error, dpaudit
 
 
 def _peak_rss_mb(code: str) -> tuple[float, str]:

@@ -7,7 +7,7 @@ import pytest
 
 from cli_helpers import assert_one_line_error, dpaudit
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "examples"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "examples"
 
 
 def test_laplace_single_release_json():

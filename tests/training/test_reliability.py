@@ -1,6 +1,6 @@
 """Reliability, round two (issue 30): a resume never re-accounts what was spent, nothing a user owns is
 lost, every command is bounded, exit codes mean one thing, outputs are safe. (Kills at every rename and
-release write: tests/test_faults.py.)"""
+release write: tests/training/test_ledger_faults.py.)"""
 
 import fcntl
 import json

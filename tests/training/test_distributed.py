@@ -13,7 +13,7 @@ import pytest
 from dpaudit.models.loading import load_causal_lm
 from dpaudit.workflows.replay import max_weight_difference
 
-WORKER = Path(__file__).with_name("distributed_worker.py")
+WORKER = Path(__file__).resolve().parents[1] / "distributed_worker.py"
 
 
 def launch(model, run, method, procs, *options):

@@ -114,7 +114,7 @@ def test_attaching_a_probe_changes_neither_the_users_rng_nor_their_noise(tmp_pat
 
 
 def test_the_docs_plain_pytorch_example_runs_as_written(tmp_path, monkeypatch):
-    text = (Path(__file__).resolve().parents[1] / "docs" / "auditing.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "auditing.md").read_text()
     code = re.search(r"\*\*Any PyTorch DP-SGD loop\*\*.*?```python\n(.*?)```", text, re.S).group(1)
     assert len(code.strip().splitlines()) <= 30
     monkeypatch.chdir(tmp_path)
@@ -218,7 +218,7 @@ def test_opacus_ddp_rank_zero_plants_and_reads_the_reduced_release(tmp_path):
     import subprocess
     import sys
 
-    worker = Path(__file__).with_name("probe_ddp_worker.py")
+    worker = Path(__file__).resolve().parents[1] / "probe_ddp_worker.py"
     for sigma, violation in (("0", "True"), ("1", "False")):
         out = tmp_path / f"ddp{sigma}"
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
