@@ -20,8 +20,6 @@ def preflight(model_dir: Path, cfg, examples: int, warn: bool = True,
     the estimate is above the free memory (once per run: ``train`` says it, callers checking early don't).
     Given ``texts``, a step is estimated at their longest tokenised length (a batch is cut to its longest
     example, so short texts never fill ``max_length``); without, at ``max_length`` (the side to err on)."""
-    import torch
-
     from dpaudit.core.limits import human_bytes
     from dpaudit.models.hf import MAX_CONFIG_BYTES, meta_model, resolve_model_path
     from dpaudit.training import memory
@@ -45,13 +43,7 @@ def preflight(model_dir: Path, cfg, examples: int, warn: bool = True,
         raise DPAuditError(f"the model in {model_dir} has no bias terms (Llama-family models have none), so "
                            "--trainable bias (DP-BiTFiT) has nothing to train; use --trainable lora or full")
     total = sum(p.numel() for p in model.parameters())
-    if cfg.trainable == "full":
-        trainable = total
-    elif cfg.trainable == "bias":
-        trainable = sum(p.numel() for name, p in model.named_parameters() if name.endswith(".bias"))
-    else:  # LoRA on every linear layer
-        trainable = sum(cfg.lora_rank * (m.in_features + m.out_features) for m in model.modules()
-                        if isinstance(m, torch.nn.Linear))
+    trainable = _trainable_count(model, cfg, total)
     shards = int(os.environ.get("WORLD_SIZE", "1")) if cfg.shard else 1
     tokens = cfg.max_length if texts is None else longest_tokens(folder, texts, cfg.max_length)
     settings = dict(shape=memory.ModelShape.of(model.config, total), trainable=trainable, method=cfg.method,
@@ -88,3 +80,15 @@ def longest_tokens(folder: Path, texts: list[str], max_length: int) -> int:
     except Exception:  # noqa: BLE001 - an estimate only: the run itself reports a tokenizer it cannot use
         return max_length
     return max(1, min(max_length, max((len(ids) for ids in lengths), default=1)))
+
+
+def _trainable_count(model, cfg, total: int) -> int:
+    """How many weights the run trains: all, the biases (DP-BiTFiT), or LoRA's on every linear layer."""
+    import torch
+
+    if cfg.trainable == "full":
+        return total
+    if cfg.trainable == "bias":
+        return sum(p.numel() for name, p in model.named_parameters() if name.endswith(".bias"))
+    return sum(cfg.lora_rank * (m.in_features + m.out_features) for m in model.modules()  # LoRA: every linear layer
+               if isinstance(m, torch.nn.Linear))
