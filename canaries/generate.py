@@ -1,4 +1,10 @@
-"""Make m new-token canaries (Panda et al. 2024): a random prefix, then one new vocabulary token as the secret.
+"""Make m canaries: a random prefix, then the secret.
+
+- ``new-token`` (Panda et al. 2024): the secret is one new vocabulary token (the model is extended with it).
+- ``existing``: the secret is a random span of the model's own ordinary tokens (no vocabulary resize, so a LoRA
+  that freezes the embeddings still trains it), as memaudit's default and Carlini et al.'s random-sequence
+  canaries. Prefix and secret are drawn so that the tokenizer gives back exactly the prefix's tokens followed by
+  the secret's, so the secret span is known at scoring, whatever the tokenizer merges.
 
 Each canary is a member independently with probability 1/2. Secrets, prefixes and membership come from
 three separate seeded streams, so neither the secret nor the prefix says anything about membership.
@@ -41,12 +47,58 @@ def _clean(text: str) -> bool:
     return bool(text.strip()) and text.isprintable() and "\ufffd" not in text and "<" not in text
 
 
-def make_canaries(tokenizer, m: int, seed: int = 0, prefix_length: int = 8, template: str | None = None,
-                  name_or_path: str | None = None) -> Manifest:
+SECRET_TOKENS = 6  # an existing canary's secret span: 6 tokens of a ~50k vocabulary is ~94 bits
+
+
+def make_existing_canaries(tokenizer, m: int, seed: int = 0, prefix_length: int = 8,
+                           secret_length: int = SECRET_TOKENS, name_or_path: str | None = None) -> Manifest:
+    """m canaries whose secret is ``secret_length`` random ordinary tokens of the tokenizer's own vocabulary."""
+    _check_count(m)
+    if prefix_length < 1 or secret_length < 1:
+        raise DPAuditError(f"prefix and secret lengths must be >= 1, got {prefix_length} and {secret_length}")
+    pool = _prefix_pool(tokenizer)
+    if len(pool) < 256:
+        raise DPAuditError(f"the tokenizer has {len(pool)} ordinary tokens ({tokenizer.vocab_size} in all); existing-"
+                           "vocabulary canaries need at least 256 to make secrets no one guesses (use new-token canaries)")
+    secret_rng, prefix_rng, member_rng = (np.random.default_rng([seed, stream, 1]) for stream in range(3))
+    canaries, seen = [], set()
+    while len(canaries) < m:
+        prefix = tokenizer.decode(prefix_rng.choice(pool, prefix_length).tolist())
+        secret = tokenizer.decode(secret_rng.choice(pool, secret_length).tolist())
+        if secret in seen or not split_secret(tokenizer, prefix, secret):
+            continue  # the tokenizer merges across the boundary: draw again (rare)
+        seen.add(secret)
+        canaries.append(Canary(len(canaries), secret, prefix, False))
+        if len(seen) > 50 * m + 1000:
+            raise DPAuditError("the tokenizer merges most drawn canaries across their prefix: use new-token canaries")
+    membership = member_rng.random(m) < 0.5
+    canaries = [Canary(c.index, c.secret, c.prefix, bool(b)) for c, b in zip(canaries, membership)]
+    return Manifest(seed=seed, tokenizer=tokenizer_identity(tokenizer, name_or_path), prefix_kind="random-tokens",
+                    prefix_length=prefix_length, canaries=canaries, kind="existing", secret_length=secret_length)
+
+
+def split_secret(tokenizer, prefix: str, secret: str) -> tuple[list[int], list[int]] | None:
+    """(prefix ids, secret ids) when the tokenizer reads prefix + secret as the prefix's tokens followed by the
+    secret's (and gives the text back unchanged), else None."""
+    head = tokenizer(prefix, add_special_tokens=False)["input_ids"]
+    full = tokenizer(prefix + secret, add_special_tokens=False)["input_ids"]
+    if full[:len(head)] != head or len(full) == len(head):
+        return None
+    if tokenizer.decode(full) != prefix + secret:
+        return None
+    return head, full[len(head):]
+
+
+def _check_count(m: int) -> None:
     if m < 2:
         raise DPAuditError(f"need at least 2 canaries, got m={m}")
     if m > MAX_CANARIES:
         raise DPAuditError(f"at most {MAX_CANARIES} canaries, got m={m} (an audit's power saturates far below)")
+
+
+def make_canaries(tokenizer, m: int, seed: int = 0, prefix_length: int = 8, template: str | None = None,
+                  name_or_path: str | None = None) -> Manifest:
+    _check_count(m)
     if template is None and prefix_length < 1:
         raise DPAuditError(f"prefix length must be >= 1, got {prefix_length}")
     secret_rng, prefix_rng, member_rng = (np.random.default_rng([seed, stream]) for stream in range(3))

@@ -18,10 +18,13 @@ FORMAT = "dpaudit-canaries/1"
 MAX_CANARIES = 100_000
 
 
+KINDS = ("new-token", "existing")  # a new vocabulary token (the model is extended), or a span of the model's own
+
+
 @dataclass(frozen=True)
 class Canary:
     index: int
-    secret: str     # the new vocabulary token
+    secret: str     # the new vocabulary token ("new-token"), or a span of existing tokens, as text ("existing")
     prefix: str     # text that precedes it
     member: bool
 
@@ -46,6 +49,8 @@ class Manifest:
     canaries: list[Canary]
     inclusion_probability: float = 0.5
     format: str = field(default=FORMAT)
+    kind: str = "new-token"
+    secret_length: int | None = None  # tokens in an "existing" canary's secret span
 
     @property
     def secrets(self) -> list[str]:
@@ -61,6 +66,7 @@ class Manifest:
             "inclusion_probability": self.inclusion_probability,
             "tokenizer": asdict(self.tokenizer),
             "prefix": {"kind": self.prefix_kind, "length": self.prefix_length},
+            "kind": self.kind, "secret_length": self.secret_length,
             "canaries": [asdict(c) for c in self.canaries],
         }
 
@@ -82,11 +88,14 @@ def load_manifest(path: Path) -> Manifest:
         manifest = Manifest(
             seed=int(data["seed"]), tokenizer=TokenizerIdentity(**data["tokenizer"]),
             prefix_kind=str(data["prefix"]["kind"]), prefix_length=data["prefix"]["length"],
-            canaries=canaries, inclusion_probability=float(data["inclusion_probability"]))
+            canaries=canaries, inclusion_probability=float(data["inclusion_probability"]),
+            kind=str(data.get("kind", "new-token")), secret_length=data.get("secret_length"))
     except (KeyError, TypeError, ValueError) as exc:
         raise DPAuditError(f"canary manifest {path} is malformed: {exc!r}") from None
     if not canaries:
         raise DPAuditError(f"canary manifest {path} holds no canaries")
+    if manifest.kind not in KINDS:
+        raise DPAuditError(f"canary manifest {path}: unknown canary kind (use {' or '.join(KINDS)})")
     if len(canaries) > MAX_CANARIES:
         raise DPAuditError(f"canary manifest {path} holds {len(canaries)} canaries; dpaudit takes at most "
                            f"{MAX_CANARIES}")

@@ -52,9 +52,9 @@ def llama_like_dir(tmp_path_factory) -> Path:
 # 2 cores) leaves out whatever builds or trains a model, launches torchrun or trains with Opacus, and the
 # tests named in SLOW_TESTS. CI runs everything.
 SLOW_FIXTURES = {"tiny_model_dir", "llama_like_dir"}
-SLOW_MODULES = {"test_bug_zoo", "test_data", "test_distributed", "test_probe", "test_whitebox", "test_audit_run", "test_gguf_e2e",
-                "test_audit_e2e", "test_trainers", "test_faults", "test_lora_new_tokens", "test_dp_sgd_clipping",
-                "test_mc_scale", "test_threads", "test_memory", "test_opacus_accountant"}
+SLOW_MODULES = {"test_bug_zoo", "test_data", "test_distributed", "test_probe", "test_whitebox", "test_audit_run", "test_gguf",
+                "test_scoring", "test_trainers", "test_ledger_faults", "test_new_tokens", "test_ghost",
+                "test_montecarlo", "test_threads", "test_memory", "test_opacus_accountant", "test_hf"}
 
 
 # Tests of the fast tier's modules that take over 5 s each on 2 cores (measured with --durations, 2026-11-25):

@@ -80,6 +80,7 @@ class AuditResult:
             "score": {"name": self.score.name, "description": self.score.description},
             "auc": self.roc.auc,
             "tpr_at_fpr": {f"{k:g}": v for k, v in self.roc.tpr_at_fpr.items()},
+            "tpr_interval": {f"{k:g}": list(v) for k, v in (self.roc.tpr_interval or {}).items()},
             "bounds": {k: b.to_dict() for k, b in self.bounds.items()},
             **({"unprotected_parameters": list(self.unprotected)} if self.unprotected else {}),
         }

@@ -62,7 +62,7 @@ def markdown(result: AuditResult, context: dict) -> str:
         f"- score: {result.score.name}: {result.score.description}", "",
         "| metric | value |", "|---|---|",
         f"| AUC | {result.roc.auc:.4f} |",
-        *(f"| TPR at FPR {float(k):.1%} | {v:.4f} |" for k, v in d["tpr_at_fpr"].items()
+        *(f"| TPR at FPR {float(k):.1%} | {v:.4f}{_interval(d, k)} |" for k, v in d["tpr_at_fpr"].items()
           if float(k) * result.nonmembers >= 1),
         "",
         "Every bound below holds on its own with probability >= 1 - alpha; only the headline decides the verdict.",
@@ -81,6 +81,11 @@ def markdown(result: AuditResult, context: dict) -> str:
         "", "![ROC](roc.png)", "",
     ]
     return "\n".join(lines)
+
+
+def _interval(d: dict, k: str) -> str:
+    lo_hi = d.get("tpr_interval", {}).get(k)
+    return f" (95 % Clopper-Pearson {lo_hi[0]:.3f} to {lo_hi[1]:.3f})" if lo_hi else ""
 
 
 def _reach(result: AuditResult, d: dict) -> list[str]:

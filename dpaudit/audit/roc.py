@@ -1,4 +1,6 @@
-"""ROC summary: AUC exactly as measured (no max(AUC, 1 - AUC)), TPR at fixed low FPRs."""
+"""ROC summary: AUC exactly as measured (no max(AUC, 1 - AUC)), TPR at fixed low FPRs, each with its two-sided 95 %
+Clopper-Pearson interval over the members (the threshold is read off the same non-members, so the FPR is the
+empirical one: the interval is on the TPR at that threshold, as memaudit and the MIA literature report it)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ class RocSummary:
     tpr_at_fpr: dict[float, float]
     fpr: np.ndarray
     tpr: np.ndarray
+    tpr_interval: dict[float, tuple[float, float]] | None = None
 
 
 def summarise(scores: np.ndarray, members: np.ndarray, fprs=REPORTED_FPRS) -> RocSummary:
@@ -23,4 +26,8 @@ def summarise(scores: np.ndarray, members: np.ndarray, fprs=REPORTED_FPRS) -> Ro
     auc = float(roc_auc_score(members, scores))
     # Highest TPR reachable by a threshold whose FPR does not exceed the target.
     at = {float(x): float(tpr[fpr <= x].max()) for x in fprs}
-    return RocSummary(auc=auc, tpr_at_fpr=at, fpr=fpr, tpr=tpr)
+    from dpaudit.audit.clopper_pearson import lower_rate, upper_rate
+
+    n = int(np.sum(members))
+    interval = {x: (lower_rate(round(v * n), n, 0.025), upper_rate(round(v * n), n, 0.025)) for x, v in at.items()}
+    return RocSummary(auc=auc, tpr_at_fpr=at, fpr=fpr, tpr=tpr, tpr_interval=interval)

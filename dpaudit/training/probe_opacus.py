@@ -156,6 +156,17 @@ class Passive:
         return None
 
 
+def hooked_accountant(optimizer):
+    """The Opacus accountant whose step hook PrivacyEngine attached to ``optimizer`` (the hook closes over it), or
+    None: it says eps for the steps actually taken."""
+    hook = getattr(optimizer, "step_hook", None)
+    code = getattr(hook, "__code__", None)
+    if code is None or "self" not in code.co_freevars:
+        return None
+    value = hook.__closure__[code.co_freevars.index("self")].cell_contents
+    return value if hasattr(value, "get_epsilon") else None
+
+
 def hooked_sample_rate(optimizer) -> float | None:
     """The sample rate PrivacyEngine gave the accountant's step hook (``get_optimizer_hook_fn(sample_rate,
     ...)``): the optimizer itself does not keep it, and the data loader may not be at hand."""

@@ -1,4 +1,5 @@
-"""Score canaries on a model: the loss of the secret token given its prefix, batched; score = -loss."""
+"""Score canaries on a model: the loss of the secret (the new token, or the span of existing tokens) given its
+prefix, batched, on the secret only; score = -loss."""
 
 from __future__ import annotations
 
@@ -12,8 +13,12 @@ from dpaudit.core.progress import progress_bar
 
 def secret_losses(model, tokenizer, manifest: Manifest, batch_size: int = 32, show_progress: bool = True,
                   description: str = "scoring canaries") -> np.ndarray:
-    """Per-canary cross-entropy of the secret token only (nats), in manifest order."""
+    """Per-canary cross-entropy of the secret only (nats, summed over an existing canary's span), in manifest
+    order."""
     import torch
+
+    if manifest.kind == "existing":
+        return span_losses(model, tokenizer, manifest, batch_size, show_progress, description)
 
     secret_ids = tokenizer.convert_tokens_to_ids(manifest.secrets)
     encoded = [tokenizer(c.text, add_special_tokens=False)["input_ids"] for c in manifest.canaries]
@@ -65,3 +70,41 @@ def score_checkpoint(model_dir, manifest: Manifest, *, score: str = "neg-loss", 
     if score == "loss-vs-base":
         return losses(base) - losses(model_dir), members
     raise DPAuditError(f"unknown checkpoint score {score!r}; use neg-loss or loss-vs-base")
+
+
+def span_losses(model, tokenizer, manifest: Manifest, batch_size: int = 32, show_progress: bool = True,
+                description: str = "scoring canaries", contexts: list[str] | None = None) -> np.ndarray:
+    """Per-canary cross-entropy of an existing canary's secret span given its prefix (or ``contexts[i]``: the text
+    the trainer put before the secret, e.g. a chat template's), summed over the span's tokens (nats): the context
+    is context only, so the score is on the secret alone."""
+    import torch
+
+    from dpaudit.canaries.generate import split_secret
+
+    rows = []
+    for i, c in enumerate(manifest.canaries):
+        split = split_secret(tokenizer, c.prefix if contexts is None else contexts[i], c.secret)
+        if split is None:
+            raise DPAuditError(f"canary {c.index}: this tokenizer does not read its secret as the manifest's span")
+        rows.append(split)
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    losses = np.empty(len(rows))
+    was_training = model.training
+    model.eval()
+    with torch.no_grad(), progress_bar(len(rows), description, show_progress) as advance:
+        for start in range(0, len(rows), batch_size):
+            chunk = rows[start:start + batch_size]
+            width = max(len(h) + len(t) for h, t in chunk)
+            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for r, (h, t) in enumerate(chunk):
+                ids[r, :len(h) + len(t)] = torch.tensor(h + t)
+                mask[r, :len(h) + len(t)] = 1
+            logp = torch.log_softmax(model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float(), -1)
+            for r, (h, t) in enumerate(chunk):
+                at = torch.arange(len(h) - 1, len(h) + len(t) - 1, device=device)  # position j predicts token j + 1
+                losses[start + r] = float(-logp[r, at, torch.tensor(t, device=device)].sum())
+            advance(len(chunk))
+    model.train(was_training)
+    return losses

@@ -1,0 +1,555 @@
+"""Audit a Hugging Face ``Trainer`` or TRL ``SFTTrainer`` fine-tune (PEFT or full) in one callback.
+
+    audit, train_dataset = DPAuditCallback.prepare(tokenizer, train_dataset, m=1000, out="audit-run",
+                                                   claimed_eps=8.0, delta=1e-5)
+    trainer = Trainer(model=model, args=args, train_dataset=train_dataset, callbacks=[audit])
+    trainer.train()          # writes audit-run/report/report.md and report.json, with the verdict
+
+What it does, and why each part is there:
+- ``prepare`` (before the Trainer exists: the Trainer builds its data loader, and TRL tokenises, at construction)
+  makes m canaries, each a member with probability 1/2 from fresh OS entropy (written only to the 0600 manifest
+  ``out/canaries.json``), and returns a copy of the dataset with the members inserted, in the dataset's own row
+  format (plain text, chat ``messages``, or ``prompt``/``completion``; a ``datasets.Dataset`` or a list of dicts).
+  Canary kinds: ``existing`` (default): a random span of the tokenizer's own vocabulary after a random prefix, so
+  no vocabulary resize and a LoRA with frozen embeddings still trains it; ``new-token``: one new token (the
+  model must be extended, ``dpaudit canaries extend``, and its rows must train).
+- ``on_train_begin`` checks, on the live model and the Trainer's own dataset and collator (never by drawing from
+  its data loader, which would move the user's random state), that the canaries will train: new-token rows
+  trainable, the secret's labels not masked (-100) after collation, the secret not cut by truncation or packing,
+  and the members present in what the Trainer iterates. Each failure is refused in one line naming the cause and
+  the fix (``preflight="warn"``: a line in the report instead). When the optimizer is (or wraps) an Opacus
+  ``DPOptimizer``, a ``WhiteBoxProbe`` is attached to it (gradient canaries in the privatised release).
+- ``on_train_end`` scores each canary on its secret span only (the context before it is context), against the
+  base model when one is at hand (``disable_adapter()`` on an unmerged PEFT model, or ``reference=``), audits the
+  scores (AUC, TPR at 1 % and 0.1 % FPR with Clopper-Pearson intervals, every eps lower bound, the power line),
+  and writes ``out/report/`` with the verdict against the claim; a white-box audit, when there is one, is
+  reported beside it and decides the verdict (it sees every release, so it is the stronger test).
+
+Under ZeRO-3 or FSDP (weights sharded), scoring in the callback is skipped: the report folder says which
+``dpaudit audit checkpoint`` command scores the saved model instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from dpaudit.core.errors import DPAuditError
+
+try:  # transformers is the `train` extra; the class is defined either way so that the import error is one line
+    from transformers import TrainerCallback
+except ImportError:  # pragma: no cover - the train extra is missing
+    TrainerCallback = object
+
+MANIFEST = "canaries.json"
+SETTINGS = "hf_audit.json"
+REPORT = "report"
+WHITE_BOX = "white-box"
+CANARY_BUDGET = 0.05     # inserted member rows at most this share of the dataset's rows
+PREFLIGHT = ("refuse", "warn", "off")
+HEADLINE_WHY = {
+    "loss-vs-base": "the secret's loss drop from the base model: it removes how hard each canary is to begin with, "
+                    "so members separate from non-members at far lower leakage than with the loss alone",
+    "neg-loss": "the secret's loss on the fine-tuned model (no base model at hand: pass reference=, or keep a PEFT "
+                "adapter unmerged, for the base-calibrated score)",
+}
+
+
+@dataclass
+class _Settings:
+    m: int
+    kind: str
+    row_format: str          # text, messages, prompt-completion
+    text_field: str | None
+    repeats: int
+    claimed_eps: float | None
+    delta: float | None
+    alpha: float
+    preflight: str
+    reference: str | None
+    regurgitation: bool
+    inserted_rows: int
+    dataset_rows: int
+    notes: list = field(default_factory=list)
+
+
+class DPAuditCallback(TrainerCallback):
+    """A ``transformers.TrainerCallback``; make it with ``DPAuditCallback.prepare``."""
+
+    def __init__(self, out, manifest, settings: _Settings, tokenizer) -> None:
+        self.out, self.manifest, self.settings, self.tokenizer = Path(out), manifest, settings, tokenizer
+        self.probe = None
+        self.resumed_at = 0
+        self.preflight_notes: list[str] = []
+        self.result = None           # the black-box AuditResult, after training
+        self.white_box = None        # the white-box AuditResult, when a DP optimizer was probed
+
+    # -- before the Trainer ------------------------------------------------------------------------------
+    @classmethod
+    def prepare(cls, tokenizer, train_dataset, *, m: int = 1000, out, claimed_eps: float | None = None,
+                delta: float | None = None, kind: str = "existing", repeats: int = 1, text_field: str | None = None,
+                canary_budget: float = CANARY_BUDGET, preflight: str = "refuse", reference=None,
+                regurgitation: bool = False, alpha: float = 0.05, seed: int = 0, secret_seed: int | None = None):
+        """(callback, the dataset with the member canaries inserted). ``out`` holds the manifest (0600) and,
+        after training, the report; preparing again into the same ``out`` (a resumed Trainer) keeps the same
+        canaries and membership. ``secret_seed`` makes membership reproducible: tests and benchmarks only."""
+        from dpaudit.canaries.manifest import load_manifest
+
+        _check_arguments(m, kind, repeats, canary_budget, preflight, claimed_eps, delta, alpha)
+        rows, columns, rebuild = _rows_of(train_dataset)
+        row_format, text_field = _row_format(rows, columns, text_field)
+        out = Path(out)
+        members_expected = m / 2 * repeats
+        if members_expected > canary_budget * max(1, len(rows)):
+            most = int(2 * canary_budget * len(rows) / repeats)
+            raise DPAuditError(f"m = {m} canaries put about {members_expected:.0f} rows into a dataset of {len(rows)} "
+                               f"rows, over the canary budget of {canary_budget:.0%} of its rows; use m <= {most}, or "
+                               "raise canary_budget=")
+        if row_format == "messages" and not getattr(tokenizer, "chat_template", None):
+            raise DPAuditError("the dataset holds chat messages but the tokenizer has no chat template to render them")
+        if (out / MANIFEST).is_file():
+            manifest = load_manifest(out / MANIFEST)  # a resumed Trainer: the same canaries and membership
+            if len(manifest.canaries) != m or manifest.kind != kind:
+                raise DPAuditError(f"{out} holds {len(manifest.canaries)} {manifest.kind} canaries; prepare again with "
+                                   "the same m and kind (a resumed run keeps its canaries), or use a new folder")
+        else:
+            manifest = _make(tokenizer, m, kind, seed, secret_seed)
+            _new_folder(out)
+            manifest.save(out / MANIFEST)
+        new_rows = [_canary_row(c, row_format, text_field, columns, rows) for c in manifest.members
+                    for _ in range(repeats)]
+        order = np.random.default_rng([seed, 7]).permutation(len(rows) + len(new_rows))
+        both = rows + new_rows
+        settings = _Settings(m=m, kind=kind, row_format=row_format, text_field=text_field, repeats=repeats,
+                             claimed_eps=claimed_eps, delta=delta, alpha=alpha, preflight=preflight,
+                             reference=str(reference) if reference is not None else None,
+                             regurgitation=regurgitation, inserted_rows=len(new_rows), dataset_rows=len(rows))
+        from dpaudit.core.atomic import atomic_write_json
+
+        atomic_write_json(out / SETTINGS, {k: v for k, v in settings.__dict__.items() if k != "notes"})
+        return cls(out, manifest, settings, tokenizer), rebuild([both[i] for i in order])
+
+    # -- the Trainer's events ----------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kwargs):
+        self.resumed_at = int(state.global_step or 0)
+        tokenizer = kwargs.get("processing_class") or self.tokenizer
+        tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor wraps its tokenizer
+        if self.settings.preflight != "off":
+            problems = preflight_problems(model, tokenizer, self.manifest, self.settings, train_dataloader)
+            if problems and self.settings.preflight == "refuse":
+                raise DPAuditError(problems[0])
+            self.preflight_notes = problems
+        dp = _dp_optimizer(optimizer)
+        if dp is not None:
+            from dpaudit.training.probe import WhiteBoxProbe
+            from dpaudit.training.probe_opacus import hooked_accountant
+
+            folder = self.out / WHITE_BOX
+            resume = folder.is_dir() and any(folder.iterdir())
+            self.probe = WhiteBoxProbe.attach(dp, m=1000, out=folder, model=model, resume=resume,
+                                              accountant=hooked_accountant(dp))
+        return control
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        from dpaudit.core.atomic import atomic_write_text
+
+        tokenizer = kwargs.get("processing_class") or self.tokenizer
+        tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
+        if _sharded(args):
+            atomic_write_text(self.out / "SCORE_LATER.txt", _score_later(args, self.out))
+            print(f"dpaudit: the model is sharded (ZeRO-3 / FSDP): scoring is left to the saved checkpoint; see "
+                  f"{self.out / 'SCORE_LATER.txt'}")
+            return control
+        if int(os.environ.get("RANK", "0")) != 0:
+            return control
+        steps = int(state.global_step or 0)
+        claimed, source = self._claim()
+        self.result, scores, members, score = audit_model(model, tokenizer, self.manifest, self.settings,
+                                                          claimed, self.settings.delta)
+        context = self._context(args, state, steps, claimed, source, score)
+        if self.probe is not None and getattr(self.probe, "canaries", None) is not None:
+            self.probe.close()
+            try:
+                self.white_box = self.probe.audit(claimed, self.settings.delta, report=True)
+            except DPAuditError as exc:
+                context["white-box audit"] = f"not made: {exc}"
+        if self.settings.regurgitation:
+            context.update(regurgitation(model, tokenizer, self.manifest, self.settings))
+        self.verdict = self._write(self.result, scores, members, context)
+        print(f"dpaudit: {self.verdict} (report: {self.out / REPORT / 'report.md'})")
+        return control
+
+    # -- helpers -----------------------------------------------------------------------------------------
+    def _claim(self) -> tuple[float | None, str]:
+        if self.settings.claimed_eps is not None:
+            return self.settings.claimed_eps, "given to prepare()"
+        accountant = getattr(self.probe, "accountant", None)
+        if accountant is not None and self.settings.delta is not None:
+            return float(accountant.get_epsilon(delta=self.settings.delta)), (
+                f"{type(accountant).__name__}.get_epsilon(delta={self.settings.delta:g}) after the steps taken")
+        return None, "none (no claimed_eps, and no Opacus accountant on the optimizer)"
+
+    def _context(self, args, state, steps, claimed, source, score) -> dict:
+        planned = int(state.max_steps or 0)
+        return {
+            "trainer": "Hugging Face Trainer callback (dpaudit.integrations.hf)",
+            "canary kind": self.settings.kind, "row format": self.settings.row_format,
+            "inserted member rows": self.settings.inserted_rows, "dataset rows": self.settings.dataset_rows,
+            "steps run": f"{steps} of {planned}" + (" (stopped early)" if planned and steps < planned else ""),
+            **({"resumed at step": self.resumed_at} if self.resumed_at else {}),
+            "claimed eps": claimed, "claimed eps from": source, "delta": self.settings.delta,
+            "headline score": score, "why this score": HEADLINE_WHY[score],
+            **{f"preflight warning {i + 1}": p for i, p in enumerate(self.preflight_notes)},
+        }
+
+    def _write(self, result, scores, members, context) -> str:
+        from dpaudit.audit.report import write_report
+        from dpaudit.core.lock import remove_folder
+
+        folder = self.out / REPORT
+        remove_folder(folder)
+        folder.mkdir(parents=True)
+        verdict = result.verdict
+        if self.white_box is not None:
+            context = {**context, "white-box eps lower bound": round(self.white_box.epsilon_lower_bound, 4),
+                       "white-box verdict": self.white_box.verdict, "verdict from": "white-box audit (it reads every "
+                       "privatised release, so it is the stronger test); black-box below, beside it"}
+            verdict = self.white_box.verdict if self.white_box.violation or not result.violation else result.verdict
+        else:
+            context = {**context, "verdict from": "black-box audit of the canaries' secret spans"}
+        write_report(folder, result, scores, members, {**context, "overall verdict": verdict})
+        return verdict
+
+
+# -- canaries and rows -------------------------------------------------------------------------------------
+def _check_arguments(m, kind, repeats, budget, preflight, claimed_eps, delta, alpha) -> None:
+    from dpaudit.audit.analysis import check_audit_parameters
+    from dpaudit.canaries.manifest import KINDS
+
+    if kind not in KINDS:
+        raise DPAuditError(f"unknown canary kind {kind!r}; use {' or '.join(KINDS)}")
+    if isinstance(m, bool) or not isinstance(m, int) or m < 2:
+        raise DPAuditError(f"m (the number of canaries) must be an integer >= 2, got {m!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise DPAuditError(f"repeats must be an integer >= 1, got {repeats!r}")
+    if not 0 < budget <= 1:
+        raise DPAuditError(f"canary_budget must be in (0, 1], got {budget}")
+    if preflight not in PREFLIGHT:
+        raise DPAuditError(f"preflight must be one of {', '.join(PREFLIGHT)}, got {preflight!r}")
+    if delta is None:
+        raise DPAuditError("give the delta the run claims (the bound depends on it; 0 would inflate it)")
+    check_audit_parameters(alpha, delta, claimed_eps)
+
+
+def _make(tokenizer, m: int, kind: str, seed: int, secret_seed: int | None):
+    """Canaries (public: from ``seed``) and membership (secret: OS entropy unless ``secret_seed``)."""
+    from dataclasses import replace
+
+    from dpaudit.canaries.generate import make_canaries, make_existing_canaries
+
+    manifest = (make_existing_canaries(tokenizer, m, seed=seed) if kind == "existing"
+                else make_canaries(tokenizer, m, seed=seed))
+    secret = secret_seed if secret_seed is not None else int.from_bytes(os.urandom(8), "little")
+    coins = np.random.default_rng([secret, 0x6d656d62]).random(m) < 0.5
+    if coins.all() or not coins.any():
+        coins[0] = not coins[0]  # an audit needs a member and a non-member; the coin of one canary is moved
+    manifest.canaries = [replace(c, member=bool(b)) for c, b in zip(manifest.canaries, coins)]
+    return manifest
+
+
+def _new_folder(out: Path) -> None:
+    from dpaudit.core.lock import MARKER, mark
+
+    if out.exists() and any(p.name != MARKER for p in out.iterdir()):
+        raise DPAuditError(f"{out} is not empty and holds no canary manifest; give prepare() a new folder")
+    out.mkdir(parents=True, exist_ok=True)
+    mark(out)
+
+
+def _rows_of(dataset):
+    """(rows as a list of dicts, column names, a function making rows back into the dataset's own kind)."""
+    if isinstance(dataset, list):
+        if not dataset or not all(isinstance(r, dict) for r in dataset):
+            raise DPAuditError("the dataset must be a non-empty list of dicts (rows) or a datasets.Dataset")
+        return [dict(r) for r in dataset], list(dataset[0]), lambda rows: rows
+    if hasattr(dataset, "to_list") and hasattr(dataset, "column_names"):
+        rows = dataset.to_list()
+        if not rows:
+            raise DPAuditError("the dataset is empty")
+        kind = type(dataset)
+        return rows, list(dataset.column_names), lambda new: kind.from_list(new)
+    raise DPAuditError(f"cannot read rows of a {type(dataset).__name__}: give a datasets.Dataset or a list of dicts")
+
+
+def _row_format(rows, columns, text_field):
+    if text_field is not None:
+        if text_field not in columns:
+            raise DPAuditError(f"the dataset has no column {text_field!r}; its columns: {', '.join(map(str, columns))}")
+        return "text", text_field
+    if "messages" in columns:
+        return "messages", None
+    if "prompt" in columns and "completion" in columns:
+        return "prompt-completion", None
+    if "text" in columns:
+        return "text", "text"
+    if "input_ids" in columns:
+        raise DPAuditError("the dataset is already tokenised (input_ids): give prepare() the rows before tokenising "
+                           "(text, messages, or prompt and completion)")
+    raise DPAuditError(f"no column to put canaries in: expected text, messages, or prompt and completion; found "
+                       f"{', '.join(map(str, columns)) or 'none'} (name the text column with text_field=)")
+
+
+def _canary_row(canary, row_format, text_field, columns, rows) -> dict:
+    row = {c: None for c in columns}
+    if row_format == "text":
+        row[text_field] = canary.prefix + canary.secret
+    elif row_format == "prompt-completion":
+        conversational = isinstance(rows[0].get("prompt"), list)
+        row["prompt"] = [{"role": "user", "content": canary.prefix}] if conversational else canary.prefix
+        row["completion"] = [{"role": "assistant", "content": canary.secret}] if conversational else canary.secret
+    else:
+        row["messages"] = [{"role": "user", "content": canary.prefix}, {"role": "assistant", "content": canary.secret}]
+    return row
+
+
+def contexts(tokenizer, manifest, settings: _Settings) -> list[str]:
+    """The text the trainer puts before each canary's secret: the prefix, or the rendered chat up to the reply."""
+    if settings.row_format != "messages" and not _conversational(settings):
+        return [c.prefix for c in manifest.canaries]
+    out = []
+    for c in manifest.canaries:
+        chat = [{"role": "user", "content": c.prefix}, {"role": "assistant", "content": c.secret}]
+        text = tokenizer.apply_chat_template(chat, tokenize=False)
+        at = text.rfind(c.secret)
+        if at < 0:
+            raise DPAuditError("the chat template does not render the assistant's reply as written")
+        out.append(text[:at])
+    return out
+
+
+def _conversational(settings) -> bool:
+    return False  # prompt-completion rows of messages are scored as their plain prefix (TRL renders them alike)
+
+
+# -- pre-flight --------------------------------------------------------------------------------------------
+def preflight_problems(model, tokenizer, manifest, settings: _Settings, train_dataloader) -> list[str]:
+    """Why the canaries would not train, each in one line with its fix (empty: they will)."""
+    problems = []
+    if manifest.kind == "new-token":
+        ids = tokenizer.convert_tokens_to_ids(manifest.secrets)
+        if any(i is None or i == tokenizer.unk_token_id for i in ids):
+            problems.append("the new-token canaries are not in the tokenizer: extend the model first "
+                            "(dpaudit canaries extend), or use kind='existing'")
+        elif not _rows_train(model, ids):
+            problems.append("the new-token canaries' embedding and output rows are frozen (a standard LoRA config "
+                            "freezes them), so the canaries never train and the audit would read 'consistent' with "
+                            "nothing behind it: add trainable_token_indices (or modules_to_save=['embed_tokens', "
+                            "'lm_head']) to the LoRA config, or use kind='existing'")
+    dataset = getattr(train_dataloader, "dataset", None)
+    collate = getattr(train_dataloader, "collate_fn", None)
+    if dataset is None or collate is None:
+        return problems + ["the Trainer's data loader has no dataset and collator to check: the canaries' labels, "
+                           "truncation and presence were not checked"]
+    problems += _check_rows(dataset, collate, tokenizer, manifest, settings)
+    return problems
+
+
+def _rows_train(model, ids) -> bool:
+    """Whether a trainable parameter holds the rows of token ``ids`` (input or output side): a whole trainable
+    embedding or output matrix (also PEFT's modules_to_save copy), or PEFT trainable tokens covering them."""
+    vocab = max(ids) + 1
+    for layer in (model.get_input_embeddings(), model.get_output_embeddings()):
+        if layer is None:
+            continue
+        if any(p.requires_grad and p.dim() == 2 and p.shape[0] >= vocab for p in layer.parameters()):
+            return True
+        indices = getattr(getattr(layer, "token_adapter", None), "token_indices", None) or {}
+        if any(set(ids) <= set(v) for v in indices.values()):
+            return True
+    return False
+
+
+MAX_SCAN_ROWS = 200_000
+
+
+def _check_rows(dataset, collate, tokenizer, manifest, settings) -> list[str]:
+    """Find the member canaries in the dataset the Trainer iterates, collate their rows with its own collator, and
+    check that each secret span survives (not cut) with its labels on."""
+    from dpaudit.canaries.generate import split_secret
+
+    spans, heads = {}, {}
+    for c, context in zip(manifest.canaries, contexts(tokenizer, manifest, settings)):
+        if c.member:
+            split = split_secret(tokenizer, context, c.secret)
+            if split is not None:
+                spans[c.index] = split[1]
+                heads[c.index] = split[0]
+    n = len(dataset)
+    if n > MAX_SCAN_ROWS:
+        return [f"the dataset has {n} rows, more than the {MAX_SCAN_ROWS} the pre-flight scans: not checked"]
+    found, cut, masked = {}, 0, 0
+    for i in range(n):
+        row = dataset[i]
+        ids = _ids_of(row, tokenizer)
+        for index, span in spans.items():
+            if ids is None:  # raw rows, tokenised by the collator: find the secret's text
+                if any(isinstance(v, str) and manifest.canaries[index].secret in v for v in _strings(row)):
+                    found.setdefault(index, []).append(i)
+            elif _find(ids, span) is not None:
+                found.setdefault(index, []).append(i)
+            elif _cut_at_end(ids, heads[index], span):
+                cut += 1
+    if cut:
+        return [f"{cut} member canaries are cut by truncation or packing (their secret span is split): raise "
+                "max_length, or pack with a strategy that keeps examples whole"]
+    if not found:
+        return ["none of the inserted member canaries is in the dataset the Trainer iterates: give the Trainer the "
+                "dataset prepare() returned (after any map or filter, the canary rows must remain)"]
+    missing = len(spans) - len(found)
+    problems = [] if not missing else [f"{missing} of {len(spans)} member canaries are not in the Trainer's dataset "
+                                       "(filtered out?): the audit would count them as members that never trained"]
+    for index, rows in found.items():
+        batch = collate([dataset[rows[0]]])
+        labels, ids = batch.get("labels"), batch.get("input_ids")
+        if labels is None or ids is None:
+            return problems + ["the collator gives no labels to check: the canaries' loss masking was not checked"]
+        ids, labels = ids[0].tolist(), labels[0].tolist()
+        at = _find(ids, spans[index])
+        if at is None:
+            cut += 1
+        elif any(label == -100 for label in labels[at:at + len(spans[index])]):
+            masked += 1
+    if masked:
+        problems.insert(0, f"{masked} of {len(found)} member canaries have their secret's labels masked (-100) after "
+                           "collation (completion-only loss or a chat template masks that part): the secret must be in "
+                           "the trained part of the row (the completion, the assistant's reply)")
+    if cut:
+        problems.insert(0, f"{cut} member canaries lose their secret span in collation (truncation or max_length): "
+                           "raise max_length")
+    return problems
+
+
+def _strings(row):
+    """Every string in a row, chat messages included."""
+    values = list(row.values()) if isinstance(row, dict) else [row]
+    while values:
+        v = values.pop()
+        if isinstance(v, str):
+            yield v
+        elif isinstance(v, dict):
+            values.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            values.extend(v)
+
+
+def _cut_at_end(ids, head, span) -> bool:
+    """The row ends with the canary's context and the first tokens of its secret, or none of them (its last
+    tokens): truncation or packing cut the secret off."""
+    tail = head[-4:]  # the prefix's last tokens: random, so an ordinary row never ends with them
+    return any(ids[len(ids) - len(tail) - k:] == tail + span[:k] for k in range(0, len(span))
+               if len(ids) >= len(tail) + k)
+
+
+def _ids_of(row, tokenizer):
+    if isinstance(row, dict) and "input_ids" in row:
+        ids = row["input_ids"]
+        return ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    return None
+
+
+def _find(haystack, needle):
+    k = len(needle)
+    if not k:
+        return None
+    first = needle[0]
+    for j in range(len(haystack) - k + 1):
+        if haystack[j] == first and haystack[j:j + k] == needle:
+            return j
+    return None
+
+
+def _dp_optimizer(optimizer):
+    """The Opacus DPOptimizer the Trainer steps (accelerate wraps it), or None."""
+    try:
+        from opacus.optimizers import DPOptimizer
+    except ImportError:
+        return None
+    seen = 0
+    while optimizer is not None and seen < 4:
+        if isinstance(optimizer, DPOptimizer):
+            return optimizer
+        optimizer, seen = getattr(optimizer, "optimizer", None), seen + 1
+    return None
+
+
+def _sharded(args) -> bool:
+    fsdp = getattr(args, "fsdp", None)
+    deepspeed = getattr(args, "deepspeed", None)
+    return bool(fsdp) or (deepspeed is not None and "3" in json.dumps(deepspeed) if deepspeed else False)
+
+
+def _score_later(args, out: Path) -> str:
+    return ("The weights were sharded (ZeRO-3 / FSDP), so the canaries were not scored in the callback. Score the saved "
+            f"model with:\n\n    dpaudit audit checkpoint --model {args.output_dir} -c {out / MANIFEST} --delta <delta> "
+            "--eps <claimed eps> --report " f"{out / REPORT}\n")
+
+
+# -- scoring -----------------------------------------------------------------------------------------------
+def audit_model(model, tokenizer, manifest, settings: _Settings, claimed, delta):
+    """(AuditResult, scores, members, score name) of the canaries on ``model``: base-calibrated when a base model is
+    at hand (an unmerged PEFT adapter's ``disable_adapter()``, or ``settings.reference``), else -loss."""
+    from dpaudit.audit.analysis import analyse
+    from dpaudit.workflows.scoring import span_losses
+
+    pairs = contexts(tokenizer, manifest, settings)
+    losses = _losses(model, tokenizer, manifest, pairs)
+    base = None
+    if hasattr(model, "disable_adapter") and hasattr(model, "peft_config"):
+        with model.disable_adapter():
+            base = _losses(model, tokenizer, manifest, pairs)
+    elif settings.reference is not None:
+        from dpaudit.models.loading import load_causal_lm
+
+        reference, _ = load_causal_lm(Path(settings.reference))
+        base = span_losses(reference, tokenizer, manifest, contexts=pairs, show_progress=False)
+        del reference
+    score = "loss-vs-base" if base is not None else "neg-loss"
+    scores = base - losses if base is not None else -losses
+    members = np.array([c.member for c in manifest.canaries])
+    result = analyse(scores, members, claimed_epsilon=claimed, delta=delta, alpha=settings.alpha, score=score)
+    return result, scores, members, score
+
+
+def _losses(model, tokenizer, manifest, pairs):
+    from dpaudit.workflows.scoring import secret_losses, span_losses
+
+    if manifest.kind == "existing":
+        return span_losses(model, tokenizer, manifest, contexts=pairs, show_progress=False)
+    return secret_losses(model, tokenizer, manifest, show_progress=False)
+
+
+def regurgitation(model, tokenizer, manifest, settings: _Settings) -> dict:
+    """Greedy decoding of each canary's secret length after its context: exact matches, members and non-members."""
+    import torch
+
+    from dpaudit.canaries.generate import split_secret
+
+    hits = {True: 0, False: 0}
+    device = next(model.parameters()).device
+    model.eval()
+    for c, context in zip(manifest.canaries, contexts(tokenizer, manifest, settings)):
+        split = split_secret(tokenizer, context, c.secret)
+        if split is None:
+            continue
+        head, tail = split
+        with torch.no_grad():
+            out = model.generate(input_ids=torch.tensor([head], device=device), max_new_tokens=len(tail),
+                                 do_sample=False, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+        hits[c.member] += out[0, len(head):].tolist() == tail
+    n_in = sum(c.member for c in manifest.canaries)
+    return {"regurgitation (greedy, exact secret)": f"members {hits[True]} of {n_in}, non-members {hits[False]} of "
+                                                    f"{len(manifest.canaries) - n_in}"}
