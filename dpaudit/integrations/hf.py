@@ -31,7 +31,6 @@ Under ZeRO-3 or FSDP (weights sharded), scoring in the callback is skipped: the 
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -172,11 +171,12 @@ class DPAuditCallback(TrainerCallback):
                                                           claimed, self.settings.delta)
         context = self._context(args, state, steps, claimed, source, score)
         if self.probe is not None and getattr(self.probe, "canaries", None) is not None:
-            self.probe.close()
             try:
                 self.white_box = self.probe.audit(claimed, self.settings.delta, report=True)
             except DPAuditError as exc:
                 context["white-box audit"] = f"not made: {exc}"
+            finally:
+                self.probe.close()
         if self.settings.regurgitation:
             context.update(regurgitation(model, tokenizer, self.manifest, self.settings))
         self.verdict = self._write(self.result, scores, members, context)
@@ -487,9 +487,16 @@ def _dp_optimizer(optimizer):
 
 
 def _sharded(args) -> bool:
-    fsdp = getattr(args, "fsdp", None)
+    """FSDP, or DeepSpeed ZeRO stage 3 (a config dict or the path of one): weights sharded over the ranks."""
+    if getattr(args, "fsdp", None):
+        return True
     deepspeed = getattr(args, "deepspeed", None)
-    return bool(fsdp) or (deepspeed is not None and "3" in json.dumps(deepspeed) if deepspeed else False)
+    if isinstance(deepspeed, (str, os.PathLike)) and Path(deepspeed).is_file():
+        from dpaudit.core.safe_json import load_json_file
+
+        deepspeed = load_json_file(Path(deepspeed), "DeepSpeed config")
+    stage = (deepspeed or {}).get("zero_optimization", {}).get("stage") if isinstance(deepspeed, dict) else None
+    return stage == 3
 
 
 def _score_later(args, out: Path) -> str:
@@ -553,3 +560,11 @@ def regurgitation(model, tokenizer, manifest, settings: _Settings) -> dict:
     n_in = sum(c.member for c in manifest.canaries)
     return {"regurgitation (greedy, exact secret)": f"members {hits[True]} of {n_in}, non-members {hits[False]} of "
                                                     f"{len(manifest.canaries) - n_in}"}
+
+
+def opacus_trainer(trainer_class=None, **kwargs):
+    """DP-SGD in the Hugging Face Trainer with Opacus (hf_opacus.py): Poisson sampling, per-example losses, ghost
+    clipping, the accountant on the optimizer, so that ``DPAuditCallback`` audits it white-box."""
+    from dpaudit.integrations.hf_opacus import opacus_trainer as make
+
+    return make(trainer_class, **kwargs)

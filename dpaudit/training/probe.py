@@ -317,7 +317,8 @@ class WhiteBoxProbe:
         accountant: its eps after the steps actually taken, at ``delta``)."""
         from dpaudit.audit.whitebox import audit_run_folder
 
-        self._fh.flush()
+        if self._fh is not None and not self._fh.closed:
+            self._fh.flush()
         if delta is None:
             raise DPAuditError("give the delta the run claims (the bound depends on it; 0 would inflate it)")
         accountant = accountant if accountant is not None else getattr(self, "accountant", None)

@@ -55,7 +55,7 @@ def attach(cls, optimizer, *, m, out, sample_rate, accountant, gain, seed, resum
                       expected_batch_size=optimizer.expected_batch_size)
     kind = type(optimizer)
     mixin = ProbedDistributed if hasattr(optimizer, "reduce_gradients") else Probed
-    optimizer.__class__ = type(f"{mixin.__name__}{kind.__name__}", (mixin, kind), {"dpaudit_base": kind})
+    optimizer.__class__ = type(f"{mixin.__name__}{kind.__name__}", (mixin, kind), {})
     optimizer.dpaudit_probe, optimizer.dpaudit_probe_ghost, optimizer.dpaudit_injected = probe, ghost, False
     return probe
 
@@ -137,10 +137,15 @@ def inject(probe, optimizer, ghost: bool) -> None:
         if norms is not None:
             index = {id(p): n for p, n in zip(optimizer.params, norms)}
             view.max_grad_norms = [index[id(p)] for p in view.params]
-        type(optimizer).dpaudit_base.clip_and_accumulate(view)  # Opacus' own, on the view
+        _opacus_own(type(optimizer)).clip_and_accumulate(view)  # Opacus' own clipping, on the view
     finally:
         for k, g in held.items():
             probe.params[k].grad_sample = g
+
+
+def _opacus_own(cls):
+    """The Opacus class in ``cls``'s ancestry that defines clip_and_accumulate (past any seam mixin in front)."""
+    return next(c for c in cls.__mro__ if c.__module__.startswith("opacus.") and "clip_and_accumulate" in c.__dict__)
 
 
 class Passive:

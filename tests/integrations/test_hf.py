@@ -39,7 +39,8 @@ def test_a_full_fine_tune_is_audited_in_the_trainer(tiny_model_dir, tmp_path):
 
     model, tok = _model(tiny_model_dir)
     audit, rows = DPAuditCallback.prepare(tok, [{"text": t} for t in TEXTS], m=40, repeats=4, canary_budget=0.25,
-                                          out=tmp_path / "audit", claimed_eps=1.0, delta=1e-5, secret_seed=3)
+                                          out=tmp_path / "audit", claimed_eps=1.0, delta=1e-5, secret_seed=3,
+                                          regurgitation=True)
     members = sum(c.member for c in audit.manifest.canaries)
     assert len(rows) == len(TEXTS) + 4 * members
     manifest = tmp_path / "audit" / "canaries.json"
@@ -53,6 +54,8 @@ def test_a_full_fine_tune_is_audited_in_the_trainer(tiny_model_dir, tmp_path):
     steps, _, planned = report["context"]["steps run"].partition(" of ")
     assert steps == planned and int(steps) > 0
     assert report["context"]["verdict from"].startswith("black-box")
+    regurgitated = report["context"]["regurgitation (greedy, exact secret)"]
+    assert regurgitated.startswith("members ") and f"of {members}," in regurgitated
     assert set(report["tpr_at_fpr"]) >= {"0.01", "0.001"} and "tpr_interval" in report
 
 
@@ -125,3 +128,108 @@ def test_bad_input_is_one_line(tiny_model_dir, tmp_path):
         tiny = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2},
                                                                                    unk_token="[UNK]")))
         DPAuditCallback.prepare(tiny, rows, m=10, out=tmp_path / "v", delta=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["ghost", "hooks"])
+def test_an_opacus_trainer_is_audited_white_box_and_a_missing_noise_is_caught(tiny_model_dir, tmp_path, mode):
+    from transformers import DataCollatorForLanguageModeling, TrainingArguments
+
+    from dpaudit.integrations.hf import DPAuditCallback, opacus_trainer
+
+    def run(out, sigma, claimed):
+        model, tok = _model(tiny_model_dir)
+        audit, rows = DPAuditCallback.prepare(tok, [{"text": t} for t in TEXTS], m=20, out=out, claimed_eps=claimed,
+                                              delta=1e-5, secret_seed=4)
+        args = TrainingArguments(output_dir=str(tmp_path / "hf-out"), per_device_train_batch_size=32, max_steps=12,
+                                 learning_rate=1e-3, save_strategy="no", report_to=[], use_cpu=True,
+                                 disable_tqdm=True, seed=0, logging_steps=1000)
+        trainer = opacus_trainer(model=model, args=args, train_dataset=_tokenised(tok, rows),
+                                 data_collator=DataCollatorForLanguageModeling(tok, mlm=False), callbacks=[audit],
+                                 noise_multiplier=sigma, max_grad_norm=1.0, grad_sample_mode=mode)
+        trainer.train()
+        return audit, json.loads((out / "report" / "report.json").read_text())
+
+    audit, report = run(tmp_path / "dp", 1.0, None)
+    assert audit.white_box is not None and report["context"]["verdict from"].startswith("white-box")
+    claimed = report["context"]["claimed eps"]
+    assert 0 < claimed < 50 and "get_epsilon" in report["context"]["claimed eps from"]  # the accountant's eps
+    assert not audit.white_box.violation and not report["violation"]
+    audit, report = run(tmp_path / "broken", 0.0, 1.0)  # no noise, a claim of eps = 1: the white-box audit sees it
+    assert audit.white_box.violation and report["context"]["overall verdict"].startswith("VIOLATION")
+
+
+def test_masked_secret_labels_are_refused(tiny_model_dir, tmp_path):
+    from transformers import DataCollatorForLanguageModeling
+
+    from dpaudit.integrations.hf import DPAuditCallback
+
+    model, tok = _model(tiny_model_dir)
+    audit, rows = DPAuditCallback.prepare(tok, [{"text": t} for t in TEXTS], m=20, out=tmp_path / "a",
+                                          claimed_eps=1.0, delta=1e-5, secret_seed=2)
+    lm = DataCollatorForLanguageModeling(tok, mlm=False)
+
+    def last_tokens_only(rows):  # what a completion-only loss does to a row whose secret sits in the prompt
+        batch = lm(rows)
+        batch["labels"][:, :-2] = -100
+        return batch
+
+    trainer = _trainer(model, tok, _tokenised(tok, rows), tmp_path, audit, num_train_epochs=1)
+    trainer.data_collator = last_tokens_only
+    with pytest.raises(DPAuditError, match="labels masked"):
+        trainer.train()
+
+
+def test_trl_sft_trainer_with_completion_only_loss(tiny_model_dir, tmp_path):
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    from dpaudit.integrations.hf import DPAuditCallback
+
+    model, tok = _model(tiny_model_dir)
+    data = [{"prompt": f"Question {i}: what was the weather in town {i % 37}?", "completion": " It was mild."}
+            for i in range(400)]
+    audit, ds = DPAuditCallback.prepare(tok, Dataset.from_list(data), m=40, repeats=4, canary_budget=0.25,
+                                        out=tmp_path / "audit", claimed_eps=1.0, delta=1e-5, secret_seed=5)
+    assert isinstance(ds, Dataset) and audit.settings.row_format == "prompt-completion"
+    config = trl.SFTConfig(output_dir=str(tmp_path / "sft"), max_length=64, completion_only_loss=True,
+                           per_device_train_batch_size=16, num_train_epochs=3, learning_rate=3e-3, report_to=[],
+                           save_strategy="no", use_cpu=True, disable_tqdm=True, logging_steps=1000, seed=0)
+    trl.SFTTrainer(model=model, args=config, train_dataset=ds, processing_class=tok, callbacks=[audit]).train()
+    report = json.loads((tmp_path / "audit" / "report" / "report.json").read_text())
+    assert report["auc"] > 0.9 and report["violation"]  # completion-only loss trains the secret: it is seen
+
+
+def test_a_resumed_trainer_keeps_its_canaries_and_the_audit_covers_the_whole_run(tiny_model_dir, tmp_path):
+    from dpaudit.integrations.hf import DPAuditCallback
+
+    def prepare():
+        return DPAuditCallback.prepare(tok, [{"text": t} for t in TEXTS], m=20, out=tmp_path / "audit",
+                                       claimed_eps=1.0, delta=1e-5)  # membership from OS entropy
+
+    model, tok = _model(tiny_model_dir)
+    audit, rows = prepare()
+    first = (tmp_path / "audit" / "canaries.json").read_bytes()
+    _trainer(model, tok, _tokenised(tok, rows), tmp_path, audit, max_steps=6, save_strategy="steps",
+             save_steps=3).train()
+    model, tok = _model(tiny_model_dir)
+    again, rows_again = prepare()  # the same folder: the same canaries and membership, inserted the same way
+    assert (tmp_path / "audit" / "canaries.json").read_bytes() == first and rows_again == rows
+    _trainer(model, tok, _tokenised(tok, rows_again), tmp_path, again, max_steps=6, save_strategy="steps",
+             save_steps=3).train(resume_from_checkpoint=str(tmp_path / "hf-out" / "checkpoint-3"))
+    report = json.loads((tmp_path / "audit" / "report" / "report.json").read_text())
+    assert report["context"]["resumed at step"] == 3 and report["context"]["steps run"] == "6 of 6"
+    with pytest.raises(DPAuditError, match="same m and kind"):
+        DPAuditCallback.prepare(tok, [{"text": t} for t in TEXTS], m=10, out=tmp_path / "audit", delta=1e-5)
+
+
+def test_sharded_training_leaves_the_scoring_to_the_saved_checkpoint(tmp_path):
+    from types import SimpleNamespace
+
+    from dpaudit.integrations.hf import _score_later, _sharded
+
+    assert _sharded(SimpleNamespace(fsdp="full_shard", deepspeed=None))
+    assert _sharded(SimpleNamespace(fsdp="", deepspeed={"zero_optimization": {"stage": 3}}))
+    assert not _sharded(SimpleNamespace(fsdp="", deepspeed={"zero_optimization": {"stage": 2}}))
+    assert not _sharded(SimpleNamespace(fsdp="", deepspeed=None))
+    text = _score_later(SimpleNamespace(output_dir="out"), tmp_path)
+    assert "dpaudit audit checkpoint --model out -c" in text

@@ -1,0 +1,166 @@
+"""DP-SGD inside the Hugging Face ``Trainer`` (or TRL's ``SFTTrainer``) with Opacus, wired the way it must be:
+
+    trainer = opacus_trainer(Trainer, model=model, args=args, train_dataset=data, data_collator=collator,
+                             noise_multiplier=1.0, max_grad_norm=1.0, callbacks=[audit])
+
+No maintained package does this beside the pinned torch (dp-transformers 1.0 needs torch <= 1.12.1 and
+prv-accountant < 0.2), so it is written here, small, on Opacus' own parts and dpaudit's DP step (dp_step.py):
+- Poisson sampling: the Trainer's data loader is replaced by Opacus' ``DPDataLoader`` over the same dataset and
+  collator (sample rate p = per-device batch size / N); an empty batch is a noise-only step.
+- Per-example losses: each example's mean token loss over its own labels (-100 ignored), averaged over the batch:
+  the Trainer's default (a mean over all the batch's tokens) makes one example's gradient depend on the others'
+  lengths, which no per-example clipping bounds.
+- The optimizer is zeroed at the start of each ``training_step`` (Opacus refuses accumulated per-example
+  gradients under Poisson sampling, and the Trainer only calls ``model.zero_grad()``); gradient accumulation is
+  refused; the Trainer's own gradient-norm clipping is turned off (the DP optimizer clips per example).
+- ``grad_sample_mode="ghost"`` (default): ghost clipping (training/ghost.py; tied embeddings supported, which
+  Opacus' own ghost mode rejects), or ``"hooks"``: Opacus' per-example gradients (materialised). Position ids
+  are passed per example (GPT-2's position embedding otherwise sees one row for the whole batch in hooks mode).
+- The noise is drawn from a secret key (fresh OS entropy) per step; the accountant (Opacus' PRV, or RDP) is
+  attached to the optimizer as PrivacyEngine attaches it, so ``DPAuditCallback`` reads eps for the steps taken.
+"""
+
+from __future__ import annotations
+
+import os
+
+from dpaudit.core.errors import DPAuditError
+
+MODES = ("ghost", "hooks")
+
+
+def opacus_trainer(trainer_class=None, *, noise_multiplier: float, max_grad_norm: float = 1.0,
+                   grad_sample_mode: str = "ghost", accountant: str = "prv", **trainer_kwargs):
+    """An instance of ``trainer_class`` (default ``transformers.Trainer``) that trains with DP-SGD."""
+    from transformers import Trainer
+
+    if grad_sample_mode not in MODES:
+        raise DPAuditError(f"grad_sample_mode must be ghost or hooks, got {grad_sample_mode!r}")
+    if not (noise_multiplier >= 0 and max_grad_norm > 0):
+        raise DPAuditError("noise_multiplier must be >= 0 and max_grad_norm > 0")
+    if accountant not in ("prv", "rdp"):
+        raise DPAuditError(f"accountant must be prv or rdp, got {accountant!r}")
+    base = trainer_class or Trainer
+    cls = type(f"DP{base.__name__}", (OpacusTrainerMixin, base), {})
+    args = trainer_kwargs.get("args")
+    if args is not None and args.gradient_accumulation_steps != 1:
+        raise DPAuditError("gradient accumulation is not supported with Poisson sampling here: raise the per-device "
+                           "batch size instead")
+    if args is not None:
+        args.max_grad_norm = 0.0  # the DP optimizer clips each example; clipping the noisy sum again is not DP's
+    trainer = cls(**trainer_kwargs)
+    trainer.dp_settings = dict(noise_multiplier=float(noise_multiplier), max_grad_norm=float(max_grad_norm),
+                               mode=grad_sample_mode, accountant=accountant)
+    return trainer
+
+
+class OpacusTrainerMixin:
+    """The Trainer's three seams that DP-SGD changes: its data loader, its optimizer and its training step."""
+
+    dp_settings: dict = {}
+    dp_optimizer = None
+    per_example_module = None
+
+    def get_train_dataloader(self):
+        from opacus.data_loader import DPDataLoader
+        from torch.utils.data import DataLoader
+
+        plain = super().get_train_dataloader()
+        collate = _empty_safe(plain.collate_fn)
+        loader = DataLoader(plain.dataset, batch_size=self.args.per_device_train_batch_size, collate_fn=collate)
+        dp = DPDataLoader.from_data_loader(loader, distributed=False)
+        dp.collate_fn = collate  # Opacus' empty-batch collate returns a list; ours marks the batch empty
+        self.sample_rate = 1 / len(loader)
+        return dp
+
+    def create_optimizer(self, *args, **kwargs):
+        import warnings
+
+        from opacus import optimizers as dp
+
+        from dpaudit.training.dp_step import InPlace, dp_optimizer
+        from dpaudit.training.per_example import materialising_module, supported_for_dp_sgd
+
+        base = super().create_optimizer(*args, **kwargs)
+        if self.dp_optimizer is not None:
+            return self.optimizer
+        settings = self.dp_settings
+        model = self.model
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            supported_for_dp_sgd(model)
+            if settings["mode"] == "ghost":
+                from dpaudit.training.ghost import GhostClipping
+
+                self.per_example_module = GhostClipping(model, settings["max_grad_norm"])
+                cls = dp_optimizer(dp.DPOptimizerFastGradientClipping, InPlace)
+            else:
+                self.per_example_module = materialising_module(model)
+                cls = dp_optimizer(dp.DPOptimizer)
+            expected = self.args.per_device_train_batch_size
+            self.dp_optimizer = cls(base, noise_multiplier=settings["noise_multiplier"],
+                                    max_grad_norm=settings["max_grad_norm"], expected_batch_size=expected)
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        from opacus.accountants import PRVAccountant, RDPAccountant
+
+        self.accountant = PRVAccountant() if settings["accountant"] == "prv" else RDPAccountant()
+        rate = getattr(self, "sample_rate", None) or self.args.per_device_train_batch_size / len(self.train_dataset)
+        self.dp_optimizer.attach_step_hook(self.accountant.get_optimizer_hook_fn(sample_rate=rate))
+        self.noise_secret = int.from_bytes(os.urandom(8), "little")
+        self.optimizer = self.dp_optimizer
+        return self.optimizer
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        import torch
+
+        from dpaudit.training.streams import step_key
+
+        model.train()
+        self.dp_optimizer.zero_grad(set_to_none=True)  # Poisson: no per-example gradients carried over
+        self.dp_optimizer.noise_key = step_key(self.noise_secret, int(self.state.global_step))
+        params = [p for p in self.dp_optimizer.params]
+        if inputs.get("dpaudit_empty") is not None:  # no example sampled: the step adds noise only
+            for p in params:
+                if self.dp_settings["mode"] == "ghost":
+                    p.grad = torch.zeros_like(p)
+                else:
+                    p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
+            return torch.zeros((), device=self.args.device)
+        inputs = self._prepare_inputs(inputs)
+        losses = per_example_losses(self.per_example_module, inputs)
+        if self.dp_settings["mode"] == "ghost":
+            coef = self.per_example_module.norm_pass(losses.sum(), params).to(losses.dtype)
+            self.per_example_module.disable_hooks()
+            try:
+                (coef.detach() * losses).sum().backward()  # the clipped sum, straight into p.grad
+            finally:
+                self.per_example_module.enable_hooks()
+        else:
+            losses.mean().backward()  # Opacus' loss_reduction="mean"
+        return losses.detach().mean()
+
+
+def per_example_losses(model, inputs):
+    """Each example's mean next-token loss over its own labels (-100 ignored), float32."""
+    import torch
+    import torch.nn.functional as F
+
+    ids, mask = inputs["input_ids"], inputs.get("attention_mask")
+    labels = inputs.get("labels", ids if mask is None else ids.masked_fill(mask == 0, -100))
+    mask = torch.ones_like(ids) if mask is None else mask
+    positions = (mask.long().cumsum(1) - 1).clamp(min=0)  # per example: GPT-2's hooks need a row per example
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, :-1].float()
+    target = labels[:, 1:]
+    tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none").view(target.shape)
+    return tok.sum(1) / (target != -100).sum(1).clamp(min=1)
+
+
+def _empty_safe(collate):
+    def wrapped(rows):
+        if not rows:
+            import torch
+
+            return {"dpaudit_empty": torch.zeros(0)}
+        return collate(rows)
+
+    return wrapped
