@@ -56,8 +56,6 @@ def epsilon(mech: Mechanism, delta: float) -> EpsilonResult:
 
 
 def _event(mech: Mechanism):
-    import dp_accounting
-
     facts = scheme(mech.sampling)  # replace-one moves a clipped sum by up to 2C: multiplier sigma / 2
     if facts.rdp_event is None:
         raise DPAuditError(f"the rdp accountant has no event for {mech.sampling} sampling")

@@ -510,7 +510,6 @@ def audit_model(model, tokenizer, manifest, settings: _Settings, claimed, delta)
     """(AuditResult, scores, members, score name) of the canaries on ``model``: base-calibrated when a base model is
     at hand (an unmerged PEFT adapter's ``disable_adapter()``, or ``settings.reference``), else -loss."""
     from dpaudit.audit.analysis import analyse
-    from dpaudit.workflows.scoring import span_losses
 
     pairs = contexts(tokenizer, manifest, settings)
     losses = _losses(model, tokenizer, manifest, pairs)
@@ -522,7 +521,7 @@ def audit_model(model, tokenizer, manifest, settings: _Settings, claimed, delta)
         from dpaudit.models.loading import load_causal_lm
 
         reference, _ = load_causal_lm(Path(settings.reference))
-        base = span_losses(reference, tokenizer, manifest, contexts=pairs, show_progress=False)
+        base = _losses(reference, tokenizer, manifest, pairs)
         del reference
     score = "loss-vs-base" if base is not None else "neg-loss"
     scores = base - losses if base is not None else -losses
@@ -532,11 +531,9 @@ def audit_model(model, tokenizer, manifest, settings: _Settings, claimed, delta)
 
 
 def _losses(model, tokenizer, manifest, pairs):
-    from dpaudit.workflows.scoring import secret_losses, span_losses
+    from dpaudit.workflows.scoring import secret_losses
 
-    if manifest.kind == "existing":
-        return span_losses(model, tokenizer, manifest, contexts=pairs, show_progress=False)
-    return secret_losses(model, tokenizer, manifest, show_progress=False)
+    return secret_losses(model, tokenizer, manifest, contexts=pairs, show_progress=False)
 
 
 def regurgitation(model, tokenizer, manifest, settings: _Settings) -> dict:

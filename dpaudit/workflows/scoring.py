@@ -12,41 +12,65 @@ from dpaudit.core.progress import progress_bar
 
 
 def secret_losses(model, tokenizer, manifest: Manifest, batch_size: int = 32, show_progress: bool = True,
-                  description: str = "scoring canaries") -> np.ndarray:
-    """Per-canary cross-entropy of the secret only (nats, summed over an existing canary's span), in manifest
-    order."""
-    import torch
+                  description: str = "scoring canaries", contexts: list[str] | None = None) -> np.ndarray:
+    """Per-canary cross-entropy of the secret only (nats; summed over an existing canary's span), in manifest
+    order. ``contexts[i]``: the text a trainer put before canary i's secret (a chat template's rendering), in place
+    of its prefix (existing canaries)."""
+    rows = _new_token_rows(tokenizer, manifest) if manifest.kind == "new-token" else \
+        _span_rows(tokenizer, manifest, contexts)
+    return _loss_of_tails(model, tokenizer, rows, batch_size, show_progress, description)
 
-    if manifest.kind == "existing":
-        return span_losses(model, tokenizer, manifest, batch_size, show_progress, description)
 
-    secret_ids = tokenizer.convert_tokens_to_ids(manifest.secrets)
-    encoded = [tokenizer(c.text, add_special_tokens=False)["input_ids"] for c in manifest.canaries]
-    positions = []
-    for c, ids, sid in zip(manifest.canaries, encoded, secret_ids):
+def _new_token_rows(tokenizer, manifest: Manifest) -> list[tuple[list[int], list[int]]]:
+    """(the ids before the secret token, [its id]) per canary."""
+    rows = []
+    for c, sid in zip(manifest.canaries, tokenizer.convert_tokens_to_ids(manifest.secrets)):
+        ids = tokenizer(c.text, add_special_tokens=False)["input_ids"]
         where = [i for i, t in enumerate(ids) if t == sid]
         if not where or where[-1] == 0:
             raise DPAuditError(f"canary {c.index}: its secret is not a separate token after a prefix")
-        positions.append(where[-1])
+        rows.append((ids[:where[-1]], [sid]))
+    return rows
+
+
+def _span_rows(tokenizer, manifest: Manifest, contexts) -> list[tuple[list[int], list[int]]]:
+    """(the context's ids, the secret span's ids) per existing canary, as the tokenizer reads context + secret."""
+    from dpaudit.canaries.generate import split_secret
+
+    rows = []
+    for i, c in enumerate(manifest.canaries):
+        split = split_secret(tokenizer, c.prefix if contexts is None else contexts[i], c.secret)
+        if split is None:
+            raise DPAuditError(f"canary {c.index}: this tokenizer does not read its secret as the manifest's span")
+        rows.append(split)
+    return rows
+
+
+def _loss_of_tails(model, tokenizer, rows, batch_size: int, show_progress: bool, description: str) -> np.ndarray:
+    """Sum over each row's tail of -log p(token | everything before it), batched and right-padded; the head is
+    context only."""
+    import torch
+
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    losses = np.empty(len(encoded))
+    losses = np.empty(len(rows))
     was_training = model.training
     model.eval()
-    with torch.no_grad(), progress_bar(len(encoded), description, show_progress) as advance:
-        for start in range(0, len(encoded), batch_size):
-            chunk = range(start, min(start + batch_size, len(encoded)))
-            width = max(positions[i] for i in chunk)  # the secret is predicted from position pos - 1
+    with torch.no_grad(), progress_bar(len(rows), description, show_progress) as advance:
+        for start in range(0, len(rows), batch_size):
+            chunk = rows[start:start + batch_size]
+            width = max(len(h) + len(t) - 1 for h, t in chunk)  # the last token is predicted, never read
             ids = torch.full((len(chunk), width), pad, dtype=torch.long)
             mask = torch.zeros_like(ids)
-            for row, i in enumerate(chunk):
-                ids[row, :positions[i]] = torch.tensor(encoded[i][:positions[i]])
-                mask[row, :positions[i]] = 1
-            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
-            last = torch.tensor([positions[i] - 1 for i in chunk], device=device)
-            logp = torch.log_softmax(logits[torch.arange(len(chunk), device=device), last], dim=-1)
-            target = torch.tensor([secret_ids[i] for i in chunk], device=device)
-            losses[start:start + len(chunk)] = (-logp.gather(1, target[:, None])[:, 0]).cpu().numpy()
+            for r, (h, t) in enumerate(chunk):
+                seen = (h + t)[:-1]
+                ids[r, :len(seen)] = torch.tensor(seen)
+                mask[r, :len(seen)] = 1
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+            for r, (h, t) in enumerate(chunk):
+                at = torch.arange(len(h) - 1, len(h) + len(t) - 1, device=device)  # position j predicts token j + 1
+                logp = torch.log_softmax(logits[r, at].float(), dim=-1)
+                losses[start + r] = float(-logp[torch.arange(len(t), device=device), torch.tensor(t, device=device)].sum())
             advance(len(chunk))
     model.train(was_training)
     return losses
@@ -70,41 +94,3 @@ def score_checkpoint(model_dir, manifest: Manifest, *, score: str = "neg-loss", 
     if score == "loss-vs-base":
         return losses(base) - losses(model_dir), members
     raise DPAuditError(f"unknown checkpoint score {score!r}; use neg-loss or loss-vs-base")
-
-
-def span_losses(model, tokenizer, manifest: Manifest, batch_size: int = 32, show_progress: bool = True,
-                description: str = "scoring canaries", contexts: list[str] | None = None) -> np.ndarray:
-    """Per-canary cross-entropy of an existing canary's secret span given its prefix (or ``contexts[i]``: the text
-    the trainer put before the secret, e.g. a chat template's), summed over the span's tokens (nats): the context
-    is context only, so the score is on the secret alone."""
-    import torch
-
-    from dpaudit.canaries.generate import split_secret
-
-    rows = []
-    for i, c in enumerate(manifest.canaries):
-        split = split_secret(tokenizer, c.prefix if contexts is None else contexts[i], c.secret)
-        if split is None:
-            raise DPAuditError(f"canary {c.index}: this tokenizer does not read its secret as the manifest's span")
-        rows.append(split)
-    device = next(model.parameters()).device
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    losses = np.empty(len(rows))
-    was_training = model.training
-    model.eval()
-    with torch.no_grad(), progress_bar(len(rows), description, show_progress) as advance:
-        for start in range(0, len(rows), batch_size):
-            chunk = rows[start:start + batch_size]
-            width = max(len(h) + len(t) for h, t in chunk)
-            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for r, (h, t) in enumerate(chunk):
-                ids[r, :len(h) + len(t)] = torch.tensor(h + t)
-                mask[r, :len(h) + len(t)] = 1
-            logp = torch.log_softmax(model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float(), -1)
-            for r, (h, t) in enumerate(chunk):
-                at = torch.arange(len(h) - 1, len(h) + len(t) - 1, device=device)  # position j predicts token j + 1
-                losses[start + r] = float(-logp[r, at, torch.tensor(t, device=device)].sum())
-            advance(len(chunk))
-    model.train(was_training)
-    return losses
