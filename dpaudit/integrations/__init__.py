@@ -1,3 +1,3 @@
 """Layer 6, integrations: dpaudit inside other libraries' training: Opacus (the accountant adapter,
-opacus_accountant). May import every layer below: core, accounting, audit, models, canaries, training,
-workflows."""
+opacus_accountant) and the Hugging Face Trainer / TRL (the audit callback, hf; DP-SGD in the Trainer with Opacus,
+hf_opacus). May import every layer below: core, accounting, audit, models, canaries, training, workflows."""

@@ -6,6 +6,7 @@ import json
 import stat
 
 import pytest
+from cli_helpers import dpaudit
 
 from dpaudit.core.errors import DPAuditError
 
@@ -45,9 +46,16 @@ def test_a_full_fine_tune_is_audited_in_the_trainer(tiny_model_dir, tmp_path):
     assert len(rows) == len(TEXTS) + 4 * members
     manifest = tmp_path / "audit" / "canaries.json"
     assert stat.S_IMODE(manifest.stat().st_mode) == 0o600
-    _trainer(model, tok, _tokenised(tok, rows), tmp_path, audit).train()
+    trainer = _trainer(model, tok, _tokenised(tok, rows), tmp_path, audit)
+    trainer.train()
     report = json.loads((tmp_path / "audit" / "report" / "report.json").read_text())
     assert (tmp_path / "audit" / "report" / "report.md").is_file()
+    # What SCORE_LATER.txt tells a sharded run to do gives the same audit from the saved model.
+    trainer.save_model(str(tmp_path / "saved"))
+    tok.save_pretrained(tmp_path / "saved")
+    out = dpaudit("audit", "checkpoint", "--model", tmp_path / "saved", "-c", manifest, "--claimed-eps", "1",
+                  "--delta", "1e-5", "--json")
+    assert out.returncode == 1 and json.loads(out.stdout)["auc"] == pytest.approx(report["auc"], abs=1e-6)
     # Non-private training on members repeated 4 times: the audit sees it, and refutes a claim of eps = 1.
     assert report["auc"] > 0.9 and report["violation"] and report["verdict"].startswith("VIOLATION")
     assert report["context"]["headline score"] == "neg-loss"  # a full fine-tune has no base at hand
