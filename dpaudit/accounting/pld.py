@@ -682,15 +682,16 @@ def delta(mech: Mechanism, eps: float, settings: PldOptions = PldOptions()) -> D
 
 
 def _alternative(mech: Event, delta: float) -> EpsilonResult | None:
-    """A bound valid at any delta: RDP (Gaussian), randomized-response composition or pure (Laplace); None
-    for phases that mix the two noises."""
-    if mech.kind == "gaussian":
-        from dpaudit.accounting import rdp
+    """A bound valid at any delta, chosen by the noise records: RDP where every phase's noise has an RDP event
+    (the Gaussian's), randomized-response composition or pure composition where every phase is pure DP (Laplace);
+    None otherwise (phases that mix the two)."""
+    from dpaudit.accounting import pure, rdp
+    from dpaudit.accounting.noises import noise
 
+    if rdp.limitation(mech) is None:
         return rdp.epsilon(mech, delta)
-    if mech.kind != "laplace":
+    if not all(noise(part.kind).pure_dp for part in mech.phases):
         return None
-    from dpaudit.accounting import pure
 
     if delta > 0 and isinstance(mech, Mechanism) and mech.steps <= RR_MAX_STEPS:
         return pure.prv_epsilon(mech, delta)
