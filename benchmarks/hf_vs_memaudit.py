@@ -99,7 +99,9 @@ def worker_memaudit(a: dict) -> dict:
 
     model, tok = _model(a)
     data = [json.loads(line) for line in Path(a["rows"]).read_text().splitlines()]
-    canaries = generate_canaries(tok, n=a["n"], seed=0, model=model)
+    # as memaudit's README calls it (no model: its high_ppl family falls back to uniform vocabulary draws, which
+    # its own appendix measured as the stronger of the two)
+    canaries = generate_canaries(tok, n=a["n"], seed=0)
     ds, manifest = inject(Dataset.from_list(data), canaries, fmt="auto", seed=0)
     train = ds.to_list()
     tokens = sum(len(r["input_ids"]) for r in _tokenised(tok, train))
@@ -168,7 +170,8 @@ def main() -> None:
     print("| run | tool | canary share of tokens | TPR at 1% FPR [95% CI] | AUC | alarm | eps lower bound | s | peak MB |")
     print("|---|---|---|---|---|---|---|---|---|")
     for run in args.runs.split(","):
-        spec = dict(model=str(model), rows=str(data), run=run, batch=args.batch, epochs=args.epochs,
+        spec = dict(model=str(model), rows=str(data), run=run, batch=args.batch,
+                    epochs=0.05 if run == "null" else args.epochs,  # the null run: a few steps at learning rate 0
                     threads=args.threads, lr={"lora": 1e-3, "full": 5e-5}, claim=args.claim, n=args.memaudit_n)
         first = measure(args.memaudit_python, "memaudit", {**spec, "out": str(args.out / run / "memaudit")})
         # the same canary budget: dpaudit's m chosen so its member tokens match memaudit's inserted tokens

@@ -392,16 +392,26 @@ def _check_rows(dataset, collate, tokenizer, manifest, settings) -> list[str]:
     if n > MAX_SCAN_ROWS:
         return [f"the dataset has {n} rows, more than the {MAX_SCAN_ROWS} the pre-flight scans: not checked"]
     found, cut, masked = {}, 0, 0
+    starts = {}  # a span's first token -> the spans starting with it: each row is read once, O(its tokens)
+    for index, span in spans.items():
+        starts.setdefault(span[0], []).append(index)
+    ends = {tuple(heads[index][-4:]): index for index in spans}  # the prefix's last tokens: where a cut starts
     for i in range(n):
         row = dataset[i]
         ids = _ids_of(row, tokenizer)
-        for index, span in spans.items():
-            if ids is None:  # raw rows, tokenised by the collator: find the secret's text
-                if any(isinstance(v, str) and manifest.canaries[index].secret in v for v in _strings(row)):
+        if ids is None:  # raw rows, tokenised by the collator: find the secret's text
+            strings = [v for v in _strings(row) if isinstance(v, str)]
+            for index in spans:
+                if any(manifest.canaries[index].secret in v for v in strings):
                     found.setdefault(index, []).append(i)
-            elif _find(ids, span) is not None:
-                found.setdefault(index, []).append(i)
-            elif _cut_at_end(ids, heads[index], span):
+            continue
+        for j, token in enumerate(ids):
+            for index in starts.get(token, ()):
+                if ids[j:j + len(spans[index])] == spans[index]:
+                    found.setdefault(index, []).append(i)
+        for k in range(4, min(len(ids), 4 + max(map(len, spans.values()), default=0)) + 1):
+            index = ends.get(tuple(ids[len(ids) - k:len(ids) - k + 4]))
+            if index is not None and _cut_at_end(ids, heads[index], spans[index]) and i not in found.get(index, ()):
                 cut += 1
     if cut:
         return [f"{cut} member canaries are cut by truncation or packing (their secret span is split): raise "
