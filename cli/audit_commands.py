@@ -165,12 +165,15 @@ def audit_checkpoint(
         "--base", help="The model before training (the extended model), for --score loss-vs-base.")] = None,
     headline: HeadlineOpt = "auto",
     batch_size: Annotated[int, typer.Option("--batch-size", help="Canaries per forward pass.")] = 32,
+    repeat: Annotated[int, typer.Option(
+        "--repeat", "-r", help="Copies of each member canary in the training data (canaries insert --repeat): the "
+                               "claim is then held as group privacy of that many examples.")] = 1,
     threads: ThreadsOpt = None,
     report: ReportOpt = None,
     force: ForceOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Score each canary's secret token on a checkpoint, then audit; exit 1 on a violation."""
+    """Score each canary's secret on a checkpoint, then audit; exit 1 on a violation."""
     import numpy as np
 
     from dpaudit.audit.analysis import analyse
@@ -188,6 +191,13 @@ def audit_checkpoint(
     if not any(members) or all(members):  # refuse before the slow scoring, not after it
         check_scores(np.zeros(len(members)), np.array(members, bool))
     claimed_eps, delta, context = resolve_claims(model, claimed_eps, delta)
+    if repeat < 1:
+        raise DPAuditError(f"--repeat must be >= 1, got {repeat}")
+    from dpaudit.audit.claims import group_claim
+
+    claimed_eps, delta, group = group_claim(claimed_eps, delta, repeat)
+    if group:
+        context["claim audited"] = group
     if score not in ("neg-loss", "loss-vs-base"):
         raise DPAuditError(f"a checkpoint is scored with neg-loss or loss-vs-base, not {score!r}")
     if (score == "loss-vs-base") != (base is not None):

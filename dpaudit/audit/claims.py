@@ -2,12 +2,14 @@
 
 An audit's delta must be the run's: a smaller one inflates the bound. A model in <run>/model has the
 run's run_config.json and privacy_ledger.json beside it; a scores.csv in a report folder has report.json.
-Files are small JSON written by dpaudit; anything unreadable counts as "no claim here".
+Files are small JSON written by dpaudit; anything unreadable counts as "no claim here". ``group_claim``: what the
+claim says of a canary inserted several times.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from dpaudit.core import run_folder
@@ -64,3 +66,17 @@ def run_claims(path: Path) -> dict | None:
                     "epsilon": _number(report.get("claimed_epsilon")),
                     "score": _name(report.get("score"))}
     return None
+
+
+def group_claim(epsilon: float | None, delta: float, copies: int) -> tuple[float | None, float, str | None]:
+    """The claim an audit may hold canaries inserted ``copies`` times each to: (eps, delta)-DP of one example gives
+    (k eps, k e^((k - 1) eps) delta)-DP of a group of k (Dwork & Roth 2014, Lemma 2.2, applied k times), and a
+    canary repeated k times is such a group. Returns (eps, delta, a line saying so), the claim unchanged for k = 1.
+    Comparing a repeated canary's bound with the one-example claim would flag a correct run."""
+    if copies <= 1 or epsilon is None:
+        return epsilon, delta, None
+    group_delta = copies * math.exp(min(700.0, (copies - 1) * epsilon)) * delta
+    return copies * epsilon, group_delta, (
+        f"each member canary is inserted {copies} times, so the audit holds the run to group privacy of {copies} "
+        f"examples: eps {copies} x {epsilon:.4g} = {copies * epsilon:.4g}, delta {copies} e^({copies - 1} eps) delta = "
+        f"{group_delta:.3g}")

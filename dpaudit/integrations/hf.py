@@ -165,11 +165,18 @@ class DPAuditCallback(TrainerCallback):
             return control
         if int(os.environ.get("RANK", "0")) != 0:
             return control
+        from dpaudit.audit.claims import group_claim
+
         steps = int(state.global_step or 0)
         claimed, source = self._claim()
-        self.result, scores, members, score = audit_model(model, tokenizer, self.manifest, self.settings,
-                                                          claimed, self.settings.delta)
+        held, delta, group = group_claim(claimed, self.settings.delta, self.settings.repeats)
+        if held is not None and delta * self.settings.m >= 1:
+            held, delta, group = None, self.settings.delta, f"{group}: too weak for {self.settings.m} canaries to test " \
+                                                            "(delta >= 1/m); the bound is reported without a verdict"
+        self.result, scores, members, score = audit_model(model, tokenizer, self.manifest, self.settings, held, delta)
         context = self._context(args, state, steps, claimed, source, score)
+        if group:
+            context["claim audited (black-box)"] = group
         if self.probe is not None and getattr(self.probe, "canaries", None) is not None:
             try:
                 self.white_box = self.probe.audit(claimed, self.settings.delta, report=True)

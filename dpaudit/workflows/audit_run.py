@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from dpaudit.audit.claims import group_claim
 from dpaudit.core.atomic import atomic_write_json, atomic_write_text, save_model_folder
 from dpaudit.audit.analysis import AuditResult, analyse
 from dpaudit.audit.report import prepare_folder, write_report
@@ -121,11 +122,17 @@ def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model
                    show_progress=show_progress)
     scores, members = score_checkpoint(result.model_dir, manifest, show_progress=show_progress)
     claimed = result.epsilon if math.isfinite(result.epsilon) else None
-    audit = analyse(scores, members, claimed_epsilon=claimed, delta=cfg.delta, alpha=settings.alpha, score="neg-loss",
+    claimed, delta, group = group_claim(claimed, cfg.delta, settings.repeats)
+    if claimed is not None and delta * len(members) >= 1:  # a group claim this weak allows leaking a canary outright
+        claimed, delta, group = None, cfg.delta, (f"{group}: no audit of {len(members)} canaries can test that (delta "
+                                                  ">= 1/m); the bound is reported without a verdict")
+    audit = analyse(scores, members, claimed_epsilon=claimed, delta=delta, alpha=settings.alpha, score="neg-loss",
                     mechanism=cfg.mechanism if cfg.private else None)
     reused = {} if tok is not None else {
         "canaries": "reused with the extended model from an earlier run in this folder (same base model files, "
                     "canary count, seed and prefix length)"}
+    if group:
+        reused["claim audited"] = group
     return _finish(out, cfg, base, audit, result, scores, members, reused)
 
 
