@@ -38,6 +38,8 @@ from pathlib import Path
 import numpy as np
 
 from dpaudit.core.errors import DPAuditError
+from dpaudit.integrations.hf_preflight import preflight_problems
+from dpaudit.integrations.hf_rows import canary_row, contexts, row_format as find_format, rows_of
 
 try:  # transformers is the `train` extra; the class is defined either way so that the import error is one line
     from transformers import TrainerCallback
@@ -99,8 +101,8 @@ class DPAuditCallback(TrainerCallback):
         from dpaudit.canaries.manifest import load_manifest
 
         _check_arguments(m, kind, repeats, canary_budget, preflight, claimed_eps, delta, alpha)
-        rows, columns, rebuild = _rows_of(train_dataset)
-        row_format, text_field = _row_format(rows, columns, text_field)
+        rows, columns, rebuild = rows_of(train_dataset)
+        row_format, text_field = find_format(rows, columns, text_field)
         out = Path(out)
         members_expected = m / 2 * repeats
         if members_expected > canary_budget * max(1, len(rows)):
@@ -119,7 +121,7 @@ class DPAuditCallback(TrainerCallback):
             manifest = _make(tokenizer, m, kind, seed, secret_seed)
             _new_folder(out)
             manifest.save(out / MANIFEST)
-        new_rows = [_canary_row(c, row_format, text_field, columns, rows) for c in manifest.members
+        new_rows = [canary_row(c, row_format, text_field, columns, rows) for c in manifest.members
                     for _ in range(repeats)]
         order = np.random.default_rng([seed, 7]).permutation(len(rows) + len(new_rows))
         both = rows + new_rows
@@ -232,7 +234,7 @@ class DPAuditCallback(TrainerCallback):
         return verdict
 
 
-# -- canaries and rows -------------------------------------------------------------------------------------
+# -- canaries ---------------------------------------------------------------------------------------------
 def _check_arguments(m, kind, repeats, budget, preflight, claimed_eps, delta, alpha) -> None:
     from dpaudit.audit.analysis import check_audit_parameters
     from dpaudit.canaries.manifest import KINDS
@@ -275,218 +277,6 @@ def _new_folder(out: Path) -> None:
         raise DPAuditError(f"{out} is not empty and holds no canary manifest; give prepare() a new folder")
     out.mkdir(parents=True, exist_ok=True)
     mark(out)
-
-
-def _rows_of(dataset):
-    """(rows as a list of dicts, column names, a function making rows back into the dataset's own kind)."""
-    if isinstance(dataset, list):
-        if not dataset or not all(isinstance(r, dict) for r in dataset):
-            raise DPAuditError("the dataset must be a non-empty list of dicts (rows) or a datasets.Dataset")
-        return [dict(r) for r in dataset], list(dataset[0]), lambda rows: rows
-    if hasattr(dataset, "to_list") and hasattr(dataset, "column_names"):
-        rows = dataset.to_list()
-        if not rows:
-            raise DPAuditError("the dataset is empty")
-        kind = type(dataset)
-        return rows, list(dataset.column_names), lambda new: kind.from_list(new)
-    raise DPAuditError(f"cannot read rows of a {type(dataset).__name__}: give a datasets.Dataset or a list of dicts")
-
-
-def _row_format(rows, columns, text_field):
-    if text_field is not None:
-        if text_field not in columns:
-            raise DPAuditError(f"the dataset has no column {text_field!r}; its columns: {', '.join(map(str, columns))}")
-        return "text", text_field
-    if "messages" in columns:
-        return "messages", None
-    if "prompt" in columns and "completion" in columns:
-        return "prompt-completion", None
-    if "text" in columns:
-        return "text", "text"
-    if "input_ids" in columns:
-        raise DPAuditError("the dataset is already tokenised (input_ids): give prepare() the rows before tokenising "
-                           "(text, messages, or prompt and completion)")
-    raise DPAuditError(f"no column to put canaries in: expected text, messages, or prompt and completion; found "
-                       f"{', '.join(map(str, columns)) or 'none'} (name the text column with text_field=)")
-
-
-def _canary_row(canary, row_format, text_field, columns, rows) -> dict:
-    row = {c: None for c in columns}
-    if row_format == "text":
-        row[text_field] = canary.prefix + canary.secret
-    elif row_format == "prompt-completion":
-        conversational = isinstance(rows[0].get("prompt"), list)
-        row["prompt"] = [{"role": "user", "content": canary.prefix}] if conversational else canary.prefix
-        row["completion"] = [{"role": "assistant", "content": canary.secret}] if conversational else canary.secret
-    else:
-        row["messages"] = [{"role": "user", "content": canary.prefix}, {"role": "assistant", "content": canary.secret}]
-    return row
-
-
-def contexts(tokenizer, manifest, settings: _Settings) -> list[str]:
-    """The text the trainer puts before each canary's secret: the prefix, or the rendered chat up to the reply."""
-    if settings.row_format != "messages" and not _conversational(settings):
-        return [c.prefix for c in manifest.canaries]
-    out = []
-    for c in manifest.canaries:
-        chat = [{"role": "user", "content": c.prefix}, {"role": "assistant", "content": c.secret}]
-        text = tokenizer.apply_chat_template(chat, tokenize=False)
-        at = text.rfind(c.secret)
-        if at < 0:
-            raise DPAuditError("the chat template does not render the assistant's reply as written")
-        out.append(text[:at])
-    return out
-
-
-def _conversational(settings) -> bool:
-    return False  # prompt-completion rows of messages are scored as their plain prefix (TRL renders them alike)
-
-
-# -- pre-flight --------------------------------------------------------------------------------------------
-def preflight_problems(model, tokenizer, manifest, settings: _Settings, train_dataloader) -> list[str]:
-    """Why the canaries would not train, each in one line with its fix (empty: they will)."""
-    problems = []
-    if manifest.kind == "new-token":
-        ids = tokenizer.convert_tokens_to_ids(manifest.secrets)
-        if any(i is None or i == tokenizer.unk_token_id for i in ids):
-            problems.append("the new-token canaries are not in the tokenizer: extend the model first "
-                            "(dpaudit canaries extend), or use kind='existing'")
-        elif not _rows_train(model, ids):
-            problems.append("the new-token canaries' embedding and output rows are frozen (a standard LoRA config "
-                            "freezes them), so the canaries never train and the audit would read 'consistent' with "
-                            "nothing behind it: add trainable_token_indices (or modules_to_save=['embed_tokens', "
-                            "'lm_head']) to the LoRA config, or use kind='existing'")
-    dataset = getattr(train_dataloader, "dataset", None)
-    collate = getattr(train_dataloader, "collate_fn", None)
-    if dataset is None or collate is None:
-        return problems + ["the Trainer's data loader has no dataset and collator to check: the canaries' labels, "
-                           "truncation and presence were not checked"]
-    problems += _check_rows(dataset, collate, tokenizer, manifest, settings)
-    return problems
-
-
-def _rows_train(model, ids) -> bool:
-    """Whether a trainable parameter holds the rows of token ``ids`` (input or output side): a whole trainable
-    embedding or output matrix (also PEFT's modules_to_save copy), or PEFT trainable tokens covering them."""
-    vocab = max(ids) + 1
-    for layer in (model.get_input_embeddings(), model.get_output_embeddings()):
-        if layer is None:
-            continue
-        if any(p.requires_grad and p.dim() == 2 and p.shape[0] >= vocab for p in layer.parameters()):
-            return True
-        indices = getattr(getattr(layer, "token_adapter", None), "token_indices", None) or {}
-        if any(set(ids) <= set(v) for v in indices.values()):
-            return True
-    return False
-
-
-MAX_SCAN_ROWS = 200_000
-
-
-def _check_rows(dataset, collate, tokenizer, manifest, settings) -> list[str]:
-    """Find the member canaries in the dataset the Trainer iterates, collate their rows with its own collator, and
-    check that each secret span survives (not cut) with its labels on."""
-    from dpaudit.canaries.generate import split_secret
-
-    spans, heads = {}, {}
-    for c, context in zip(manifest.canaries, contexts(tokenizer, manifest, settings)):
-        if c.member:
-            split = split_secret(tokenizer, context, c.secret)
-            if split is not None:
-                spans[c.index] = split[1]
-                heads[c.index] = split[0]
-    n = len(dataset)
-    if n > MAX_SCAN_ROWS:
-        return [f"the dataset has {n} rows, more than the {MAX_SCAN_ROWS} the pre-flight scans: not checked"]
-    found, cut, masked = {}, 0, 0
-    starts = {}  # a span's first token -> the spans starting with it: each row is read once, O(its tokens)
-    for index, span in spans.items():
-        starts.setdefault(span[0], []).append(index)
-    ends = {tuple(heads[index][-4:]): index for index in spans}  # the prefix's last tokens: where a cut starts
-    for i in range(n):
-        row = dataset[i]
-        ids = _ids_of(row, tokenizer)
-        if ids is None:  # raw rows, tokenised by the collator: find the secret's text
-            strings = [v for v in _strings(row) if isinstance(v, str)]
-            for index in spans:
-                if any(manifest.canaries[index].secret in v for v in strings):
-                    found.setdefault(index, []).append(i)
-            continue
-        for j, token in enumerate(ids):
-            for index in starts.get(token, ()):
-                if ids[j:j + len(spans[index])] == spans[index]:
-                    found.setdefault(index, []).append(i)
-        for k in range(4, min(len(ids), 4 + max(map(len, spans.values()), default=0)) + 1):
-            index = ends.get(tuple(ids[len(ids) - k:len(ids) - k + 4]))
-            if index is not None and _cut_at_end(ids, heads[index], spans[index]) and i not in found.get(index, ()):
-                cut += 1
-    if cut:
-        return [f"{cut} member canaries are cut by truncation or packing (their secret span is split): raise "
-                "max_length, or pack with a strategy that keeps examples whole"]
-    if not found:
-        return ["none of the inserted member canaries is in the dataset the Trainer iterates: give the Trainer the "
-                "dataset prepare() returned (after any map or filter, the canary rows must remain)"]
-    missing = len(spans) - len(found)
-    problems = [] if not missing else [f"{missing} of {len(spans)} member canaries are not in the Trainer's dataset "
-                                       "(filtered out?): the audit would count them as members that never trained"]
-    for index, rows in found.items():
-        batch = collate([dataset[rows[0]]])
-        labels, ids = batch.get("labels"), batch.get("input_ids")
-        if labels is None or ids is None:
-            return problems + ["the collator gives no labels to check: the canaries' loss masking was not checked"]
-        ids, labels = ids[0].tolist(), labels[0].tolist()
-        at = _find(ids, spans[index])
-        if at is None:
-            cut += 1
-        elif any(label == -100 for label in labels[at:at + len(spans[index])]):
-            masked += 1
-    if masked:
-        problems.insert(0, f"{masked} of {len(found)} member canaries have their secret's labels masked (-100) after "
-                           "collation (completion-only loss or a chat template masks that part): the secret must be in "
-                           "the trained part of the row (the completion, the assistant's reply)")
-    if cut:
-        problems.insert(0, f"{cut} member canaries lose their secret span in collation (truncation or max_length): "
-                           "raise max_length")
-    return problems
-
-
-def _strings(row):
-    """Every string in a row, chat messages included."""
-    values = list(row.values()) if isinstance(row, dict) else [row]
-    while values:
-        v = values.pop()
-        if isinstance(v, str):
-            yield v
-        elif isinstance(v, dict):
-            values.extend(v.values())
-        elif isinstance(v, (list, tuple)):
-            values.extend(v)
-
-
-def _cut_at_end(ids, head, span) -> bool:
-    """The row ends with the canary's context and the first tokens of its secret, or none of them (its last
-    tokens): truncation or packing cut the secret off."""
-    tail = head[-4:]  # the prefix's last tokens: random, so an ordinary row never ends with them
-    return any(ids[len(ids) - len(tail) - k:] == tail + span[:k] for k in range(0, len(span))
-               if len(ids) >= len(tail) + k)
-
-
-def _ids_of(row, tokenizer):
-    if isinstance(row, dict) and "input_ids" in row:
-        ids = row["input_ids"]
-        return ids.tolist() if hasattr(ids, "tolist") else list(ids)
-    return None
-
-
-def _find(haystack, needle):
-    k = len(needle)
-    if not k:
-        return None
-    first = needle[0]
-    for j in range(len(haystack) - k + 1):
-        if haystack[j] == first and haystack[j:j + k] == needle:
-            return j
-    return None
 
 
 def _dp_optimizer(optimizer):

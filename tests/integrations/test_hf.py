@@ -39,14 +39,13 @@ def test_a_full_fine_tune_is_audited_in_the_trainer(tiny_model_dir, tmp_path):
     from dpaudit.integrations.hf import DPAuditCallback
 
     model, tok = _model(tiny_model_dir)
-    audit, rows = DPAuditCallback.prepare(tok, [{"text": t} for t in TEXTS], m=40, repeats=4, canary_budget=0.25,
-                                          out=tmp_path / "audit", claimed_eps=1.0, delta=1e-5, secret_seed=3,
-                                          regurgitation=True)
+    audit, rows = DPAuditCallback.prepare(tok, [{"text": t} for t in TEXTS], m=40, out=tmp_path / "audit",
+                                          claimed_eps=1.0, delta=1e-5, secret_seed=3, regurgitation=True)
     members = sum(c.member for c in audit.manifest.canaries)
-    assert len(rows) == len(TEXTS) + 4 * members
+    assert len(rows) == len(TEXTS) + members
     manifest = tmp_path / "audit" / "canaries.json"
     assert stat.S_IMODE(manifest.stat().st_mode) == 0o600
-    trainer = _trainer(model, tok, _tokenised(tok, rows), tmp_path, audit)
+    trainer = _trainer(model, tok, _tokenised(tok, rows), tmp_path, audit, num_train_epochs=6)
     trainer.train()
     report = json.loads((tmp_path / "audit" / "report" / "report.json").read_text())
     assert (tmp_path / "audit" / "report" / "report.md").is_file()
@@ -56,7 +55,7 @@ def test_a_full_fine_tune_is_audited_in_the_trainer(tiny_model_dir, tmp_path):
     out = dpaudit("audit", "checkpoint", "--model", tmp_path / "saved", "-c", manifest, "--claimed-eps", "1",
                   "--delta", "1e-5", "--json")
     assert out.returncode == 1 and json.loads(out.stdout)["auc"] == pytest.approx(report["auc"], abs=1e-6)
-    # Non-private training on members repeated 4 times: the audit sees it, and refutes a claim of eps = 1.
+    # Non-private training on the members: the audit sees it, and refutes a claim of eps = 1.
     assert report["auc"] > 0.9 and report["violation"] and report["verdict"].startswith("VIOLATION")
     assert report["context"]["headline score"] == "neg-loss"  # a full fine-tune has no base at hand
     steps, _, planned = report["context"]["steps run"].partition(" of ")
@@ -91,6 +90,8 @@ def test_lora_freezes_new_token_rows_so_new_token_canaries_are_refused_and_exist
     report = json.loads((tmp_path / "existing" / "report" / "report.json").read_text())
     assert report["context"]["headline score"] == "loss-vs-base"  # disable_adapter() on the unmerged LoRA
     assert report["auc"] > 0.75
+    # each member inserted 4 times: held to group privacy of 4 examples, not to the one-example claim
+    assert "inserted 4 times" in report["context"]["claim audited (black-box)"] and report["claimed_epsilon"] == 4.0
 
 
 def test_the_preflight_refuses_members_the_trainer_never_sees_and_secrets_cut_by_truncation(tiny_model_dir,
