@@ -32,7 +32,7 @@ Under ZeRO-3 or FSDP (weights sharded), scoring in the callback is skipped: the 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -75,7 +75,6 @@ class _Settings:
     regurgitation: bool
     inserted_rows: int
     dataset_rows: int
-    notes: list = field(default_factory=list)
 
 
 class DPAuditCallback(TrainerCallback):
@@ -131,7 +130,7 @@ class DPAuditCallback(TrainerCallback):
                              regurgitation=regurgitation, inserted_rows=len(new_rows), dataset_rows=len(rows))
         from dpaudit.core.atomic import atomic_write_json
 
-        atomic_write_json(out / SETTINGS, {k: v for k, v in settings.__dict__.items() if k != "notes"})
+        atomic_write_json(out / SETTINGS, dict(settings.__dict__))
         return cls(out, manifest, settings, tokenizer), rebuild([both[i] for i in order])
 
     # -- the Trainer's events ----------------------------------------------------------------------------
@@ -225,8 +224,9 @@ class DPAuditCallback(TrainerCallback):
         verdict = result.verdict
         if self.white_box is not None:
             context = {**context, "white-box eps lower bound": round(self.white_box.epsilon_lower_bound, 4),
-                       "white-box verdict": self.white_box.verdict, "verdict from": "white-box audit (it reads every "
-                       "privatised release, so it is the stronger test); black-box below, beside it"}
+                       "white-box verdict": self.white_box.verdict, "verdict from": "the white-box audit (it reads every "
+                       "privatised release, so it is the stronger test) and the black-box one below: a VIOLATION by "
+                       "either is the verdict"}
             verdict = self.white_box.verdict if self.white_box.violation or not result.violation else result.verdict
         else:
             context = {**context, "verdict from": "black-box audit of the canaries' secret spans"}
