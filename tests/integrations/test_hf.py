@@ -205,7 +205,8 @@ def test_trl_sft_trainer_with_completion_only_loss(tiny_model_dir, tmp_path):
                            save_strategy="no", use_cpu=True, disable_tqdm=True, logging_steps=1000, seed=0)
     trl.SFTTrainer(model=model, args=config, train_dataset=ds, processing_class=tok, callbacks=[audit]).train()
     report = json.loads((tmp_path / "audit" / "report" / "report.json").read_text())
-    assert report["auc"] > 0.9 and report["violation"]  # completion-only loss trains the secret: it is seen
+    assert report["auc"] > 0.9  # completion-only loss trains the secret: it is seen
+    assert report["violation"] == (report["epsilon_lower_bound"] > report["claimed_epsilon"] == 4.0)  # 4 copies: group
 
 
 def test_a_resumed_trainer_keeps_its_canaries_and_the_audit_covers_the_whole_run(tiny_model_dir, tmp_path):
