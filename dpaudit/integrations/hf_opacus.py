@@ -76,31 +76,19 @@ class OpacusTrainerMixin:
     def create_optimizer(self, *args, **kwargs):
         import warnings
 
-        from opacus import optimizers as dp
-
-        from dpaudit.training.dp_step import InPlace, dp_optimizer
-        from dpaudit.training.per_example import materialising_module, supported_for_dp_sgd
+        from dpaudit.training.sgd import dp_optimizer_class, per_example_module
 
         base = super().create_optimizer(*args, **kwargs)
         if self.dp_optimizer is not None:
             return self.optimizer
         settings = self.dp_settings
-        model = self.model
+        ghost = settings["mode"] == "ghost"
+        self.per_example_module = per_example_module(self.model, ghost, settings["max_grad_norm"])
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            supported_for_dp_sgd(model)
-            if settings["mode"] == "ghost":
-                from dpaudit.training.ghost import GhostClipping
-
-                self.per_example_module = GhostClipping(model, settings["max_grad_norm"])
-                cls = dp_optimizer(dp.DPOptimizerFastGradientClipping, InPlace)
-            else:
-                self.per_example_module = materialising_module(model)
-                cls = dp_optimizer(dp.DPOptimizer)
-            expected = self.args.per_device_train_batch_size
-            self.dp_optimizer = cls(base, noise_multiplier=settings["noise_multiplier"],
-                                    max_grad_norm=settings["max_grad_norm"], expected_batch_size=expected)
-        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            warnings.simplefilter("ignore")  # Opacus warns about secure_mode; the noise is drawn by dp_step
+            self.dp_optimizer = dp_optimizer_class(ghost)(
+                base, noise_multiplier=settings["noise_multiplier"], max_grad_norm=settings["max_grad_norm"],
+                expected_batch_size=self.args.per_device_train_batch_size)
         from opacus.accountants import PRVAccountant, RDPAccountant
 
         self.accountant = PRVAccountant() if settings["accountant"] == "prv" else RDPAccountant()
@@ -130,11 +118,7 @@ class OpacusTrainerMixin:
         losses = per_example_losses(self.per_example_module, inputs)
         if self.dp_settings["mode"] == "ghost":
             coef = self.per_example_module.norm_pass(losses.sum(), params).to(losses.dtype)
-            self.per_example_module.disable_hooks()
-            try:
-                (coef.detach() * losses).sum().backward()  # the clipped sum, straight into p.grad
-            finally:
-                self.per_example_module.enable_hooks()
+            self.per_example_module.clipped_backward(losses, coef)  # the clipped sum, straight into p.grad
         else:
             losses.mean().backward()  # Opacus' loss_reduction="mean"
         return losses.detach().mean()

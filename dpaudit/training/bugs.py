@@ -41,13 +41,10 @@ NO_BUG = Bug("none", "no planted bug")
 
 
 class NoClipping:
-    """Examples clipped at an infinite norm: a clip factor of 1 for every example (DP-SGD's ``clip_norm``,
-    DP-ZO's ``clip_norm_of``; the noise is still scaled by C)."""
+    """Examples clipped at an infinite norm: a clip factor of 1 for every example (the ``clip_norm`` seam of both
+    trainers; the noise is still scaled by C)."""
 
     def clip_norm(self) -> float:
-        return float("inf")
-
-    def clip_norm_of(self, settings) -> float:
         return float("inf")
 
 

@@ -90,6 +90,14 @@ class GhostClipping(GradSampleModuleFastGradientClipping):
             raise RuntimeError("a trainable layer did not report its per-example gradient norms")
         return self.get_clipping_coef()
 
+    def clipped_backward(self, losses, coef) -> None:
+        """Pass 2: the backward of sum_i c_i l_i with the hooks off adds the clipped sum to ``p.grad``."""
+        self.disable_hooks()
+        try:
+            (coef.detach() * losses).sum().backward()
+        finally:
+            self.enable_hooks()
+
     def get_norm_sample(self) -> torch.Tensor:
         norms = list(self.norms.values())
         norm_sample = torch.stack([n.to(norms[0].device) for n in norms]).norm(2, dim=0)

@@ -22,6 +22,7 @@ from dpaudit.training import checkpoint
 from dpaudit.training.directions import DEFAULT_DIRECTION, DIRECTIONS
 from dpaudit.training.methods import METHODS, method
 from dpaudit.training.plan import PrivacyPlan
+from dpaudit.training.preflight import preflight  # refusals from the model's config alone (also for callers)
 from dpaudit.training.resume import config_for_state
 
 
@@ -163,14 +164,6 @@ def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *,
     with folder_lock(run_dir) if main_process else nullcontext():
         return _train(model_dir, texts, run_dir, cfg, resume=resume, show_progress=show_progress,
                       estimate=estimate)
-
-
-def preflight(model_dir: Path, cfg: TrainConfig, examples: int, warn: bool = True,
-              texts: list[str] | None = None) -> int | None:
-    """training/preflight.py: refusals from the model's config alone, before any folder or weight."""
-    from dpaudit.training import preflight as checks
-
-    return checks.preflight(model_dir, cfg, examples, warn=warn, texts=texts)
 
 
 @dataclass

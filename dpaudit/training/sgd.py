@@ -31,6 +31,43 @@ from dpaudit.training.streams import step_key
 PER_SAMPLE_GRADS = ("ghost", "materialise")
 
 
+def dp_optimizer_class(ghost: bool, world_size: int = 1, bug=None):
+    """Opacus' optimizer for the route (fast gradient clipping for ghost, else per-example gradients; distributed
+    over several ranks), with dpaudit's DP-step seams (dp_step.py) and a planted bug's in front. Ghost in one
+    process adds the noise in place into the clipped sum (dp_step.InPlace)."""
+    from opacus import optimizers as dp
+
+    from dpaudit.training.bugs import seams
+    from dpaudit.training.dp_step import InPlace, dp_optimizer
+
+    if ghost:
+        cls = dp.DistributedDPOptimizerFastGradientClipping if world_size > 1 else dp.DPOptimizerFastGradientClipping
+    else:
+        cls = dp.DistributedDPOptimizer if world_size > 1 else dp.DPOptimizer
+    return dp_optimizer(cls, *seams(bug), *((InPlace,) if ghost and world_size == 1 else ()))
+
+
+def per_example_module(model, ghost: bool, clip: float):
+    """``model`` wrapped to clip per example: ghost clipping at ``clip`` (ghost.py), or Opacus' materialised
+    per-example gradients; a trainable layer DP-SGD cannot clip is refused first (per_example.py)."""
+    import warnings
+
+    from dpaudit.training.per_example import materialising_module
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        supported_for_dp_sgd(model)
+        if ghost:
+            from dpaudit.training.ghost import GhostClipping
+
+            wrapped = GhostClipping(model, clip)
+        else:
+            wrapped = materialising_module(model)
+    # Opacus' hooks trip a torch notice when no input needs a gradient (token ids never do).
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    return wrapped
+
+
 class FirstOrderTrainer:
     """DP-SGD (or SGD) behind the trainer protocol (methods.Trainer).
     White-box canaries enter through ``probe`` (the WhiteBoxProbe a user attaches to their own loop, made
@@ -68,43 +105,20 @@ class FirstOrderTrainer:
         gradients + one noise draw, on rank 0) / B, as in one process."""
         import warnings
 
-        from opacus import optimizers as dp
-
-        from dpaudit.training.bugs import seams
-        from dpaudit.training.dp_step import InPlace, NoisyShards, dp_optimizer
+        from dpaudit.training.dp_step import NoisyShards
 
         if self.sharding is not None:
             return NoisyShards(base, self.params, sigma * clip, expected_batch_size, clip, probe, self.sharding.sum)
-        if self.ghost:
-            cls = dp.DistributedDPOptimizerFastGradientClipping if self.world_size > 1 else dp.DPOptimizerFastGradientClipping
-        else:
-            cls = dp.DistributedDPOptimizer if self.world_size > 1 else dp.DPOptimizer
-        in_place = (InPlace,) if self.ghost and self.world_size == 1 else ()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Opacus warns about secure_mode; the noise is ours
-            optimizer = dp_optimizer(cls, *seams(bug), *in_place)(
+            optimizer = dp_optimizer_class(self.ghost, self.world_size, bug)(
                 base, noise_multiplier=sigma, max_grad_norm=clip, expected_batch_size=expected_batch_size / self.world_size)
         optimizer.probe = probe
         return optimizer
 
     def _per_example_module(self, model):
         """The model wrapped to clip per example, at the optimizer's clip norm (a planted "no-clip": infinite)."""
-        import warnings
-
-        from dpaudit.training.per_example import materialising_module
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            supported_for_dp_sgd(model)
-            if self.ghost:
-                from dpaudit.training.ghost import GhostClipping
-
-                wrapped = GhostClipping(model, self.optimizer.clip_norm())
-            else:
-                wrapped = materialising_module(model)
-        # Opacus' hooks trip a torch notice when no input needs a gradient (token ids never do).
-        warnings.filterwarnings("ignore", message="Full backward hook is firing")
-        return wrapped
+        return per_example_module(model, self.ghost, self.optimizer.clip_norm())
 
     def _clipped_backward(self, batch, real: bool = True) -> torch.Tensor:
         """Adds this chunk's sum of clipped per-example gradients to ``p.grad``; returns its losses.
@@ -124,11 +138,7 @@ class FirstOrderTrainer:
             if not real:
                 coef = torch.zeros_like(coef)
             release_freed(losses.device.type)  # the norm pass's output gradients, before pass 2
-            self.model.disable_hooks()
-            try:  # pass 2: the clipped sum, accumulated into p.grad
-                (coef.detach() * losses).sum().backward()
-            finally:
-                self.model.enable_hooks()
+            self.model.clipped_backward(losses, coef)
         else:
             losses.mean().backward()  # Opacus' loss_reduction="mean" matches this
         return losses.detach()

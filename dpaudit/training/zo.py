@@ -172,8 +172,8 @@ class ZOTrainer:
     def __init__(self, model, params, settings: ZOSettings, *, run_seed: int, expected_batch: int, private: bool,
                  rng: np.random.Generator, log_path=None, canaries=None, clip: float = 1.0,
                  all_sum=lambda x: x, sharding=None):
-        self.model, self.params = model, params
-        self.settings = replace(settings, clip_examples=self.clip_norm_of(settings) == settings.clip)
+        self.model, self.params, self.settings = model, params, settings
+        self.settings = replace(settings, clip_examples=self.clip_norm() == settings.clip)
         # Dropout off (as MeZO does): the two forwards of a step must evaluate one function, or their
         # difference is that of two dropout masks, not of theta +- phi z (GPT-2 and OPT checkpoints ship
         # with dropout 0.1; from_pretrained happens to return eval mode, a wrapper may not).
@@ -185,8 +185,8 @@ class ZOTrainer:
         self.log = open(log_path, "a", encoding="utf-8") if log_path is not None else None
 
     # -- the seams ---------------------------------------------------------------------------------------
-    def clip_norm_of(self, settings: ZOSettings) -> float | None:
-        return settings.clip
+    def clip_norm(self) -> float | None:
+        return self.settings.clip
 
     def divisor(self) -> float:
         return self.expected_batch if self.private else max(1, self.realised_batch)
