@@ -81,7 +81,7 @@ def worker_dpaudit(a: dict) -> dict:
                                            delta=1e-5, canary_budget=1.0,
                                            reference=a["model"] if a["run"] == "full" else None)
     tokens = sum(len(r["input_ids"]) for r in _tokenised(tok, train))
-    canary = sum(len(tok(c.prefix + c.secret)["input_ids"]) for c in audit.manifest.members)
+    canary = tokens - sum(len(r["input_ids"]) for r in _tokenised(tok, data))  # every copy of every member
     Trainer(model=model, args=_train_args(Path(a["out"]) / "hf", a), train_dataset=_tokenised(tok, train),
             data_collator=DataCollatorForLanguageModeling(tok, mlm=False), callbacks=[audit]).train()
     r = json.loads((Path(a["out"]) / "audit" / "report" / "report.json").read_text())
@@ -125,6 +125,20 @@ def _peak() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _sizes(model, data: Path) -> tuple[int, int, float]:
+    """(the training rows' tokens, one dpaudit canary row's tokens, the mean copies of a member) at its defaults."""
+    from transformers import AutoTokenizer
+
+    from dpaudit.canaries.generate import make_existing_canaries
+    from dpaudit.integrations.hf import REPEATS, SECRET_LENGTH
+
+    tok = AutoTokenizer.from_pretrained(model)
+    texts = [json.loads(line)["text"] for line in data.read_text().splitlines()]
+    c = make_existing_canaries(tok, 2, secret_length=SECRET_LENGTH).canaries[0]
+    return (sum(len(tok(t)["input_ids"]) for t in texts), len(tok(c.prefix + c.secret)["input_ids"]),
+            sum(REPEATS) / len(REPEATS))
+
+
 def measure(python: str, tool: str, a: dict) -> dict:
     began = time.perf_counter()
     proc = subprocess.run([python, str(HERE), "--worker", tool, "--spec", json.dumps(a)], capture_output=True,
@@ -165,6 +179,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     data = args.out / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows(args.rows, 0)))
+    data_tokens, canary_tokens, mean_copies = _sizes(model, data)
     print(f"# {args.rows} rows, batch {args.batch}, {args.epochs:g} epochs, {args.threads} threads, claim eps "
           f"{args.claim:g}; model {model}")
     print("| run | tool | canary share of tokens | TPR at 1% FPR [95% CI] | AUC | alarm | eps lower bound | s | peak MB |")
@@ -174,9 +189,10 @@ def main() -> None:
                     epochs=0.05 if run == "null" else args.epochs,  # the null run: a few steps at learning rate 0
                     threads=args.threads, lr={"lora": 1e-3, "full": 5e-5}, claim=args.claim, n=args.memaudit_n)
         first = measure(args.memaudit_python, "memaudit", {**spec, "out": str(args.out / run / "memaudit")})
-        # the same canary budget: dpaudit's m chosen so its member tokens match memaudit's inserted tokens
+        # the same canary budget: dpaudit's m chosen so that its member tokens (m / 2 members, each in mean(tiers)
+        # rows of its prefix and secret) match memaudit's inserted tokens
         share = first.get("budget") or 0.1
-        m = max(20, int(2 * share * args.rows / (1 - share)))  # ~one row per member, rows of similar length
+        m = max(6, round(2 * share / (1 - share) * data_tokens / (mean_copies * canary_tokens)))
         second = measure(sys.executable, "dpaudit", {**spec, "m": m, "out": str(args.out / run / "dpaudit")})
         for tool, r in (("memaudit 0.2", first), (f"dpaudit (m = {m})", second)):
             if "error" in r:

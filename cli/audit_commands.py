@@ -71,9 +71,15 @@ def present(result: AuditResult, context: dict, as_json: bool, *, report: Path |
         table.add_row("canaries", f"m = {result.m} ({result.members} members)")
         table.add_row("score", escape(result.score.name))
         table.add_row("AUC", f"{result.roc.auc:.4f}")
+        allowed = d.get("claim_ceiling", {}).get("tpr_at_fpr", {})
         for k, v in d["tpr_at_fpr"].items():
             if float(k) * result.nonmembers >= 1:  # fewer non-members cannot resolve this FPR
-                table.add_row(f"TPR at FPR {float(k):.1%}", f"{v:.4f}")
+                most = allowed.get(k)
+                ceiling = f"  (the claim allows at most {most['max_tpr']:.4f})" if most else ""
+                table.add_row(f"TPR at FPR {float(k):.1%}", f"{v:.4f}{ceiling}")
+        if "claim_ceiling" in d:
+            c = d["claim_ceiling"]
+            table.add_row("claim's ceiling from", escape(c.get("computed_from") or f"none: {c.get('why')}"))
         for name, b in result.bounds.items():
             mu = f", mu >= {b.mu:.3f}" if b.mu is not None else ""
             where = f", {b.tests} tests" if b.tests > 1 else ""

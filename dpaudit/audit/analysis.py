@@ -38,6 +38,8 @@ class AuditResult:
     # A white-box probe given the model: trainable tensors the DP optimizer never clips or noises. Any finite
     # claim is then false for them, whatever the canaries say.
     unprotected: tuple = ()
+    # The most TPR the claim allows at each FPR (ceiling.py), for the report to set the measured TPR beside.
+    ceiling: object = None
 
     @property
     def epsilon_lower_bound(self) -> float:
@@ -83,6 +85,7 @@ class AuditResult:
             "tpr_interval": {f"{k:g}": list(v) for k, v in (self.roc.tpr_interval or {}).items()},
             "bounds": {k: b.to_dict() for k, b in self.bounds.items()},
             **({"unprotected_parameters": list(self.unprotected)} if self.unprotected else {}),
+            **({"claim_ceiling": self.ceiling.to_dict(self.roc.tpr_at_fpr)} if self.ceiling is not None else {}),
         }
 
 
@@ -114,9 +117,13 @@ def choose_headline(score: Score, delta: float, headline: str = "auto", mechanis
 
 def analyse(scores, members, *, claimed_epsilon: float | None = None, delta: float = 0.0,
             alpha: float = 0.05, guess_counts: list[int] | None = None, seed: int = 0,
-            score: str = "unnamed", headline: str = "auto", mechanism: str | None = None) -> AuditResult:
+            score: str = "unnamed", headline: str = "auto", mechanism: str | None = None,
+            ceiling=None) -> AuditResult:
     """Audit canary scores (higher = member). Guess counts and the headline rule are fixed before looking
-    at the scores; each bound pays for the guess sets it tries (Bonferroni)."""
+    at the scores; each bound pays for the guess sets it tries (Bonferroni). ``ceiling``: the most TPR the claim
+    allows (ceiling.run_ceiling, from the run's mechanism); by default the claim's own (eps, delta) region."""
+    from dpaudit.audit.ceiling import claim_ceiling
+
     check_audit_parameters(alpha, delta, claimed_epsilon)
     scores, members = check_scores(scores, members)
     m = len(scores)
@@ -142,4 +149,5 @@ def analyse(scores, members, *, claimed_epsilon: float | None = None, delta: flo
         raise DPAuditError("the gaussian bound needs at least 2 members and 2 non-members")
     return AuditResult(m=m, members=n_in, nonmembers=n_out, alpha=alpha, delta=delta,
                        claimed_epsilon=claimed_epsilon, score=kind, bounds=bounds, headline=head,
-                       roc=summarise(scores, members))
+                       roc=summarise(scores, members),
+                       ceiling=ceiling if ceiling is not None else claim_ceiling(claimed_epsilon, delta))

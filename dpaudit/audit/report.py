@@ -48,23 +48,27 @@ def _kv(bound: dict) -> str:
     return "-" if bound["k"] is None else f"{bound['k']}, {bound['v']}"
 
 
-def markdown(result: AuditResult, context: dict) -> str:
+def markdown(result: AuditResult, context: dict, verdict: tuple[str, bool] | None = None) -> str:
     d = result.to_dict()
     head = d["headline"]
     lines = [
         "# dpaudit membership-inference audit", "",
-        f"**Verdict:** {d['verdict']}", "",
+        f"**Verdict:** {verdict[0] if verdict else d['verdict']}", "",
+        *([f"- this audit's own verdict (the pooled scores below): {d['verdict']}", ""]
+          if verdict and verdict[0] != d["verdict"] else []),
         f"**Headline eps lower bound:** {_num(d['epsilon_lower_bound'])} ({head['bound']}, delta = {result.delta:g}, "
         f"alpha = {result.alpha:g}). Why it is valid: {head['why_valid']}. Valid for: {head['valid_for']}.", "",
         *_reach(result, d), 
         *(f"- {md(k)}: {md(v)}" for k, v in context.items()),
         f"- canaries: m = {result.m} ({result.members} members, {result.nonmembers} non-members)",
+        *([f"- never-inserted controls among the ROC's non-members: {result.roc.negatives - result.nonmembers} (in the "
+           "AUC and TPR only, never in a bound)"] if result.roc.negatives > result.nonmembers else []),
         f"- score: {result.score.name}: {result.score.description}", "",
-        "| metric | value |", "|---|---|",
-        f"| AUC | {result.roc.auc:.4f} |",
-        *(f"| TPR at FPR {float(k):.1%} | {v:.4f}{_interval(d, k)} |" for k, v in d["tpr_at_fpr"].items()
-          if float(k) * result.nonmembers >= 1),
-        "",
+        "| metric | value | the claim allows at most | share of it |", "|---|---|---|---|",
+        f"| AUC | {result.roc.auc:.4f} | | |",
+        *(f"| TPR at FPR {float(k):.1%} | {v:.4f}{_interval(d, k)} | {_allowed(d, k)} |" for k, v in
+          d["tpr_at_fpr"].items() if float(k) * (result.roc.negatives or result.nonmembers) >= 1),
+        "", _ceiling_line(d), "",
         "Every bound below holds on its own with probability >= 1 - alpha; only the headline decides the verdict.",
         "", "| bound | eps | mu | guesses (tests paid for) | at | k guesses, v right | ceiling | valid for |",
         "|---|---|---|---|---|---|---|---|",
@@ -81,6 +85,29 @@ def markdown(result: AuditResult, context: dict) -> str:
         "", "![ROC](roc.png)", "",
     ]
     return "\n".join(lines)
+
+
+def _allowed(d: dict, k: str) -> str:
+    row = d.get("claim_ceiling", {}).get("tpr_at_fpr", {}).get(k)
+    if row is None:
+        return "none | "
+    share = f"{row['share']:.0%}" if row["share"] is not None else "-"
+    return f"{row['max_tpr']:.4f} | {share}"
+
+
+def _ceiling_line(d: dict) -> str:
+    c = d.get("claim_ceiling")
+    if c is None or c["source"] == "none":
+        return f"The claim's ceiling: none ({c['why'] if c else 'no claim'})."
+    return (f"The claim's ceiling (\"allows at most\"): the largest TPR at that FPR that any membership test can "
+            f"reach against a run meeting the claim, from {c['computed_from']}; an upper bound. The ROC plot shades "
+            "the region the claim forbids: a curve inside it is a violation, and the gap to it is what the attack "
+            "left on the table.")
+
+
+def _forbidden(result: AuditResult):
+    c = result.ceiling
+    return None if c is None or c.tpr is None else (c.fpr, c.tpr)
 
 
 def _interval(d: dict, k: str) -> str:
@@ -109,15 +136,21 @@ def scores_csv(scores: np.ndarray, members: np.ndarray) -> str:
     return buf.getvalue()
 
 
-def write_report(folder: Path, result: AuditResult, scores, members, context: dict) -> dict[str, Path]:
+def write_report(folder: Path, result: AuditResult, scores, members, context: dict,
+                 verdict: tuple[str, bool] | None = None) -> dict[str, Path]:
+    """``verdict``: (words, violation) decided beyond ``result`` (a white-box audit beside it, exposure tiers);
+    it replaces the result's own verdict at the top, which stays in the report as "this audit's verdict"."""
     from dpaudit.core.plots import roc_plot
 
     folder = Path(folder)
     payload = {**result.to_dict(), "context": context}
+    if verdict is not None:
+        payload = {**payload, "verdict": verdict[0], "violation": verdict[1], "this audit's verdict": result.verdict}
     return {
         "json": atomic_write_json(folder / "report.json", payload),
-        "markdown": atomic_write_text(folder / "report.md", markdown(result, context)),
-        "roc": roc_plot(result.roc.fpr, result.roc.tpr, result.roc.auc, folder / "roc.png", score=result.score.name),
+        "markdown": atomic_write_text(folder / "report.md", markdown(result, context, verdict)),
+        "roc": roc_plot(result.roc.fpr, result.roc.tpr, result.roc.auc, folder / "roc.png", score=result.score.name,
+                        forbidden=_forbidden(result)),
         "scores": atomic_write_text(folder / "scores.csv", scores_csv(np.asarray(scores), np.asarray(members)),
                                     private=True),  # it holds the membership labels, as the manifest does (0600)
     }

@@ -19,6 +19,7 @@ class RocSummary:
     fpr: np.ndarray
     tpr: np.ndarray
     tpr_interval: dict[float, tuple[float, float]] | None = None
+    negatives: int = 0      # the non-members the FPR is read off (an FPR below 1/negatives means nothing)
 
 
 def summarise(scores: np.ndarray, members: np.ndarray, fprs=REPORTED_FPRS) -> RocSummary:
@@ -30,4 +31,5 @@ def summarise(scores: np.ndarray, members: np.ndarray, fprs=REPORTED_FPRS) -> Ro
 
     n = int(np.sum(members))
     interval = {x: (lower_rate(round(v * n), n, 0.025), upper_rate(round(v * n), n, 0.025)) for x, v in at.items()}
-    return RocSummary(auc=auc, tpr_at_fpr=at, fpr=fpr, tpr=tpr, tpr_interval=interval)
+    return RocSummary(auc=auc, tpr_at_fpr=at, fpr=fpr, tpr=tpr, tpr_interval=interval,
+                      negatives=int(len(members) - n))

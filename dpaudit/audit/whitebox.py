@@ -132,6 +132,22 @@ def transcript_scores(run_dir: Path, meta: dict | None = None
     return stats, canaries.members, name, {"steps": steps, "white-box canaries": canaries.m, "canary gain (x C)": canaries.gain}
 
 
+def _run_ceiling(meta: dict, steps: int, claimed_epsilon, delta: float):
+    """The claim's ceiling from the run's own mechanism (its white-box canaries are sampled like any example), when
+    the run folder says it (sigma, Poisson rate, mechanism) and delta > 0; else None (the claim's region)."""
+    sigma, rate, kind = meta.get("sigma"), meta.get("sampling_rate"), (meta.get("config") or {}).get("mechanism")
+    if claimed_epsilon is None or not delta or not sigma or not rate or not isinstance(kind, str):
+        return None
+    from dpaudit.accounting.mechanism import Mechanism
+    from dpaudit.audit.ceiling import run_ceiling
+
+    try:
+        mech = Mechanism(kind, float(sigma), float(rate), int(steps))
+    except (DPAuditError, TypeError, ValueError):
+        return None  # a folder this does not describe: the claim's region
+    return run_ceiling(mech, delta, claimed_epsilon)
+
+
 def audit_run_folder(run_dir: Path, *, claimed_epsilon: float | None, delta: float, alpha: float = 0.05,
                      headline: str = "auto"):
     """The white-box audit of a run folder: (AuditResult of the chosen statistic, scores, members, facts).
@@ -142,9 +158,10 @@ def audit_run_folder(run_dir: Path, *, claimed_epsilon: float | None, delta: flo
     stats, members, name, facts = transcript_scores(run_dir, meta)
     share = alpha / len(stats)
     mechanism = meta["config"].get("mechanism")
+    ceiling = _run_ceiling(meta, facts["steps"], claimed_epsilon, delta)
     results = {k: analyse(v, members, claimed_epsilon=claimed_epsilon, delta=delta, alpha=share, score=name,
                           mechanism=mechanism if isinstance(mechanism, str) else None,
-                          headline=headline) for k, v in stats.items()}
+                          headline=headline, ceiling=ceiling) for k, v in stats.items()}
     best = max(results, key=lambda k: results[k].epsilon_lower_bound)
     facts = {**facts, "statistic": best, "statistics tried": len(stats),
              "alpha per statistic": share,

@@ -54,10 +54,14 @@ def _decades(axis, values) -> float:
     return math.log10(max(positive) / min(positive)) if positive else 0.0
 
 
-def roc_plot(fpr, tpr, auc: float, path: Path, score: str = "-loss of the secret") -> Path:
-    """ROC on linear axes and with a log-scale FPR (where low-FPR leakage shows)."""
+def roc_plot(fpr, tpr, auc: float, path: Path, score: str = "-loss of the secret", forbidden=None) -> Path:
+    """ROC on linear axes and with a log-scale FPR (where low-FPR leakage shows); ``forbidden``: (fpr, the most
+    TPR the claim allows), shaded above as the region the claim forbids."""
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
     for ax, log in zip(axes, (False, True)):
+        if forbidden is not None:
+            ax.fill_between(forbidden[0], forbidden[1], 1.0, color="tab:red", alpha=0.15, step=None,
+                            label="forbidden by the claim")
         ax.plot(fpr, tpr, label=f"AUC = {auc:.3f}", drawstyle="steps-post")
         lo = 1e-3 if log else 0.0
         ax.plot([max(lo, 1e-4), 1], [max(lo, 1e-4), 1], color="grey", linestyle="--", label="chance")

@@ -47,10 +47,14 @@ except ImportError:  # pragma: no cover - the train extra is missing
     TrainerCallback = object
 
 MANIFEST = "canaries.json"
+CONTROLS = "controls.json"   # never-inserted canaries: more non-members for the FPR, at no training cost
 SETTINGS = "hf_audit.json"
 REPORT = "report"
 WHITE_BOX = "white-box"
 CANARY_BUDGET = 0.05     # inserted member rows at most this share of the dataset's rows
+REPEATS = (1, 4, 16)     # exposure tiers (memaudit's, and Carlini et al.'s repeated canaries); see audit_tiers
+SECRET_LENGTH = 32       # an existing canary's secret span in tokens: each token adds to the member's loss drop
+CONTROLS_DEFAULT = 100   # a TPR at 1 % FPR needs >= 100 non-members to mean anything (memaudit's floor too)
 PREFLIGHT = ("refuse", "warn", "off")
 HEADLINE_WHY = {
     "loss-vs-base": "the secret's loss drop from the base model: it removes how hard each canary is to begin with, "
@@ -66,7 +70,7 @@ class _Settings:
     kind: str
     row_format: str          # text, messages, prompt-completion
     text_field: str | None
-    repeats: int
+    repeats: list[int]       # exposure tiers: canary i, when a member, is inserted repeats[i % len(repeats)] times
     claimed_eps: float | None
     delta: float | None
     alpha: float
@@ -82,46 +86,64 @@ class DPAuditCallback(TrainerCallback):
 
     def __init__(self, out, manifest, settings: _Settings, tokenizer) -> None:
         self.out, self.manifest, self.settings, self.tokenizer = Path(out), manifest, settings, tokenizer
+        self.controls = None         # a Manifest of never-inserted canaries, or None
         self.probe = None
         self.resumed_at = 0
         self.preflight_notes: list[str] = []
-        self.result = None           # the black-box AuditResult, after training
+        self.result = None           # the black-box AuditResult, after training (exposure tiers pooled)
+        self.tiers: list[Tier] = []  # each exposure tier's audit
         self.white_box = None        # the white-box AuditResult, when a DP optimizer was probed
 
     # -- before the Trainer ------------------------------------------------------------------------------
     @classmethod
     def prepare(cls, tokenizer, train_dataset, *, m: int = 1000, out, claimed_eps: float | None = None,
-                delta: float | None = None, kind: str = "existing", repeats: int = 1, text_field: str | None = None,
-                canary_budget: float = CANARY_BUDGET, preflight: str = "refuse", reference=None,
-                regurgitation: bool = False, alpha: float = 0.05, seed: int = 0, secret_seed: int | None = None):
+                delta: float | None = None, kind: str = "existing", repeats=REPEATS, text_field: str | None = None,
+                secret_length: int = SECRET_LENGTH, controls: int = CONTROLS_DEFAULT,
+                canary_budget: float = CANARY_BUDGET, preflight: str = "refuse",
+                reference=None, regurgitation: bool = False, alpha: float = 0.05, seed: int = 0,
+                secret_seed: int | None = None):
         """(callback, the dataset with the member canaries inserted). ``out`` holds the manifest (0600) and,
         after training, the report; preparing again into the same ``out`` (a resumed Trainer) keeps the same
-        canaries and membership. ``secret_seed`` makes membership reproducible: tests and benchmarks only."""
+        canaries and membership. ``repeats``: how many times a member is inserted, an int or exposure tiers (canary
+        i in tier i mod len(repeats)), each tier audited against the claim it is held to (group privacy).
+        ``controls``: existing-kind canaries never inserted (out/controls.json): extra non-members for the AUC and
+        TPR at low FPR, which cost no training tokens; they take no part in an eps bound, whose one-run theorem
+        needs each canary's membership to be a fair coin.
+        ``secret_seed`` makes membership reproducible: tests and benchmarks only."""
         from dpaudit.canaries.manifest import load_manifest
 
-        _check_arguments(m, kind, repeats, canary_budget, preflight, claimed_eps, delta, alpha)
+        repeats = _tiers(repeats)
+        _check_arguments(m, kind, secret_length, canary_budget, preflight, claimed_eps, delta, alpha)
+        if isinstance(controls, bool) or not isinstance(controls, int) or controls < 0:
+            raise DPAuditError(f"controls must be an integer >= 0, got {controls!r}")
+        controls = controls if kind == "existing" else 0  # new-token controls would each need a vocabulary row
         rows, columns, rebuild = rows_of(train_dataset)
         row_format, text_field = find_format(rows, columns, text_field)
         out = Path(out)
-        members_expected = m / 2 * repeats
+        copies = [repeats[i % len(repeats)] for i in range(m)]
+        members_expected = sum(copies) / 2
         if members_expected > canary_budget * max(1, len(rows)):
-            most = int(2 * canary_budget * len(rows) / repeats)
-            raise DPAuditError(f"m = {m} canaries put about {members_expected:.0f} rows into a dataset of {len(rows)} "
-                               f"rows, over the canary budget of {canary_budget:.0%} of its rows; use m <= {most}, or "
-                               "raise canary_budget=")
+            most = int(2 * canary_budget * len(rows) / (sum(copies) / m))
+            raise DPAuditError(f"m = {m} canaries (exposure tiers {repeats}) put about {members_expected:.0f} rows "
+                               f"into a dataset of {len(rows)} rows, over the canary budget of {canary_budget:.0%} of "
+                               f"its rows; use m <= {most}, repeats=1, or raise canary_budget=")
         if row_format == "messages" and not getattr(tokenizer, "chat_template", None):
             raise DPAuditError("the dataset holds chat messages but the tokenizer has no chat template to render them")
         if (out / MANIFEST).is_file():
             manifest = load_manifest(out / MANIFEST)  # a resumed Trainer: the same canaries and membership
-            if len(manifest.canaries) != m or manifest.kind != kind:
+            control = load_manifest(out / CONTROLS) if (out / CONTROLS).is_file() else None
+            if len(manifest.canaries) != m or manifest.kind != kind or \
+                    (len(control.canaries) if control else 0) != controls:
                 raise DPAuditError(f"{out} holds {len(manifest.canaries)} {manifest.kind} canaries; prepare again with "
-                                   "the same m and kind (a resumed run keeps its canaries), or use a new folder")
+                                   "the same m, kind and controls (a resumed run keeps its canaries), or a new folder")
         else:
-            manifest = _make(tokenizer, m, kind, seed, secret_seed)
+            manifest, control = _make(tokenizer, m, kind, seed, secret_seed, secret_length, controls)
             _new_folder(out)
             manifest.save(out / MANIFEST)
-        new_rows = [canary_row(c, row_format, text_field, columns, rows) for c in manifest.members
-                    for _ in range(repeats)]
+            if control is not None:
+                control.save(out / CONTROLS)
+        new_rows = [canary_row(c, row_format, text_field, columns, rows) for c, k in zip(manifest.canaries, copies)
+                    if c.member for _ in range(k)]
         order = np.random.default_rng([seed, 7]).permutation(len(rows) + len(new_rows))
         both = rows + new_rows
         settings = _Settings(m=m, kind=kind, row_format=row_format, text_field=text_field, repeats=repeats,
@@ -131,7 +153,9 @@ class DPAuditCallback(TrainerCallback):
         from dpaudit.core.atomic import atomic_write_json
 
         atomic_write_json(out / SETTINGS, dict(settings.__dict__))
-        return cls(out, manifest, settings, tokenizer), rebuild([both[i] for i in order])
+        audit = cls(out, manifest, settings, tokenizer)
+        audit.controls = control
+        return audit, rebuild([both[i] for i in order])
 
     # -- the Trainer's events ----------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kwargs):
@@ -160,7 +184,7 @@ class DPAuditCallback(TrainerCallback):
         tokenizer = kwargs.get("processing_class") or self.tokenizer
         tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
         if _sharded(args):
-            atomic_write_text(self.out / "SCORE_LATER.txt", _score_later(args, self.out))
+            atomic_write_text(self.out / "SCORE_LATER.txt", _score_later(args, self.out, self.settings.repeats))
             print(f"dpaudit: the model is sharded (ZeRO-3 / FSDP): scoring is left to the saved checkpoint; see "
                   f"{self.out / 'SCORE_LATER.txt'}")
             return control
@@ -170,14 +194,11 @@ class DPAuditCallback(TrainerCallback):
 
         steps = int(state.global_step or 0)
         claimed, source = self._claim()
-        held, delta, group = group_claim(claimed, self.settings.delta, self.settings.repeats)
-        if held is not None and delta * self.settings.m >= 1:
-            held, delta, group = None, self.settings.delta, f"{group}: too weak for {self.settings.m} canaries to test " \
-                                                            "(delta >= 1/m); the bound is reported without a verdict"
-        self.result, scores, members, score = audit_model(model, tokenizer, self.manifest, self.settings, held, delta)
+        scores, members, score, control = score_canaries(model, tokenizer, self.manifest, self.settings,
+                                                         self.controls)
+        self.result, self.tiers = audit_tiers(scores, members, score, self.settings, claimed, control)
         context = self._context(args, state, steps, claimed, source, score)
-        if group:
-            context["claim audited (black-box)"] = group
+        context.update(tier_lines(self.tiers, self.result))
         if self.probe is not None and getattr(self.probe, "canaries", None) is not None:
             try:
                 self.white_box = self.probe.audit(claimed, self.settings.delta, report=True)
@@ -187,7 +208,7 @@ class DPAuditCallback(TrainerCallback):
                 self.probe.close()
         if self.settings.regurgitation:
             context.update(regurgitation(model, tokenizer, self.manifest, self.settings))
-        self.verdict = self._write(self.result, scores, members, context)
+        self.verdict = self._write(self.result, scores, members, context, claimed)
         print(f"dpaudit: {self.verdict} (report: {self.out / REPORT / 'report.md'})")
         return control
 
@@ -214,28 +235,42 @@ class DPAuditCallback(TrainerCallback):
             **{f"preflight warning {i + 1}": p for i, p in enumerate(self.preflight_notes)},
         }
 
-    def _write(self, result, scores, members, context) -> str:
+    def _write(self, result, scores, members, context, claimed) -> str:
         from dpaudit.audit.report import write_report
         from dpaudit.core.lock import remove_folder
 
         folder = self.out / REPORT
         remove_folder(folder)
         folder.mkdir(parents=True)
-        verdict = result.verdict
+        violation, verdict = (result.violation, result.verdict) if len(self.tiers) == 1 else \
+            tiers_verdict(self.tiers, claimed)
         if self.white_box is not None:
             context = {**context, "white-box eps lower bound": round(self.white_box.epsilon_lower_bound, 4),
                        "white-box verdict": self.white_box.verdict, "verdict from": "the white-box audit (it reads every "
                        "privatised release, so it is the stronger test) and the black-box one below: a VIOLATION by "
                        "either is the verdict"}
-            verdict = self.white_box.verdict if self.white_box.violation or not result.violation else result.verdict
+            verdict = self.white_box.verdict if self.white_box.violation or not violation else verdict
+            violation = violation or self.white_box.violation
         else:
             context = {**context, "verdict from": "black-box audit of the canaries' secret spans"}
-        write_report(folder, result, scores, members, {**context, "overall verdict": verdict})
+        write_report(folder, result, scores, members, context, verdict=(verdict, violation))
         return verdict
 
 
 # -- canaries ---------------------------------------------------------------------------------------------
-def _check_arguments(m, kind, repeats, budget, preflight, claimed_eps, delta, alpha) -> None:
+def _tiers(repeats) -> list[int]:
+    tiers = [repeats] if isinstance(repeats, int) and not isinstance(repeats, bool) else repeats
+    try:
+        tiers = list(tiers)
+    except TypeError:
+        tiers = [repeats]
+    if not tiers or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in tiers) \
+            or len(set(tiers)) != len(tiers):
+        raise DPAuditError(f"repeats must be an integer >= 1 or distinct ones (exposure tiers), got {repeats!r}")
+    return tiers
+
+
+def _check_arguments(m, kind, secret_length, budget, preflight, claimed_eps, delta, alpha) -> None:
     from dpaudit.audit.analysis import check_audit_parameters
     from dpaudit.canaries.manifest import KINDS
 
@@ -243,8 +278,8 @@ def _check_arguments(m, kind, repeats, budget, preflight, claimed_eps, delta, al
         raise DPAuditError(f"unknown canary kind {kind!r}; use {' or '.join(KINDS)}")
     if isinstance(m, bool) or not isinstance(m, int) or m < 2:
         raise DPAuditError(f"m (the number of canaries) must be an integer >= 2, got {m!r}")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise DPAuditError(f"repeats must be an integer >= 1, got {repeats!r}")
+    if isinstance(secret_length, bool) or not isinstance(secret_length, int) or not 1 <= secret_length <= 256:
+        raise DPAuditError(f"secret_length must be an integer in [1, 256] (tokens), got {secret_length!r}")
     if not 0 < budget <= 1:
         raise DPAuditError(f"canary_budget must be in (0, 1], got {budget}")
     if preflight not in PREFLIGHT:
@@ -254,20 +289,25 @@ def _check_arguments(m, kind, repeats, budget, preflight, claimed_eps, delta, al
     check_audit_parameters(alpha, delta, claimed_eps)
 
 
-def _make(tokenizer, m: int, kind: str, seed: int, secret_seed: int | None):
-    """Canaries (public: from ``seed``) and membership (secret: OS entropy unless ``secret_seed``)."""
+def _make(tokenizer, m: int, kind: str, seed: int, secret_seed: int | None, secret_length: int, controls: int):
+    """(canaries, controls or None): canaries public (from ``seed``), membership secret (OS entropy unless
+    ``secret_seed``); controls drawn with them (distinct secrets, the same distribution), never members."""
     from dataclasses import replace
 
     from dpaudit.canaries.generate import make_canaries, make_existing_canaries
 
-    manifest = (make_existing_canaries(tokenizer, m, seed=seed) if kind == "existing"
-                else make_canaries(tokenizer, m, seed=seed))
+    manifest = (make_existing_canaries(tokenizer, m + controls, seed=seed, secret_length=secret_length)
+                if kind == "existing" else make_canaries(tokenizer, m, seed=seed))
+    control = None
+    if controls:
+        control = replace(manifest, canaries=[replace(c, member=False) for c in manifest.canaries[m:]])
+        manifest = replace(manifest, canaries=manifest.canaries[:m])
     secret = secret_seed if secret_seed is not None else int.from_bytes(os.urandom(8), "little")
     coins = np.random.default_rng([secret, 0x6d656d62]).random(m) < 0.5
     if coins.all() or not coins.any():
         coins[0] = not coins[0]  # an audit needs a member and a non-member; the coin of one canary is moved
     manifest.canaries = [replace(c, member=bool(b)) for c, b in zip(manifest.canaries, coins)]
-    return manifest
+    return manifest, control
 
 
 def _new_folder(out: Path) -> None:
@@ -306,18 +346,26 @@ def _sharded(args) -> bool:
     return stage == 3
 
 
-def _score_later(args, out: Path) -> str:
+def _score_later(args, out: Path, repeats: list[int]) -> str:
+    repeat = f" --repeat {max(repeats)}" if max(repeats) > 1 else ""
     return ("The weights were sharded (ZeRO-3 / FSDP), so the canaries were not scored in the callback. Score the saved "
             f"model with:\n\n    dpaudit audit checkpoint --model {args.output_dir} -c {out / MANIFEST} --delta <delta> "
-            "--eps <claimed eps> --report " f"{out / REPORT}\n")
+            f"--eps <claimed eps>{repeat} --report {out / REPORT}\n" + (
+                f"\n--repeat {max(repeats)} holds every canary to the group claim of the most copies any member has "
+                f"(exposure tiers {repeats}); valid for all of them, but weaker than the callback's audit of each "
+                "tier.\n"
+                if repeat else ""))
 
 
 # -- scoring -----------------------------------------------------------------------------------------------
-def audit_model(model, tokenizer, manifest, settings: _Settings, claimed, delta):
-    """(AuditResult, scores, members, score name) of the canaries on ``model``: base-calibrated when a base model is
-    at hand (an unmerged PEFT adapter's ``disable_adapter()``, or ``settings.reference``), else -loss."""
-    from dpaudit.audit.analysis import analyse
+def score_canaries(model, tokenizer, manifest, settings: _Settings, controls=None):
+    """(scores, members, score name, the controls' scores) on ``model``: base-calibrated when a base model is at
+    hand (an unmerged PEFT adapter's ``disable_adapter()``, or ``settings.reference``), else -loss."""
+    from dataclasses import replace
 
+    m = len(manifest.canaries)
+    if controls is not None:  # one pass over both
+        manifest = replace(manifest, canaries=manifest.canaries + controls.canaries)
     pairs = contexts(tokenizer, manifest, settings)
     losses = _losses(model, tokenizer, manifest, pairs)
     base = None
@@ -332,9 +380,99 @@ def audit_model(model, tokenizer, manifest, settings: _Settings, claimed, delta)
         del reference
     score = "loss-vs-base" if base is not None else "neg-loss"
     scores = base - losses if base is not None else -losses
-    members = np.array([c.member for c in manifest.canaries])
-    result = analyse(scores, members, claimed_epsilon=claimed, delta=delta, alpha=settings.alpha, score=score)
-    return result, scores, members, score
+    return scores[:m], np.array([c.member for c in manifest.canaries[:m]]), score, scores[m:]
+
+
+@dataclass
+class Tier:
+    copies: int
+    held_eps: float | None        # the claim this tier is held to (group privacy), None when it cannot test one
+    held_delta: float
+    why: str                      # the claim in words, or why the tier is not tested
+    result: object = None         # its AuditResult
+
+
+def audit_tiers(scores, members, score: str, settings: _Settings, claimed: float | None, control=()):
+    """(headline AuditResult, tiers). A member of tier k is in the data k times, a group of k examples, so its
+    audit is held to group privacy, (k eps, k e^((k-1) eps) delta) (claims.group_claim); comparing it with the
+    one-example claim would flag a correct run. A tier whose group delta is >= 1 / (its canaries) can refute no
+    claim: its bound is reported without one. The verdict is a VIOLATION when any tested tier's bound exceeds the
+    claim it is held to; alpha is split evenly over the tested tiers (Bonferroni), so a correct run reads VIOLATION
+    with probability <= alpha. The headline result (AUC, TPR at low FPR, the ROC) pools every tier, as memaudit's
+    does; with one tier it is that tier's audit. The controls' scores join the non-members in each ROC (AUC, TPR at
+    low FPR), never in a bound."""
+    from dataclasses import replace
+
+    from dpaudit.audit.analysis import analyse
+    from dpaudit.audit.claims import group_claim
+    from dpaudit.audit.roc import summarise
+
+    control = np.asarray(control, dtype=float)
+
+    def with_controls(result, pick):
+        if result is None or not len(control):
+            return result
+        return replace(result, roc=summarise(np.concatenate([scores[pick], control]),
+                                             np.concatenate([members[pick], np.zeros(len(control), bool)])))
+
+    ks = settings.repeats
+    tier_of = np.arange(len(scores)) % len(ks)
+    tiers = []
+    for t, k in enumerate(ks):
+        eps, delta, line = group_claim(claimed, settings.delta, k)
+        n = int((tier_of == t).sum())
+        inside = members[tier_of == t]
+        if eps is not None and delta * n >= 1:
+            eps, delta, line = None, settings.delta, f"{line}: too weak for its {n} canaries to test (delta >= 1/m)"
+        elif not inside.any() or inside.all():
+            eps, delta, line = None, settings.delta, f"{n} canaries, all {'members' if inside.all() else 'non-members'}"
+        tiers.append(Tier(k, eps, delta, line or f"held to the claim: eps {claimed}, delta {settings.delta:g}"))
+    tested = [t for t in tiers if t.held_eps is not None]
+    for t, tier in enumerate(tiers):
+        pick = tier_of == t
+        if not members[pick].any() or members[pick].all():
+            continue
+        alpha = settings.alpha / max(1, len(tested)) if tier.held_eps is not None else settings.alpha
+        tier.result = with_controls(analyse(scores[pick], members[pick], claimed_epsilon=tier.held_eps,
+                                            delta=tier.held_delta, alpha=alpha, score=score), pick)
+    if len(tiers) == 1:
+        return tiers[0].result, tiers
+    everything = np.ones(len(scores), bool)
+    return with_controls(analyse(scores, members, delta=settings.delta, alpha=settings.alpha, score=score),
+                         everything), tiers
+
+
+def tiers_verdict(tiers, claimed) -> tuple[bool, str]:
+    """(violation, the verdict in words) over the tested tiers."""
+    tested = [t for t in tiers if t.held_eps is not None and t.result is not None]
+    for t in tested:
+        if t.result.violation:
+            return True, f"VIOLATION ({t.copies}x tier): {t.result.verdict}"
+    if not tested:
+        return False, ("no exposure tier can test the claim (none given, or each tier's group claim is too weak): "
+                       "the bounds are reported without a verdict")
+    names = ", ".join(f"{t.copies}x at eps {t.held_eps:.4g}" for t in tested)
+    return False, f"consistent with eps = {claimed:.4g} (tiers tested: {names})"
+
+
+def tier_lines(tiers, headline) -> dict:
+    """Report lines, one per exposure tier (none with a single tier of one copy)."""
+    if len(tiers) == 1:
+        return {} if tiers[0].copies == 1 else {"claim audited (black-box)": tiers[0].why}
+    lines = {"exposure tiers": "each member canary is inserted k times, k by tier; the AUC and TPR above pool them; "
+                               "each tier's bound is held to its own (group) claim"}
+    for t in tiers:
+        r = t.result
+        if r is None:
+            lines[f"tier {t.copies}x"] = f"not audited: {t.why}"
+            continue
+        lo, hi = (r.roc.tpr_interval or {}).get(0.01, (None, None))
+        ci = f" [{lo:.3f}, {hi:.3f}]" if lo is not None else ""
+        lines[f"tier {t.copies}x"] = (
+            f"m = {r.m} ({r.members} members): AUC {r.roc.auc:.3f}, TPR at 1% FPR {r.roc.tpr_at_fpr.get(0.01, 0):.3f}"
+            f"{ci}, eps >= {r.epsilon_lower_bound:.3f} ({r.headline}, alpha {r.alpha:.3g}); {t.why}; "
+            f"{r.verdict if t.held_eps is not None else 'no verdict'}")
+    return lines
 
 
 def _losses(model, tokenizer, manifest, pairs):

@@ -127,13 +127,24 @@ def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model
         claimed, delta, group = None, cfg.delta, (f"{group}: no audit of {len(members)} canaries can test that (delta "
                                                   ">= 1/m); the bound is reported without a verdict")
     audit = analyse(scores, members, claimed_epsilon=claimed, delta=delta, alpha=settings.alpha, score="neg-loss",
-                    mechanism=cfg.mechanism if cfg.private else None)
+                    mechanism=cfg.mechanism if cfg.private else None, ceiling=_ceiling(cfg, result, claimed, group))
     reused = {} if tok is not None else {
         "canaries": "reused with the extended model from an earlier run in this folder (same base model files, "
                     "canary count, seed and prefix length)"}
     if group:
         reused["claim audited"] = group
     return _finish(out, cfg, base, audit, result, scores, members, reused)
+
+
+def _ceiling(cfg, result, claimed, group):
+    """The most TPR the claim allows, from the run's own mechanism (its sigma, Poisson rate and steps, as the
+    ledger accounted them); a group claim (repeated canaries) or no claim: the analysis' default (the region)."""
+    if claimed is None or group or not cfg.private or result.sigma is None:
+        return None
+    from dpaudit.accounting.mechanism import Mechanism
+    from dpaudit.audit.ceiling import run_ceiling
+
+    return run_ceiling(Mechanism(cfg.mechanism, result.sigma, result.sampling_rate, result.steps), cfg.delta, claimed)
 
 
 REUSE_STAMP = "extended_model.json"  # what canaries.json and extended_model/ were made from

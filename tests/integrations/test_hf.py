@@ -39,8 +39,8 @@ def test_a_full_fine_tune_is_audited_in_the_trainer(tiny_model_dir, tmp_path):
     from dpaudit.integrations.hf import DPAuditCallback
 
     model, tok = _model(tiny_model_dir)
-    audit, rows = DPAuditCallback.prepare(tok, [{"text": t} for t in TEXTS], m=40, out=tmp_path / "audit",
-                                          claimed_eps=1.0, delta=1e-5, secret_seed=3, regurgitation=True)
+    audit, rows = DPAuditCallback.prepare(tok, [{"text": t} for t in TEXTS], m=40, out=tmp_path / "audit", repeats=1,
+                                          controls=0, claimed_eps=1.0, delta=1e-5, secret_seed=3, regurgitation=True)
     members = sum(c.member for c in audit.manifest.canaries)
     assert len(rows) == len(TEXTS) + members
     manifest = tmp_path / "audit" / "canaries.json"
@@ -66,6 +66,62 @@ def test_a_full_fine_tune_is_audited_in_the_trainer(tiny_model_dir, tmp_path):
     assert set(report["tpr_at_fpr"]) >= {"0.01", "0.001"} and "tpr_interval" in report
 
 
+def test_exposure_tiers_and_controls_by_default(tiny_model_dir, tmp_path):
+    """The defaults: members in tiers of 1, 4 and 16 copies, each tier held to its own group claim, and 100
+    never-inserted controls among the ROC's non-members (never in a bound, never in the data)."""
+    from dpaudit.integrations.hf import DPAuditCallback
+
+    model, tok = _model(tiny_model_dir)
+    data = [{"text": t} for t in TEXTS[:120]]
+    audit, rows = DPAuditCallback.prepare(tok, data, m=30, canary_budget=1.0, out=tmp_path / "audit",
+                                          claimed_eps=1.0, delta=1e-6, secret_seed=6)
+    copies = {1: 0, 4: 0, 16: 0}
+    texts = [r["text"] for r in rows]
+    for i, c in enumerate(audit.manifest.canaries):
+        if c.member:
+            assert texts.count(c.text) == [1, 4, 16][i % 3]
+            copies[[1, 4, 16][i % 3]] += 1
+    assert len(rows) == len(data) + copies[1] + 4 * copies[4] + 16 * copies[16]
+    assert len(audit.controls.canaries) == 100 and not any(c.member for c in audit.controls.canaries)
+    assert not any(c.text in texts for c in audit.controls.canaries)
+    _trainer(model, tok, _tokenised(tok, rows), tmp_path, audit, num_train_epochs=2).train()
+    report = json.loads((tmp_path / "audit" / "report" / "report.json").read_text())
+    assert report["canaries"]["m"] == 30 and report["canaries"]["nonmembers"] == 30 - sum(copies.values())
+    assert {"tier 1x", "tier 4x", "tier 16x"} <= set(report["context"])
+    assert "group privacy of 4 examples: eps 4 x 1 = 4" in report["context"]["tier 4x"]
+    assert "too weak" in report["context"]["tier 16x"]  # 16 e^15 1e-6 >= 1 / (10 canaries)
+    assert report["verdict"].startswith(("VIOLATION", "consistent")) and "tiers tested: 1x" in report["verdict"] \
+        or report["verdict"].startswith("VIOLATION (")
+    md = (tmp_path / "audit" / "report" / "report.md").read_text()
+    assert "never-inserted controls among the ROC's non-members: 100" in md
+    assert report["auc"] > 0.9  # non-private training on members copied up to 16 times
+
+
+def test_the_tiers_verdict_is_wrong_at_most_alpha_at_the_null_and_sees_a_leak():
+    """Validity of the tier split (Bonferroni over the tested tiers): no training, every score from one law, 300
+    audits, VIOLATION at most alpha of the time; a leak into the one-copy tier alone is a VIOLATION of that tier."""
+    import numpy as np
+
+    from dpaudit.integrations.hf import _Settings, audit_tiers, tiers_verdict
+
+    settings = _Settings(m=600, kind="existing", row_format="text", text_field="text", repeats=[1, 4, 16],
+                         claimed_eps=0.0, delta=1e-5, alpha=0.05, preflight="refuse", reference=None,
+                         regurgitation=False, inserted_rows=0, dataset_rows=0)
+    rng = np.random.default_rng(0)
+    wrong = 0
+    for _ in range(200):
+        members = rng.random(600) < 0.5
+        _, tiers = audit_tiers(rng.normal(size=600), members, "loss-vs-base", settings, 0.0, rng.normal(size=50))
+        wrong += tiers_verdict(tiers, 0.0)[0]
+    assert wrong <= 0.05 * 200 + 2 * np.sqrt(0.05 * 0.95 * 200)  # alpha, plus two standard errors of 200 draws
+    members = rng.random(600) < 0.5
+    scores = rng.normal(size=600) + 4.0 * members * (np.arange(600) % 3 == 0)
+    _, tiers = audit_tiers(scores, members, "loss-vs-base", settings, 1.0)
+    violation, verdict = tiers_verdict(tiers, 1.0)
+    assert violation and verdict.startswith("VIOLATION (1x tier)")
+    assert [t.held_eps for t in tiers] == [1.0, 4.0, None]  # 16 e^15 1e-5 >= 1/200: the 16x tier tests nothing
+
+
 def test_lora_freezes_new_token_rows_so_new_token_canaries_are_refused_and_existing_ones_train(tiny_model_dir,
                                                                                                tmp_path):
     from peft import LoraConfig, get_peft_model
@@ -75,7 +131,7 @@ def test_lora_freezes_new_token_rows_so_new_token_canaries_are_refused_and_exist
 
     config = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
     model, tok = _model(tiny_model_dir)
-    audit, rows = DPAuditCallback.prepare(tok, [{"text": t} for t in TEXTS], m=20, out=tmp_path / "new",
+    audit, rows = DPAuditCallback.prepare(tok, [{"text": t} for t in TEXTS], m=20, repeats=1, out=tmp_path / "new",
                                           kind="new-token", claimed_eps=1.0, delta=1e-5, secret_seed=1)
     extend_model(model, tok, audit.manifest)
     trainer = _trainer(get_peft_model(model, config), tok, _tokenised(tok, rows), tmp_path, audit, num_train_epochs=1)
@@ -99,17 +155,17 @@ def test_the_preflight_refuses_members_the_trainer_never_sees_and_secrets_cut_by
     from dpaudit.integrations.hf import DPAuditCallback
 
     model, tok = _model(tiny_model_dir)
-    audit, rows = DPAuditCallback.prepare(tok, [{"text": t} for t in TEXTS], m=20, out=tmp_path / "a",
+    audit, rows = DPAuditCallback.prepare(tok, [{"text": t} for t in TEXTS], m=20, repeats=1, out=tmp_path / "a",
                                           claimed_eps=1.0, delta=1e-5, secret_seed=2)
     plain = _tokenised(tok, [{"text": t} for t in TEXTS])  # the original data, not prepare()'s
     with pytest.raises(DPAuditError, match="none of the inserted member canaries"):
         _trainer(model, tok, plain, tmp_path, audit, num_train_epochs=1).train()
-    audit, rows = DPAuditCallback.prepare(tok, [{"text": t} for t in TEXTS], m=20, out=tmp_path / "b",
+    audit, rows = DPAuditCallback.prepare(tok, [{"text": t} for t in TEXTS], m=20, repeats=1, out=tmp_path / "b",
                                           claimed_eps=1.0, delta=1e-5, secret_seed=2)
-    short = [dict(tok(r["text"], truncation=True, max_length=10)) for r in rows]  # prefix 8 + secret 6 tokens > 10
+    short = [dict(tok(r["text"], truncation=True, max_length=10)) for r in rows]  # prefix 8 + secret 32 tokens > 10
     with pytest.raises(DPAuditError, match="cut by truncation"):
         _trainer(model, tok, short, tmp_path, audit, num_train_epochs=1).train()
-    audit, rows = DPAuditCallback.prepare(tok, [{"text": t} for t in TEXTS], m=20, out=tmp_path / "c",
+    audit, rows = DPAuditCallback.prepare(tok, [{"text": t} for t in TEXTS], m=20, repeats=1, out=tmp_path / "c",
                                           claimed_eps=1.0, delta=1e-5, secret_seed=2, preflight="warn")
     _trainer(model, tok, short, tmp_path, audit, num_train_epochs=1, max_steps=2).train()
     report = json.loads((tmp_path / "c" / "report" / "report.json").read_text())
@@ -124,7 +180,7 @@ def test_bad_input_is_one_line(tiny_model_dir, tmp_path):
     rows = [{"text": t} for t in TEXTS]
     with pytest.raises(DPAuditError, match="found body, id"):
         DPAuditCallback.prepare(tok, [{"body": "x", "id": 1}], m=4, out=tmp_path / "x", delta=1e-5)
-    with pytest.raises(DPAuditError, match="canary budget of 5% .* use m <= 40"):
+    with pytest.raises(DPAuditError, match=r"canary budget of 5% .* use m <= 5, repeats=1"):
         DPAuditCallback.prepare(tok, rows, m=1000, out=tmp_path / "y", delta=1e-5)
     with pytest.raises(DPAuditError, match="give the delta"):
         DPAuditCallback.prepare(tok, rows, m=10, out=tmp_path / "z")
@@ -136,7 +192,7 @@ def test_bad_input_is_one_line(tiny_model_dir, tmp_path):
 
         tiny = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2},
                                                                                    unk_token="[UNK]")))
-        DPAuditCallback.prepare(tiny, rows, m=10, out=tmp_path / "v", delta=1e-5)
+        DPAuditCallback.prepare(tiny, rows, m=10, repeats=1, out=tmp_path / "v", delta=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["ghost", "hooks"])
@@ -147,8 +203,8 @@ def test_an_opacus_trainer_is_audited_white_box_and_a_missing_noise_is_caught(ti
 
     def run(out, sigma, claimed):
         model, tok = _model(tiny_model_dir)
-        audit, rows = DPAuditCallback.prepare(tok, [{"text": t} for t in TEXTS], m=20, out=out, claimed_eps=claimed,
-                                              delta=1e-5, secret_seed=4)
+        audit, rows = DPAuditCallback.prepare(tok, [{"text": t} for t in TEXTS], m=20, repeats=1, out=out,
+                                              claimed_eps=claimed, delta=1e-5, secret_seed=4)
         args = TrainingArguments(output_dir=str(tmp_path / "hf-out"), per_device_train_batch_size=32, max_steps=12,
                                  learning_rate=1e-3, save_strategy="no", report_to=[], use_cpu=True,
                                  disable_tqdm=True, seed=0, logging_steps=1000)
@@ -164,7 +220,7 @@ def test_an_opacus_trainer_is_audited_white_box_and_a_missing_noise_is_caught(ti
     assert 0 < claimed < 50 and "get_epsilon" in report["context"]["claimed eps from"]  # the accountant's eps
     assert not audit.white_box.violation and not report["violation"]
     audit, report = run(tmp_path / "broken", 0.0, 1.0)  # no noise, a claim of eps = 1: the white-box audit sees it
-    assert audit.white_box.violation and report["context"]["overall verdict"].startswith("VIOLATION")
+    assert audit.white_box.violation and report["verdict"].startswith("VIOLATION")
 
 
 def test_masked_secret_labels_are_refused(tiny_model_dir, tmp_path):
@@ -173,7 +229,7 @@ def test_masked_secret_labels_are_refused(tiny_model_dir, tmp_path):
     from dpaudit.integrations.hf import DPAuditCallback
 
     model, tok = _model(tiny_model_dir)
-    audit, rows = DPAuditCallback.prepare(tok, [{"text": t} for t in TEXTS], m=20, out=tmp_path / "a",
+    audit, rows = DPAuditCallback.prepare(tok, [{"text": t} for t in TEXTS], m=20, repeats=1, out=tmp_path / "a",
                                           claimed_eps=1.0, delta=1e-5, secret_seed=2)
     lm = DataCollatorForLanguageModeling(tok, mlm=False)
 
@@ -213,7 +269,7 @@ def test_a_resumed_trainer_keeps_its_canaries_and_the_audit_covers_the_whole_run
     from dpaudit.integrations.hf import DPAuditCallback
 
     def prepare():
-        return DPAuditCallback.prepare(tok, [{"text": t} for t in TEXTS], m=20, out=tmp_path / "audit",
+        return DPAuditCallback.prepare(tok, [{"text": t} for t in TEXTS], m=20, repeats=1, out=tmp_path / "audit",
                                        claimed_eps=1.0, delta=1e-5)  # membership from OS entropy
 
     model, tok = _model(tiny_model_dir)
@@ -228,8 +284,9 @@ def test_a_resumed_trainer_keeps_its_canaries_and_the_audit_covers_the_whole_run
              save_steps=3).train(resume_from_checkpoint=str(tmp_path / "hf-out" / "checkpoint-3"))
     report = json.loads((tmp_path / "audit" / "report" / "report.json").read_text())
     assert report["context"]["resumed at step"] == 3 and report["context"]["steps run"] == "6 of 6"
-    with pytest.raises(DPAuditError, match="same m and kind"):
-        DPAuditCallback.prepare(tok, [{"text": t} for t in TEXTS], m=10, out=tmp_path / "audit", delta=1e-5)
+    with pytest.raises(DPAuditError, match="same m, kind"):
+        DPAuditCallback.prepare(tok, [{"text": t} for t in TEXTS], m=10, repeats=1, out=tmp_path / "audit",
+                                delta=1e-5)
 
 
 def test_sharded_training_leaves_the_scoring_to_the_saved_checkpoint(tmp_path):
@@ -241,5 +298,7 @@ def test_sharded_training_leaves_the_scoring_to_the_saved_checkpoint(tmp_path):
     assert _sharded(SimpleNamespace(fsdp="", deepspeed={"zero_optimization": {"stage": 3}}))
     assert not _sharded(SimpleNamespace(fsdp="", deepspeed={"zero_optimization": {"stage": 2}}))
     assert not _sharded(SimpleNamespace(fsdp="", deepspeed=None))
-    text = _score_later(SimpleNamespace(output_dir="out"), tmp_path)
-    assert "dpaudit audit checkpoint --model out -c" in text
+    text = _score_later(SimpleNamespace(output_dir="out"), tmp_path, [1])
+    assert "dpaudit audit checkpoint --model out -c" in text and "--repeat" not in text
+    tiers = _score_later(SimpleNamespace(output_dir="out"), tmp_path, [1, 4, 16])
+    assert "--repeat 16 --report" in tiers and "group claim of the most copies" in tiers

@@ -39,6 +39,10 @@ def test_dp_sgd_at_eps_1_holds(shared):
     assert again.returncode == 0 and redone["delta"] == 1e-5
     assert redone["claimed_epsilon"] == pytest.approx(data["claimed_epsilon"])
     assert redone["context"]["method"] == "dp-sgd" and redone["context"]["steps"] == 300
+    # The claim's ceiling: from the run's own mechanism in the run, from the (eps, delta) region for scores alone.
+    run_ceiling, region = data["claim_ceiling"], redone["claim_ceiling"]
+    assert run_ceiling["source"] == "run" and region["source"] == "claim"
+    assert 0.01 < run_ceiling["tpr_at_fpr"]["0.01"]["max_tpr"] < region["tpr_at_fpr"]["0.01"]["max_tpr"]
 
 
 def test_noise_switched_off_is_caught(shared):
