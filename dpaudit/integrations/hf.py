@@ -87,6 +87,7 @@ class DPAuditCallback(TrainerCallback):
     def __init__(self, out, manifest, settings: _Settings, tokenizer) -> None:
         self.out, self.manifest, self.settings, self.tokenizer = Path(out), manifest, settings, tokenizer
         self.controls = None         # a Manifest of never-inserted canaries, or None
+        self.power_notes: dict = {}  # tiers whose canaries cannot refute the claim they are held to (said at prepare)
         self.probe = None
         self.resumed_at = 0
         self.preflight_notes: list[str] = []
@@ -155,6 +156,9 @@ class DPAuditCallback(TrainerCallback):
         atomic_write_json(out / SETTINGS, dict(settings.__dict__))
         audit = cls(out, manifest, settings, tokenizer)
         audit.controls = control
+        audit.power_notes = _power_notes(copies, repeats, claimed_eps, delta, alpha)
+        for line in audit.power_notes.values():
+            print(f"dpaudit: warning: {line}")
         return audit, rebuild([both[i] for i in order])
 
     # -- the Trainer's events ----------------------------------------------------------------------------
@@ -233,6 +237,7 @@ class DPAuditCallback(TrainerCallback):
             "claimed eps": claimed, "claimed eps from": source, "delta": self.settings.delta,
             "headline score": score, "why this score": HEADLINE_WHY[score],
             **{f"preflight warning {i + 1}": p for i, p in enumerate(self.preflight_notes)},
+            **self.power_notes,
         }
 
     def _write(self, result, scores, members, context, claimed) -> str:
@@ -258,6 +263,21 @@ class DPAuditCallback(TrainerCallback):
 
 
 # -- canaries ---------------------------------------------------------------------------------------------
+def _power_notes(copies, repeats, claimed, delta, alpha) -> dict:
+    """Per tier that tests a claim (group privacy for k copies): a line when its canaries cannot refute it."""
+    from dpaudit.audit.claims import group_claim
+    from dpaudit.audit.power import power_note
+
+    held = {k: group_claim(claimed, delta, k)[:2] for k in repeats}
+    tested = [k for k in repeats if held[k][0] is not None and held[k][1] * copies.count(k) < 1]
+    notes = {}
+    for k in tested:
+        note = power_note(copies.count(k), held[k][0], held[k][1], alpha / len(tested))
+        if note:
+            notes[f"audit power, tier {k}x (before training)"] = note
+    return notes
+
+
 def _tiers(repeats) -> list[int]:
     tiers = [repeats] if isinstance(repeats, int) and not isinstance(repeats, bool) else repeats
     try:

@@ -92,8 +92,9 @@ def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model
     from dpaudit.models.loading import load_causal_lm
 
     base = model if model is not None else embedded_default(out / "base_model", settings.seed)
+    power = _power_note(cfg, settings, cfg.white_box or settings.canaries)
     if cfg.white_box:
-        return _white_box(out, cfg, settings, base, data, data_format, field, show_progress)
+        return _white_box(out, cfg, settings, base, data, data_format, field, show_progress, power)
     stamp = _extension_stamp(base, settings)
     manifest = _reusable_canaries(out, stamp)
     lm = tok = None
@@ -133,7 +134,7 @@ def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model
                     "canary count, seed and prefix length)"}
     if group:
         reused["claim audited"] = group
-    return _finish(out, cfg, base, audit, result, scores, members, reused)
+    return _finish(out, cfg, base, audit, result, scores, members, {**reused, **power})
 
 
 def _ceiling(cfg, result, claimed, group):
@@ -191,8 +192,27 @@ def _sha256(path: Path) -> str | None:
         return None
 
 
+def _power_note(cfg: TrainConfig, settings: AuditRunSettings, m: int) -> dict:
+    """Said before training (stderr) and in the report: when m canaries cannot refute the claim the run targets
+    (held to group privacy for repeated canaries) whatever the run leaks, and the smallest m that could."""
+    import sys
+
+    from dpaudit.audit.claims import group_claim
+    from dpaudit.audit.power import power_note
+
+    if cfg.sigma is not None or not math.isfinite(cfg.target_epsilon):
+        return {}  # the claim is known only once sigma is accounted (or there is none)
+    repeats = 1 if cfg.white_box else settings.repeats
+    claimed, delta, _ = group_claim(cfg.target_epsilon, cfg.delta, repeats)
+    note = power_note(m, claimed, delta, settings.alpha) if delta * m < 1 else None
+    if note is None:
+        return {}
+    print(f"dpaudit: warning: {note}", file=sys.stderr)
+    return {"audit power (before training)": note}
+
+
 def _white_box(out: Path, cfg: TrainConfig, settings: AuditRunSettings, base: Path, data, data_format, field,
-               show_progress: bool):
+               show_progress: bool, power: dict):
     """Train with white-box canaries planted, then audit the transcript (no model scoring needed)."""
     from dpaudit.audit.whitebox import audit_run_folder
     from dpaudit.core.texts import detect_format, read_texts
@@ -207,7 +227,7 @@ def _white_box(out: Path, cfg: TrainConfig, settings: AuditRunSettings, base: Pa
     result = train(base, texts, out / "run", cfg, show_progress=show_progress)
     audit, scores, members, facts = audit_run_folder(out / "run", claimed_epsilon=result.epsilon,
                                                      delta=cfg.delta, alpha=settings.alpha)
-    return _finish(out, cfg, base, audit, result, scores, members, facts)
+    return _finish(out, cfg, base, audit, result, scores, members, {**facts, **power})
 
 
 def _claim(cfg: TrainConfig, result: TrainResult) -> str:
