@@ -31,7 +31,8 @@ TrainStepsOpt = Annotated[Optional[int], typer.Option("--steps", "-T", help="Tra
 TrainBatchOpt = Annotated[int, typer.Option("--batch-size", "-B", help="Expected batch size (p = B/N).")]
 PhiOpt = Annotated[float, typer.Option("--phi", help="dp-zo perturbation scale.")]
 DirectionOpt = Annotated[str, typer.Option("--direction", help="dp-zo direction: rademacher (+-1, SPSA; a third of a Gaussian pass's cost on CPU), gaussian (the DP-ZO paper's) or sphere (DPZero).")]
-TrainableOpt = Annotated[str, typer.Option("--trainable", help="full, lora or bias (DP-BiTFiT).")]
+TrainableOpt = Annotated[str, typer.Option("--trainable", help="full, lora, bias (DP-BiTFiT) or embeddings (the "
+                                                               "token embedding rows only).")]
 Bf16Opt = Annotated[bool, typer.Option("--bf16", help="bf16 weights and activations, no loss scaling.")]
 PerSampleGradsOpt = Annotated[str, typer.Option(
     "--per-sample-grads", help="dp-sgd: ghost (clipped sums without per-example gradients, about SGD's memory) "
@@ -200,7 +201,12 @@ def audit_run(
         "--batch-size", "-B", help="Expected batch size (p = B/N; 0 = every example every step). Default: 64; "
                                    "white box: 0, full batches.")] = None,
     phi: PhiOpt = 1e-3,
-    direction: DirectionOpt = DEFAULT_DIRECTION, trainable: TrainableOpt = "full", bf16: Bf16Opt = False,
+    direction: DirectionOpt = DEFAULT_DIRECTION,
+    trainable: Annotated[Optional[str], typer.Option(
+        "--trainable", help="full, lora, bias or embeddings. Default: embeddings for a black-box DP-SGD audit "
+                            "(each canary's new-token row then takes about half of its clipped gradient: the audit "
+                            "sees far more, and the claim is the same whatever trains); full otherwise.")] = None,
+    bf16: Bf16Opt = False,
     per_sample_grads: PerSampleGradsOpt = "ghost", micro_batch: MicroBatchOpt = 0,
     max_memory: TrainMaxMemoryOpt = None, shard: ShardOpt = False,
     seed: TrainSeedOpt = 0, secret_seed: SecretSeedOpt = None, accountant: AccountantTrainOpt = None,
@@ -219,6 +225,9 @@ def audit_run(
     stop_on_divergence: DivergenceOpt = False,
     threads: ThreadsOpt = None,
     repeat: Annotated[int, typer.Option("--repeat", "-r", help="Copies of each member canary.")] = 1,
+    prefix_length: Annotated[Optional[int], typer.Option(
+        "--prefix-length", help="Random tokens before each canary's secret (default 1: a longer prefix is more loss "
+                                "to learn, whose gradient crowds the secret's row out of the clipped norm).")] = None,
     unsafe_disable_noise: Annotated[bool, typer.Option(
         "--unsafe-disable-noise", hidden=True, help="Testing only: claim eps but add no noise.")] = False,
     force: ForceOpt = False,
@@ -228,7 +237,8 @@ def audit_run(
     from dpaudit.workflows.audit_run import AuditRunSettings, run_audit
     from dpaudit.cli.audit_commands import present
 
-    from dpaudit.workflows.audit_run import white_box_canaries
+    from dpaudit.training.methods import METHODS
+    from dpaudit.workflows.audit_run import AUDIT_TRAINABLE, PREFIX_LENGTH, white_box_canaries
 
     if sigma is not None and eps == "1":
         eps = None  # --sigma replaces the default target
@@ -236,6 +246,8 @@ def audit_run(
         batch_size = 0 if white_box else 64
     if examples is None:
         examples = 64 if white_box else 1000
+    if trainable is None:
+        trainable = AUDIT_TRAINABLE if not white_box and METHODS[method].per_example_gradients else "full"
     cfg = make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction,
                       trainable, bf16, seed, secret_seed, accountant, unsafe_disable_noise=unsafe_disable_noise,
                       plant_bug=plant_bug, per_sample_grads=per_sample_grads, micro_batch=micro_batch,
@@ -247,7 +259,10 @@ def audit_run(
         err_console.print(f"[yellow]note:[/yellow] {repeat} copies per canary: the claimed eps is per example, "
                       "a canary's group guarantee is weaker", highlight=False)
     refuse_overlap(out, {"model": model, "dataset": data}, folder_output=True)
-    settings = AuditRunSettings(canaries=canaries or 1000, repeats=repeat, examples=examples, seed=seed)
+    if prefix_length is not None and not 1 <= prefix_length <= 64:
+        raise DPAuditError(f"--prefix-length must be in [1, 64], got {prefix_length}")
+    settings = AuditRunSettings(canaries=canaries or 1000, repeats=repeat, examples=examples, seed=seed,
+                                prefix_length=prefix_length or PREFIX_LENGTH)
     audit, result, summary = run_audit(out, cfg, settings, model=model, data=data, data_format=data_format,
                                        field=field, force=force, show_progress=not as_json)
     if not as_json:

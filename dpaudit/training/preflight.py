@@ -90,5 +90,9 @@ def _trainable_count(model, cfg, total: int) -> int:
         return total
     if cfg.trainable == "bias":
         return sum(p.numel() for name, p in model.named_parameters() if name.endswith(".bias"))
+    if cfg.trainable == "embeddings":
+        rows = {id(m.weight): m.weight.numel() for m in (model.get_input_embeddings(), model.get_output_embeddings())
+                if m is not None}
+        return sum(rows.values())
     return sum(cfg.lora_rank * (m.in_features + m.out_features) for m in model.modules()  # LoRA: every linear layer
                if isinstance(m, torch.nn.Linear))

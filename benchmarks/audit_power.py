@@ -1,0 +1,90 @@
+"""Black-box audit power of `dpaudit audit run` on the embedded default (issue 39): the headline eps lower bound, AUC,
+TPR at 1 % FPR and that TPR as a share of the claim's ceiling (the most TPR a run meeting the claim allows, from
+its composed PLD), per method and claimed eps, m = 1000, one run each, several seeds and their median.
+
+The peer measured in the same run is the audit run's old recipe (full fine-tune, 8 random prefix tokens before
+each secret), run beside each lever, so every ratio compares runs made on the same loaded machine:
+
+    .venv/bin/python benchmarks/audit_power.py --seeds 3 --only levers,dp-sgd   # ~20 min on 2 cores
+    .venv/bin/python benchmarks/audit_power.py --seeds 3 --only dp-zo           # ~40 min (3000 steps a run)
+
+Each run is `dpaudit audit run --method M --eps E --secret-seed S --json` in a fresh folder (`--threads 2`);
+results are appended to --results as JSON lines, so an interrupted sweep keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DPAUDIT = str(Path(sys.executable).with_name("dpaudit"))
+BEFORE = ["--trainable", "full", "--prefix-length", "8"]  # the recipe before issue 39
+# (name, method, eps, extra arguments): the levers one at a time at eps = 4, then the defaults across eps
+RUNS = {
+    "levers": [("before: full, prefix 8", "dp-sgd", 4, BEFORE),
+               ("prefix 1", "dp-sgd", 4, ["--trainable", "full", "--prefix-length", "1"]),
+               ("after: embeddings, prefix 1 (defaults)", "dp-sgd", 4, [])],
+    "dp-sgd": [("defaults", "dp-sgd", 1, []), ("defaults", "dp-sgd", 8, []),
+               ("before: full, prefix 8", "dp-sgd", 1, BEFORE)],
+    "dp-zo": [("before: prefix 8", "dp-zo", 4, ["--prefix-length", "8"]), ("defaults", "dp-zo", 4, []),
+              ("defaults", "dp-zo", 1, []), ("defaults", "dp-zo", 8, [])],
+}
+
+
+def one(method: str, eps: float, extra: list[str], seed: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        began = time.perf_counter()
+        proc = subprocess.run([DPAUDIT, "audit", "run", "--method", method, "--eps", str(eps), "--out", tmp + "/run",
+                               "--secret-seed", str(seed), "--threads", "2", "--json", *extra],
+                              capture_output=True, text=True)
+        seconds = time.perf_counter() - began
+    if proc.returncode not in (0, 1):
+        return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1][:200], "seconds": seconds}
+    d = json.loads(proc.stdout)
+    ceiling = (d.get("claim_ceiling") or {}).get("tpr_at_fpr", {}).get("0.01") or {}
+    return {"headline": float(d["epsilon_lower_bound"]), "auc": d["auc"], "tpr1": d["tpr_at_fpr"]["0.01"],
+            "ceiling1": ceiling.get("max_tpr"), "verdict": d["verdict"], "seconds": seconds}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--only", default="levers,dp-sgd,dp-zo")
+    ap.add_argument("--results", type=Path, default=Path("audit_power.jsonl"))
+    args = ap.parse_args()
+    rows = []
+    for group in args.only.split(","):
+        for name, method, eps, extra in RUNS[group]:
+            got = []
+            for seed in range(1, args.seeds + 1):
+                r = {"name": name, "method": method, "eps": eps, "seed": seed, **one(method, eps, extra, seed)}
+                with args.results.open("a") as f:
+                    f.write(json.dumps(r) + "\n")
+                print(json.dumps(r), flush=True)
+                got.append(r)
+            rows.append((name, method, eps, [r for r in got if "error" not in r]))
+    print("\n| recipe | method | claimed eps | headline (median; seeds) | headline / claim | AUC | TPR at 1% FPR | "
+          "claim's ceiling at 1% | share |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, method, eps, got in rows:
+        if not got:
+            print(f"| {name} | {method} | {eps} | error | | | | | |")
+            continue
+        med = {k: statistics.median(r[k] for r in got) for k in ("headline", "auc", "tpr1")}
+        ceiling = statistics.median(r["ceiling1"] for r in got if r["ceiling1"] is not None) \
+            if any(r["ceiling1"] is not None for r in got) else None
+        each = ", ".join(f"{r['headline']:.3f}" for r in got)
+        share = f"{med['tpr1'] / ceiling:.0%}" if ceiling else "-"
+        print(f"| {name} | {method} | {eps:g} | {med['headline']:.3f} ({each}) | {med['headline'] / eps:.2f} | "
+              f"{med['auc']:.3f} | {med['tpr1']:.3f} | {ceiling if ceiling is None else f'{ceiling:.3f}'} | "
+              f"{share} |")
+
+
+if __name__ == "__main__":
+    main()
