@@ -301,7 +301,7 @@ def test_a_dp_sgd_step_redone_after_resume_draws_fresh_noise(tiny_model_dir, tmp
     assert again[0] != first[2] and not set(first) & set(again)
 
 
-@pytest.mark.parametrize("subset", ["lora", "bias"])
+@pytest.mark.parametrize("subset", ["lora", "bias", "embeddings"])
 def test_trainable_subsets_train_only_their_parameters(tiny_model_dir, tmp_path, subset):
     cfg = TrainConfig(method="dp-sgd", target_epsilon=8.0, steps=3, batch_size=8, trainable=subset, secret_seed=0)
     result = train(tiny_model_dir, TEXTS, tmp_path / "run", cfg, show_progress=False)
@@ -312,6 +312,8 @@ def test_trainable_subsets_train_only_their_parameters(tiny_model_dir, tmp_path,
     assert changed
     if subset == "bias":
         assert all(n.endswith(".bias") for n in changed)
+    elif subset == "embeddings":  # the token rows only (tied: the input embedding is the output layer too)
+        assert changed <= {"model.embed_tokens.weight", "lm_head.weight"} and "model.embed_tokens.weight" in changed
     else:
         assert all("proj" in n for n in changed)  # merged adapters touch only the linear layers
 
