@@ -115,6 +115,9 @@ class DPAuditCallback(TrainerCallback):
 
         repeats = _tiers(repeats)
         _check_arguments(m, kind, secret_length, canary_budget, preflight, claimed_eps, delta, alpha)
+        if delta * m >= 1:
+            raise DPAuditError(f"delta = {delta:g} >= 1/m = {1 / m:.3g}: a claim with delta this large allows leaking "
+                               "a canary outright, so no audit of m canaries can bound eps; give the run's delta")
         if isinstance(controls, bool) or not isinstance(controls, int) or controls < 0:
             raise DPAuditError(f"controls must be an integer >= 0, got {controls!r}")
         controls = controls if kind == "existing" else 0  # new-token controls would each need a vocabulary row
@@ -437,24 +440,22 @@ def audit_tiers(scores, members, score: str, settings: _Settings, claimed: float
 
     ks = settings.repeats
     tier_of = np.arange(len(scores)) % len(ks)
+    picks = [tier_of == t for t in range(len(ks))]
     tiers = []
-    for t, k in enumerate(ks):
+    for k, pick in zip(ks, picks):
         eps, delta, line = group_claim(claimed, settings.delta, k)
-        n = int((tier_of == t).sum())
-        inside = members[tier_of == t]
-        if eps is not None and delta * n >= 1:
-            eps, delta, line = None, settings.delta, f"{line}: too weak for its {n} canaries to test (delta >= 1/m)"
-        elif not inside.any() or inside.all():
+        n, inside = int(pick.sum()), members[pick]
+        if not inside.any() or inside.all():
             eps, delta, line = None, settings.delta, f"{n} canaries, all {'members' if inside.all() else 'non-members'}"
+        elif eps is not None and delta * n >= 1:
+            eps, delta, line = None, settings.delta, f"{line}: too weak for its {n} canaries to test (delta >= 1/m)"
         tiers.append(Tier(k, eps, delta, line or f"held to the claim: eps {claimed}, delta {settings.delta:g}"))
-    tested = [t for t in tiers if t.held_eps is not None]
-    for t, tier in enumerate(tiers):
-        pick = tier_of == t
-        if not members[pick].any() or members[pick].all():
-            continue
-        alpha = settings.alpha / max(1, len(tested)) if tier.held_eps is not None else settings.alpha
-        tier.result = with_controls(analyse(scores[pick], members[pick], claimed_epsilon=tier.held_eps,
-                                            delta=tier.held_delta, alpha=alpha, score=score), pick)
+    tested = sum(t.held_eps is not None for t in tiers)
+    for tier, pick in zip(tiers, picks):
+        if members[pick].any() and not members[pick].all():
+            alpha = settings.alpha / tested if tier.held_eps is not None else settings.alpha
+            tier.result = with_controls(analyse(scores[pick], members[pick], claimed_epsilon=tier.held_eps,
+                                                delta=tier.held_delta, alpha=alpha, score=score), pick)
     if len(tiers) == 1:
         return tiers[0].result, tiers
     everything = np.ones(len(scores), bool)

@@ -182,6 +182,8 @@ def test_bad_input_is_one_line(tiny_model_dir, tmp_path):
         DPAuditCallback.prepare(tok, [{"body": "x", "id": 1}], m=4, out=tmp_path / "x", delta=1e-5)
     with pytest.raises(DPAuditError, match=r"canary budget of 5% .* use m <= 5, repeats=1"):
         DPAuditCallback.prepare(tok, rows, m=1000, out=tmp_path / "y", delta=1e-5)
+    with pytest.raises(DPAuditError, match=r"delta = 0.2 >= 1/m"):
+        DPAuditCallback.prepare(tok, rows, m=10, repeats=1, out=tmp_path / "d", delta=0.2)
     with pytest.raises(DPAuditError, match="give the delta"):
         DPAuditCallback.prepare(tok, rows, m=10, out=tmp_path / "z")
     with pytest.raises(DPAuditError, match="already tokenised"):
