@@ -7,6 +7,7 @@ each secret), run beside each lever, so every ratio compares runs made on the sa
 
     .venv/bin/python benchmarks/audit_power.py --seeds 3 --only levers,dp-sgd   # ~20 min on 2 cores
     .venv/bin/python benchmarks/audit_power.py --seeds 3 --only dp-zo           # ~40 min (3000 steps a run)
+    .venv/bin/python benchmarks/audit_power.py --optimal    # what any attack could show on DP-SGD's schedule (1 min)
 
 Each run is `dpaudit audit run --method M --eps E --secret-seed S --json` in a fresh folder (`--threads 2`);
 results are appended to --results as JSON lines, so an interrupted sweep keeps what it measured.
@@ -52,12 +53,44 @@ def one(method: str, eps: float, extra: list[str], seed: int) -> dict:
             "ceiling1": ceiling.get("max_tpr"), "verdict": d["verdict"], "seconds": seconds}
 
 
+def optimal(eps: float, trials: int = 21, m: int = 1000, batch: int = 64, examples: int = 1500,
+            steps: int = 300) -> tuple[float, float, float]:
+    """What any attack could show in one run of the audit run's DP-SGD schedule (p = 64 / 1500, T = 300, sigma
+    calibrated to eps): the optimal score (each member's exact log-likelihood ratio over every step's release, a
+    white-box reading no final model gives) audited as the audit run is. (median, 10th, 90th percentile) of the
+    headline over ``trials`` runs: the peer every black-box figure should be read against."""
+    import numpy as np
+
+    from dpaudit.accounting.calibrate import calibrate_sigma
+    from dpaudit.accounting.mechanism import Mechanism
+    from dpaudit.audit.analysis import analyse
+
+    p = batch / examples
+    sigma = calibrate_sigma(Mechanism("gaussian", 1.0, p, steps), eps, 1e-5).sigma
+    rng = np.random.default_rng(0)
+    heads = []
+    for _ in range(trials):
+        members = rng.random(m) < 0.5
+        x = rng.normal(size=(m, steps)) * sigma + ((rng.random((m, steps)) < p) & members[:, None])
+        llr = np.log1p(p * np.expm1((2 * x - 1) / (2 * sigma ** 2))).sum(axis=1)
+        heads.append(analyse(llr, members, claimed_epsilon=eps, delta=1e-5, mechanism="gaussian").epsilon_lower_bound)
+    return float(np.median(heads)), float(np.percentile(heads, 10)), float(np.percentile(heads, 90))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--only", default="levers,dp-sgd,dp-zo")
     ap.add_argument("--results", type=Path, default=Path("audit_power.jsonl"))
+    ap.add_argument("--optimal", action="store_true", help="only the optimal attack's headline per eps (fast)")
     args = ap.parse_args()
+    if args.optimal:
+        print("| claimed eps | optimal attack, one run, m = 1000: median headline [10th, 90th percentile] |")
+        print("|---|---|")
+        for eps in (1, 4, 8):
+            med, lo, hi = optimal(eps)
+            print(f"| {eps} | {med:.3f} [{lo:.3f}, {hi:.3f}] |", flush=True)
+        return
     rows = []
     for group in args.only.split(","):
         for name, method, eps, extra in RUNS[group]:

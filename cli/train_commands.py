@@ -247,7 +247,8 @@ def audit_run(
     if examples is None:
         examples = 64 if white_box else 1000
     if trainable is None:
-        trainable = AUDIT_TRAINABLE if not white_box and METHODS[method].per_example_gradients else "full"
+        known = METHODS.get(method)  # an unknown method is refused by make_config, one line
+        trainable = AUDIT_TRAINABLE if not white_box and known is not None and known.per_example_gradients else "full"
     cfg = make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction,
                       trainable, bf16, seed, secret_seed, accountant, unsafe_disable_noise=unsafe_disable_noise,
                       plant_bug=plant_bug, per_sample_grads=per_sample_grads, micro_batch=micro_batch,
