@@ -266,13 +266,23 @@ class DPAuditCallback(TrainerCallback):
 
 
 # -- canaries ---------------------------------------------------------------------------------------------
+def _tier_claim(claimed, delta: float, copies: int, n: int) -> tuple[float | None, float, str | None]:
+    """The claim a tier of n canaries, each member ``copies`` times, is held to: group privacy (claims.group_claim);
+    eps None (and the run's delta) when that claim is too weak for n canaries to test (delta >= 1/n)."""
+    from dpaudit.audit.claims import group_claim
+
+    eps, group_delta, line = group_claim(claimed, delta, copies)
+    if eps is not None and group_delta * n >= 1:
+        return None, delta, f"{line}: too weak for its {n} canaries to test (delta >= 1/m)"
+    return eps, group_delta, line
+
+
 def _power_notes(copies, repeats, claimed, delta, alpha) -> dict:
     """Per tier that tests a claim (group privacy for k copies): a line when its canaries cannot refute it."""
-    from dpaudit.audit.claims import group_claim
     from dpaudit.audit.power import power_note
 
-    held = {k: group_claim(claimed, delta, k)[:2] for k in repeats}
-    tested = [k for k in repeats if held[k][0] is not None and held[k][1] * copies.count(k) < 1]
+    held = {k: _tier_claim(claimed, delta, k, copies.count(k)) for k in repeats}
+    tested = [k for k in repeats if held[k][0] is not None]
     notes = {}
     for k in tested:
         note = power_note(copies.count(k), held[k][0], held[k][1], alpha / len(tested))
@@ -427,7 +437,6 @@ def audit_tiers(scores, members, score: str, settings: _Settings, claimed: float
     from dataclasses import replace
 
     from dpaudit.audit.analysis import analyse
-    from dpaudit.audit.claims import group_claim
     from dpaudit.audit.roc import summarise
 
     control = np.asarray(control, dtype=float)
@@ -443,12 +452,10 @@ def audit_tiers(scores, members, score: str, settings: _Settings, claimed: float
     picks = [tier_of == t for t in range(len(ks))]
     tiers = []
     for k, pick in zip(ks, picks):
-        eps, delta, line = group_claim(claimed, settings.delta, k)
         n, inside = int(pick.sum()), members[pick]
+        eps, delta, line = _tier_claim(claimed, settings.delta, k, n)
         if not inside.any() or inside.all():
             eps, delta, line = None, settings.delta, f"{n} canaries, all {'members' if inside.all() else 'non-members'}"
-        elif eps is not None and delta * n >= 1:
-            eps, delta, line = None, settings.delta, f"{line}: too weak for its {n} canaries to test (delta >= 1/m)"
         tiers.append(Tier(k, eps, delta, line or f"held to the claim: eps {claimed}, delta {settings.delta:g}"))
     tested = sum(t.held_eps is not None for t in tiers)
     for tier, pick in zip(tiers, picks):
