@@ -108,7 +108,7 @@ def run_ceiling(mech, delta: float, claimed_eps: float, fprs=()) -> Ceiling:
 
 
 def _on_curve(ceiling: Ceiling, fpr: float) -> float:
-    """The ceiling at ``fpr``, read on the safe side: the curve's value at the next grid point at or above it
-    (the ceiling rises with the FPR), or exactly from the region where it is the claim's."""
+    """The ceiling at ``fpr``, read on the safe side: the curve's value at the next grid point at or above it (the
+    ceiling rises with the FPR; the reported FPRs are grid points, so they are read exactly)."""
     i = int(np.searchsorted(ceiling.fpr, fpr, side="left"))
     return float(ceiling.tpr[min(i, len(ceiling.tpr) - 1)])
