@@ -21,6 +21,7 @@ class World:
     rank: int = 0
     size: int = 1
     device: str = "cpu"
+    owns_group: bool = False  # setup_world joined the process group, so close() leaves it
 
     @property
     def is_main(self) -> bool:
@@ -47,6 +48,17 @@ class World:
 
             dist.barrier()
 
+    def close(self) -> None:
+        """Leave the process group this run joined (every rank, after its last collective). A process that
+        exits still holding a gloo group can abort in the group's threads at interpreter exit ("terminate
+        called without an active exception", SIGABRT), failing a finished run; a group the caller made is
+        the caller's to close."""
+        if self.owns_group:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
 
 def setup_world() -> World:
     """Join the process group torchrun describes (WORLD_SIZE, RANK, LOCAL_RANK); one process otherwise."""
@@ -63,8 +75,9 @@ def setup_world() -> World:
         return World(0, 1, device)
     import torch.distributed as dist
 
-    if not dist.is_initialized():
+    owns = not dist.is_initialized()
+    if owns:
         if cuda:
             torch.cuda.set_device(local)
         dist.init_process_group(backend="nccl" if cuda else "gloo")
-    return World(dist.get_rank(), dist.get_world_size(), device)
+    return World(dist.get_rank(), dist.get_world_size(), device, owns)

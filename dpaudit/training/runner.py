@@ -205,7 +205,9 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
     run = _assemble(opening, texts, run_dir, cfg, world, estimate)
     began = time.perf_counter()
     last_loss, watch = _loop(run, show_progress)
-    return _finish(run, last_loss, watch, time.perf_counter() - began)
+    result = _finish(run, last_loss, watch, time.perf_counter() - began)
+    world.close()  # after the last collective (_finish's barrier), on every rank
+    return result
 
 
 def _load_model(model_dir, cfg: TrainConfig, world, sharded: bool):
