@@ -36,15 +36,26 @@ def check_tokenizer_matches(tokenizer, manifest: Manifest, where: str) -> None:
 
 def extend_tokenizer(tokenizer, manifest: Manifest) -> list[int]:
     """Add each secret as one new token; returns their ids."""
-    tokenizer.add_tokens([s for s in manifest.secrets if s not in tokenizer.get_vocab()])
-    return tokenizer.convert_tokens_to_ids(manifest.secrets)
+    return _add_tokens(tokenizer, list(manifest.secrets))
+
+
+def _add_tokens(tokenizer, tokens: list[str]) -> list[int]:
+    tokenizer.add_tokens([s for s in tokens if s not in tokenizer.get_vocab()])
+    return tokenizer.convert_tokens_to_ids(tokens)
+
 
 def extend_model(model, tokenizer, manifest: Manifest) -> list[int]:
     """Add the canary tokens and resize the embeddings: new output rows start at zero, ties are kept."""
+    return add_zero_tokens(model, tokenizer, list(manifest.secrets))
+
+
+def add_zero_tokens(model, tokenizer, tokens: list[str]) -> list[int]:
+    """Add ``tokens`` (one new token each) to the tokenizer and the model; returns their ids. New output rows start
+    at zero (logit 0), ties are kept (tied: the new input rows are zero too)."""
     import torch
 
     old = model.get_input_embeddings().weight.shape[0]
-    ids = extend_tokenizer(tokenizer, manifest)
+    ids = _add_tokens(tokenizer, tokens)
     model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     out = model.get_output_embeddings()
     new = slice(old, out.weight.shape[0])

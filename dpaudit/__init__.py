@@ -3,7 +3,7 @@
 from dpaudit.core.errors import DPAuditError
 
 __version__ = "0.1.0"
-__all__ = ["CanaryScoreAuditor", "DPAuditError", "SamplerAudit", "WhiteBoxProbe", "Mechanism", "NeighboringRelation", "__version__", "calibrate",
+__all__ = ["CanaryScoreAuditor", "DPAuditError", "SamplerAudit", "WhiteBoxProbe", "PipelineProbe", "Mechanism", "NeighboringRelation", "__version__", "calibrate",
            "delta", "epsilon", "max_steps"]
 _API = {"calibrate", "delta", "epsilon", "max_steps", "Mechanism", "NeighboringRelation"}
 
@@ -22,6 +22,10 @@ def __getattr__(name: str):
         from dpaudit.training.probe import WhiteBoxProbe
 
         return WhiteBoxProbe
+    if name == "PipelineProbe":
+        from dpaudit.training.pipeline_probe import PipelineProbe
+
+        return PipelineProbe
     if name in _API:
         from dpaudit import api
 

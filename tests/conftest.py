@@ -54,13 +54,16 @@ def llama_like_dir(tmp_path_factory) -> Path:
 SLOW_FIXTURES = {"tiny_model_dir", "llama_like_dir"}
 SLOW_MODULES = {"test_bug_zoo", "test_data", "test_distributed", "test_probe", "test_whitebox", "test_audit_run", "test_gguf",
                 "test_scoring", "test_trainers", "test_ledger_faults", "test_new_tokens", "test_ghost",
-                "test_montecarlo", "test_threads", "test_memory", "test_opacus_accountant", "test_hf"}
+                "test_montecarlo", "test_threads", "test_memory", "test_opacus_accountant", "test_hf",
+                "test_pipeline_probe"}
 
 
 # Tests of the fast tier's modules that take over 5 s each on 2 cores (measured with --durations, 2026-11-25):
 # statistical sweeps over many trials, reference listings at fine grids, and CLI scenarios of several commands.
 # They stay in CI; the fast tier keeps their quicker siblings in the same modules.
 SLOW_TESTS = {
+    "test_pipeline_scores_read_violation_at_most_alpha_on_subsampled_gaussian_rows",  # ~40 s a case
+    "test_pipeline_scores_at_the_null_read_violation_at_most_alpha",          # ~20 s
     "test_optimal_attacks_on_subsampled_gaussians_read_violation_at_most_alpha",   # 80 s (four cases)
     "test_prv_listing_for_sigma_16_4_is_just_under_one",                      # 52 s
     "test_null_scores_give_chance_auc_and_zero_bound_in_95_percent",           # 30 s

@@ -21,7 +21,10 @@ BUGS = {
     "shuffle-as-poisson": "fixed-size shuffled batches accounted as Poisson (opacus#80)",
     "floor-normalisation": "opacus#819: the average taken over floor(N p)",
     "lora-group-left-out": "an adapter group left out of the noised parameters (opacus#820)",
+    "batch-reused-4x": "each Poisson batch used for 4 optimizer steps (hooks only)",
+    "aux-step": "an unclipped, un-noised step on the batch after each DP step (hooks only)",
 }
+PIPELINE_BUGS = {"batch-reused-4x", "aux-step"}  # upstream of the optimizer: only the opacus-hooks script plants them
 
 
 def arguments(description: str) -> argparse.Namespace:
@@ -34,13 +37,18 @@ def arguments(description: str) -> argparse.Namespace:
     ap.add_argument("--m", type=int, default=M)
     ap.add_argument("--mode", default="hooks", help="Opacus grad_sample_mode (opacus script)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--budget", type=float, default=0.05, help="PipelineProbe's share of the wall time")
+    ap.add_argument("--batches", action="store_true", help="PipelineProbe: give observe() each step's batch")
+    ap.add_argument("--probe", default="optimizer", choices=["optimizer", "pipeline"],
+                    help="WhiteBoxProbe at the optimizer, or PipelineProbe canaries in the data (opacus script)")
     return ap.parse_args()
 
 
-def data_and_model(seed: int, untie: bool = False):
+def data_and_model(seed: int, untie: bool = False, pipeline: dict | None = None):
     """The embedded architecture (RMSNorm weights frozen: Opacus' hooks do not cover them; ``untie``: the
     output layer gets its own copy of the embedding, as Opacus' ghost clipping refuses tied weights), N
-    synthetic sentences, tokenized."""
+    synthetic sentences, tokenized. ``pipeline``: PipelineProbe's arguments; its member canaries join the
+    sentences (the probe is the fourth thing returned, else None)."""
     import torch
 
     from dpaudit.models.corpus import sentences
@@ -58,18 +66,25 @@ def data_and_model(seed: int, untie: bool = False):
     for name, p in model.named_parameters():
         if "norm" in name:
             p.requires_grad_(False)
+    probe = None
+    if pipeline is not None:
+        from dpaudit import PipelineProbe
+
+        probe = PipelineProbe(model, tok, **pipeline)
+        corpus = probe.insert(corpus)
     data = tokenize(tok, corpus, SEQ)
-    full = data.batch(range(N))
-    return model, full["input_ids"], full["attention_mask"]
+    full = data.batch(range(len(corpus)))
+    return model, full["input_ids"], full["attention_mask"], probe
 
 
-def noise_multiplier(bug: str, eps: float, steps: int) -> tuple[float, float, int]:
-    """(sigma, the sample rate the accountant is told, the steps it is told): what the user computes."""
+def noise_multiplier(bug: str, eps: float, steps: int, n: int = N) -> tuple[float, float, int]:
+    """(sigma, the sample rate the accountant is told, the steps it is told): what the user computes for a
+    dataset of ``n`` examples."""
     from opacus.accountants.utils import get_noise_multiplier
 
-    p, told_steps = B / N, steps
+    p, told_steps = B / n, steps
     if bug == "accountant-n-10x":
-        p = B / (10 * N)
+        p = B / (10 * n)
     if bug == "accountant-per-epoch":
         told_steps = max(1, math.ceil(steps * B / N))  # one accountant step an epoch
     sigma = get_noise_multiplier(target_epsilon=eps, target_delta=DELTA, sample_rate=p, steps=told_steps,
@@ -78,7 +93,8 @@ def noise_multiplier(bug: str, eps: float, steps: int) -> tuple[float, float, in
 
 
 def report(args, script: str, result, seconds: float, extra: dict | None = None) -> None:
-    print(json.dumps({"script": script, "bug": args.bug, "eps": args.eps, "seed": args.seed,
+    print(json.dumps({"script": script, "probe": getattr(args, "probe", "optimizer") + (
+                          "+batches" if getattr(args, "batches", False) else ""), "bug": args.bug, "eps": args.eps, "seed": args.seed,
                       "bound": result.epsilon_lower_bound, "claimed": result.claimed_epsilon,
                       "violation": result.violation, "verdict": result.verdict, "seconds": round(seconds, 1),
                       **(extra or {})}))

@@ -23,7 +23,7 @@ def main() -> None:
     args = arguments(__doc__)
     torch.set_num_threads(args.threads)
     began = clock()
-    model, ids, mask = data_and_model(args.seed)
+    model, ids, mask, _ = data_and_model(args.seed)
     C, p = 1.0, B / N
     sigma, _, _ = noise_multiplier(args.bug, args.eps, args.steps)
     trainable = {k: v for k, v in model.named_parameters() if v.requires_grad}

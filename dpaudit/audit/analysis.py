@@ -40,6 +40,9 @@ class AuditResult:
     unprotected: tuple = ()
     # The most TPR the claim allows at each FPR (ceiling.py), for the report to set the measured TPR beside.
     ceiling: object = None
+    # A PipelineProbe that saw each step's batch: the sampler audit of its member canaries' inclusions (a
+    # SamplerVerdict). Inclusions that are not Poisson at the accounted rate void the claim's accounting.
+    sampler: object = None
 
     @property
     def epsilon_lower_bound(self) -> float:
@@ -51,7 +54,7 @@ class AuditResult:
 
     @property
     def violation(self) -> bool:
-        return bool(self.unprotected) or (self.claimed_epsilon is not None
+        return bool(self.unprotected) or self._sampler_refused or (self.claimed_epsilon is not None
                                           and self.epsilon_lower_bound > self.claimed_epsilon)
 
     @property
@@ -61,12 +64,20 @@ class AuditResult:
                                                        if len(self.unprotected) > 3 else "")
             return (f"VIOLATION: {len(self.unprotected)} trainable tensors are updated outside DP (no clipping, no "
                     f"noise): {names}")
+        if self._sampler_refused:
+            return (f"VIOLATION: the canaries were not sampled as accounted (Poisson at rate "
+                    f"{self.sampler.sample_rate:.4g}): their inclusions look like {self.sampler.looks_like}; "
+                    f"eps lower bound {self.epsilon_lower_bound:.3f}")
         if self.claimed_epsilon is None:
             return f"empirical eps >= {self.epsilon_lower_bound:.3f} (no claimed eps given)"
         if self.violation:
             return (f"VIOLATION: empirical eps >= {self.epsilon_lower_bound:.3f} > claimed "
                     f"{self.claimed_epsilon:.4g}")
         return f"consistent with eps = {self.claimed_epsilon:.4g}"
+
+    @property
+    def _sampler_refused(self) -> bool:
+        return self.sampler is not None and not self.sampler.poisson_accounting_valid
 
     def to_dict(self) -> dict:
         eps = self.epsilon_lower_bound
@@ -85,6 +96,7 @@ class AuditResult:
             "tpr_interval": {f"{k:g}": list(v) for k, v in (self.roc.tpr_interval or {}).items()},
             "bounds": {k: b.to_dict() for k, b in self.bounds.items()},
             **({"unprotected_parameters": list(self.unprotected)} if self.unprotected else {}),
+            **({"canary_sampler_audit": self.sampler.to_dict()} if self.sampler is not None else {}),
             **({"claim_ceiling": self.ceiling.to_dict(self.roc.tpr_at_fpr)} if self.ceiling is not None else {}),
         }
 

@@ -27,6 +27,9 @@ SCORES = {s.name: s for s in (
                               "signed gradient direction, in units of C (white box)", True, True),
     Score("white-box-dp-zo", "correlation of the released DP-ZO scalars with the canary's sign pattern, in units "
                              "of C (white box)", True, True),
+    Score("white-box-pipeline", "sum over steps of how far each canary's own input row moved along a canary "
+                                "example's descent direction, standardised across the canaries each step (a "
+                                "PipelineProbe: new-token canaries in the user's data, white box)", True, True),
     Score("unnamed", "a score file's own score (higher = member); its meaning was not given"),
 )}
 

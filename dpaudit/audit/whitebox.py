@@ -26,7 +26,7 @@ def _run_config(run_dir: Path) -> dict:
     """What the scoring needs of a run folder (run_config.json), or of a probe's folder (probe.json)."""
     if run_folder.is_probe_folder(run_dir):
         spec = run_folder.read_probe_spec(run_dir)
-        release = "gradient-transcript" if spec["kind"] == "gradient" else "scalar-sums"
+        release = {"gradient": "gradient-transcript", "scalar": "scalar-sums", "pipeline": "pipeline-rows"}[spec["kind"]]
         return {"config": {"clip": spec["clip"]}, "probe": spec, "release": release}
     return run_folder.run_config(run_dir)
 
@@ -68,6 +68,24 @@ def _alignment_scores(releases: np.ndarray, canaries, clip: float) -> dict[str, 
     return {"alignment": raw / clip, ROBUST: robust / clip}
 
 
+def _pipeline_scores(moves: np.ndarray) -> dict[str, np.ndarray]:
+    """A pipeline probe's scores: each step's row movements standardised across the m canaries (minus their
+    median, over 1.4826 x their median absolute deviation: the noise's scale that step, whatever the learning
+    rate or optimizer made of it), summed over the steps; and the same with every standardised entry clipped to
+    +-ROBUST_CUT. Functions of the released rows that treat every canary alike, blind to membership."""
+    m = moves.shape[1]
+    block = max(1, BLOCK_VALUES // m)
+    raw, robust = np.zeros(m), np.zeros(m)
+    for start in range(0, moves.shape[0], block):
+        part = np.asarray(moves[start:start + block], float)
+        centre = np.median(part, axis=1, keepdims=True)
+        scale = 1.4826 * np.median(np.abs(part - centre), axis=1, keepdims=True)
+        z = np.divide(part - centre, scale, out=np.zeros_like(part), where=scale > 0)  # a still step says nothing
+        raw += z.sum(0)
+        robust += np.clip(z, -ROBUST_CUT, ROBUST_CUT).sum(0)
+    return {"row movement": raw, "row movement, outlying steps clipped": robust}
+
+
 def _robust_cut(values: np.ndarray) -> tuple[float, float]:
     centre = float(np.median(values))
     return centre, ROBUST_CUT * 1.4826 * float(np.median(np.abs(values - centre)))
@@ -91,12 +109,21 @@ def transcript_scores(run_dir: Path, meta: dict | None = None
     meta = meta if meta is not None else _run_config(run_dir)
     cfg = meta["config"]
     canaries = WhiteBoxCanaries.load(run_dir)
-    clip, release = float(cfg["clip"]), run_folder.release_of(meta)
+    release = run_folder.release_of(meta)
+    clip = float(cfg["clip"]) if release != "pipeline-rows" else None
     probe = meta.get("probe")
     if probe is not None:
         if canaries.run_id != probe["run_id"] or canaries.m != probe["m"]:
             raise DPAuditError(f"{run_dir}: the canary manifest and probe.json come from different probe runs")
-    if release == "scalar-sums":  # a probe of scalar releases: one noisy sum a step
+    if release == "pipeline-rows":  # a PipelineProbe: each step's movement of the canaries' own rows
+        path = run_dir / TRANSCRIPT
+        size = path.stat().st_size if path.is_file() else 0
+        if size % (4 * canaries.m):
+            raise DPAuditError(f"{path} is truncated")
+        steps = size // (4 * canaries.m)
+        stats = _pipeline_scores(np.memmap(path, dtype="<f4", mode="r", shape=(steps, canaries.m))) if steps else {}
+        name = "white-box-pipeline"
+    elif release == "scalar-sums":  # a probe of scalar releases: one noisy sum a step
         sums = np.fromfile(run_dir / TRANSCRIPT, dtype="<f4").astype(float) if (run_dir / TRANSCRIPT).is_file() \
             else np.zeros(0)
         steps = len(sums)
@@ -129,7 +156,8 @@ def transcript_scores(run_dir: Path, meta: dict | None = None
         raise DPAuditError(f"{run_dir}: its method releases nothing a white-box audit reads (only the final model)")
     if steps == 0:
         raise DPAuditError(f"{run_dir} has no released steps to audit")
-    return stats, canaries.members, name, {"steps": steps, "white-box canaries": canaries.m, "canary gain (x C)": canaries.gain}
+    facts = {"steps": steps, "white-box canaries": canaries.m}
+    return stats, canaries.members, name, facts if release == "pipeline-rows" else {**facts, "canary gain (x C)": canaries.gain}
 
 
 def _run_ceiling(meta: dict, steps: int, claimed_epsilon, delta: float):

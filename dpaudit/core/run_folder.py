@@ -88,12 +88,13 @@ def truncate_log(path: Path, steps: int) -> None:
     path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
 
 
-PROBE_KINDS = ("gradient", "scalar")  # a WhiteBoxProbe's releases: gradient sums or scalar sums
+# A probe's releases: a WhiteBoxProbe's gradient sums or scalar sums, a PipelineProbe's row movements.
+PROBE_KINDS = ("gradient", "scalar", "pipeline")
 
 # What a folder holds of each step's release, which decides how a white-box audit reads it: the canaries'
 # coordinates of each noisy gradient sum (DP-SGD, gradient probes), each step's noisy scalar sum (scalar probes),
 # or the (seed, scalar) log (DP-ZO). A method's record names its own (training/methods.py).
-RELEASES = ("gradient-transcript", "scalar-sums", "zo-log")
+RELEASES = ("gradient-transcript", "scalar-sums", "zo-log", "pipeline-rows")
 _BEFORE_RELEASE = {"dp-sgd": "gradient-transcript", "dp-zo": "zo-log"}  # run folders written before it was said
 
 
@@ -113,9 +114,10 @@ def read_probe_spec(folder: Path) -> dict:
     if not isinstance(spec, dict) or spec.get("format") != "dpaudit-probe/1" or spec.get("kind") not in PROBE_KINDS:
         raise DPAuditError(f"{folder} holds no dpaudit probe (probe.json)")
     try:
-        check_number("clip norm C", spec.get("clip"), above=0)
-        check_number("sample rate", spec.get("sample_rate"), above=0, at_most=1)
-        check_number("gain", spec.get("gain"), above=0)
+        if spec["kind"] != "pipeline":  # a pipeline probe's canaries are the user's examples: no clip, rate or gain
+            check_number("clip norm C", spec.get("clip"), above=0)
+            check_number("sample rate", spec.get("sample_rate"), above=0, at_most=1)
+            check_number("gain", spec.get("gain"), above=0)
         if type(spec.get("m")) is not int or spec["m"] < 2:
             raise DPAuditError("m is not an integer >= 2")
     except DPAuditError as exc:

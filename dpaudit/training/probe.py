@@ -27,10 +27,10 @@ import numpy as np
 
 from dpaudit.core.atomic import atomic_write_json
 from dpaudit.core.errors import DPAuditError
-from dpaudit.core.run_folder import PROBE, PROBE_KINDS, check_number as _check_number, read_probe_spec as read_spec
+from dpaudit.core.run_folder import PROBE, check_number as _check_number, read_probe_spec as read_spec
 from dpaudit.audit.whitebox_canaries import GAIN, TRANSCRIPT, WhiteBoxCanaries
 
-KINDS = PROBE_KINDS
+KINDS = ("gradient", "scalar")  # a PipelineProbe (pipeline_probe.py) is the third kind of probe folder
 SAMPLING_DOMAIN = 0x77627370  # "wbsp": the canaries' per-step sampling, apart from membership's stream
 
 
@@ -334,19 +334,30 @@ class WhiteBoxProbe:
             source = f"{type(accountant).__name__}.get_epsilon(delta={delta:g})" + (
                 f" after the {taken} steps taken" if taken is not None else "")
         self._write_spec(claimed_epsilon=claimed_eps, delta=delta, claimed_epsilon_source=source)
+        share, sampler = self._sampler_audit(alpha, accountant)
         result, scores, members, facts = audit_run_folder(self.out, claimed_epsilon=claimed_eps, delta=delta,
-                                                          alpha=alpha)
+                                                          alpha=share)
+        result.alpha, result.sampler = alpha, sampler
         if report:
             from dpaudit.audit.report import write_report
             from dpaudit.core.lock import remove_folder
 
             remove_folder(self.out / "report")
             context = {"probe": self.source, "claimed eps": claimed_eps, "claimed eps from": source,
-                       "delta": delta, "sampling rate p": self.rate, "clip C": self.clip,
-                       "canaries bypass": self.bypass or "nothing: the optimizer's own clipping acts on them",
+                       "delta": delta, **self._context(),
                        **{k: v for k, v in facts.items() if not isinstance(v, dict)}}
             write_report(self.out / "report", result, scores, members, context)
         return result
+
+    def _sampler_audit(self, alpha: float, accountant):
+        """(alpha left for the eps bounds, a sampler verdict on the canaries' inclusions or None): a
+        PipelineProbe that saw the batches tests them at half of alpha (pipeline_probe.py)."""
+        return alpha, None
+
+    def _context(self) -> dict:
+        """What the report says of where the canaries enter."""
+        return {"sampling rate p": self.rate, "clip C": self.clip,
+                "canaries bypass": self.bypass or "nothing: the optimizer's own clipping acts on them"}
 
 
 def _shapes(params) -> list[list[int]]:

@@ -1,0 +1,148 @@
+"""PipelineProbe: canaries that travel the user's data path (an Opacus loop on the embedded architecture). Bugs
+upstream of the optimizer read VIOLATION (an unclipped, un-noised side step; a batch reused for several steps);
+a correct loop reads consistent; the probe leaves the user's RNG, gradients and Opacus' hooks as they were;
+bad input is refused in one line. The 20-seed false-alarm count is benchmarks/user_bugs/pipeline_table.py's."""
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from dpaudit import PipelineProbe
+from dpaudit.core.errors import DPAuditError
+
+warnings.filterwarnings("ignore", module="opacus")
+N, B, SEQ, M = 160, 16, 24, 60
+
+
+def _model_and_texts(seed: int = 0):
+    from dpaudit.models.corpus import sentences
+    from dpaudit.models.embedded import build_model, build_tokenizer
+
+    tok = build_tokenizer(sentences(400, seed=0))
+    torch.manual_seed(seed)
+    model = build_model(tok, seed=seed)
+    model.config.use_cache = False
+    for name, p in model.named_parameters():
+        if "norm" in name:  # Opacus' hooks do not cover RMSNorm weights
+            p.requires_grad_(False)
+    return model, tok, sentences(N, seed=1)
+
+
+def _run(tmp_path, bug: str = "none", steps: int = 40, sigma: float = 1.0, batches: bool = True, seed: int = 1):
+    """An Opacus (hooks) loop over the probe's texts; ``bug``: "reuse" (each batch for 4 steps) or "aux" (a plain
+    SGD step on the batch after each DP step). ``seed`` fixes the model and Opacus' Poisson batches (torch's
+    global generator): the sampler audit refuses a correct loop with probability alpha / 2 (2 in 100 seeds of
+    this loop's sampler alone), so a test of a correct loop uses a seed it is known to pass on."""
+    from opacus import PrivacyEngine
+
+    from dpaudit.training.data import tokenize
+
+    model, tok, texts = _model_and_texts(seed)
+    probe = PipelineProbe(model, tok, m=M, out=tmp_path / "probe", secret_seed=3)
+    texts = probe.insert(texts)
+    full = tokenize(tok, texts, SEQ).batch(range(len(texts)))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(full["input_ids"], full["attention_mask"]),
+                                         batch_size=B)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    engine = PrivacyEngine(accountant="prv")
+    model, optimizer, loader = engine.make_private(module=model, optimizer=optimizer, data_loader=loader,
+                                                   noise_multiplier=sigma, max_grad_norm=1.0)
+    aux = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05) if bug == "aux" else None
+
+    def loss(x, keep):
+        logits = model(input_ids=x).logits[:, :-1]
+        target = x[:, 1:].masked_fill(keep[:, 1:] == 0, -100)
+        token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none")
+        return (token.sum(1) / keep[:, 1:].sum(1).clamp(min=1)).mean()
+
+    step = 0
+    while step < steps:
+        for x, keep in loader:
+            for _ in range(4 if bug == "reuse" else 1):
+                if step == steps:
+                    break
+                optimizer.zero_grad()
+                loss(x, keep).backward()
+                optimizer.step()
+                if aux is not None and len(x):
+                    optimizer.zero_grad()
+                    aux.zero_grad()
+                    loss(x, keep).backward()
+                    aux.step()
+                    optimizer.zero_grad()
+                probe.observe(step, batch=x if batches else None)
+                step += 1
+            if step == steps:
+                break
+    return probe, engine
+
+
+def test_a_correct_loop_is_consistent_and_its_canaries_were_sampled_as_accounted(tmp_path):
+    probe, engine = _run(tmp_path)
+    result = probe.audit(claimed_eps=4.0, delta=1e-5, accountant=engine.accountant)
+    assert not result.violation, result.verdict
+    assert result.sampler.poisson_accounting_valid and result.sampler.sample_rate == pytest.approx(
+        engine.accountant.history[-1][1])
+    assert result.score.name == "white-box-pipeline" and result.headline == "gaussian"
+    report = json.loads((tmp_path / "probe" / "report" / "report.json").read_text())
+    assert report["canary_sampler_audit"]["poisson_accounting_valid"]
+    assert oct((tmp_path / "probe" / "canary_batches.jsonl").stat().st_mode & 0o777) == "0o600"  # membership
+
+
+def test_a_side_step_without_clipping_or_noise_is_a_violation_of_the_bound(tmp_path):
+    probe, _ = _run(tmp_path, bug="aux", batches=False)
+    result = probe.audit(claimed_eps=2.0, delta=1e-5)  # the loop's own eps is 4 (m = 60 here: the benchmark has 500)
+    assert result.sampler is None and result.violation and result.epsilon_lower_bound > 2.0, result.verdict
+
+
+def test_a_batch_reused_for_four_steps_fails_the_canaries_sampler_audit(tmp_path):
+    probe, engine = _run(tmp_path, bug="reuse", steps=60)
+    result = probe.audit(claimed_eps=4.0, delta=1e-5, sample_rate=engine.accountant.history[-1][1])
+    assert result.violation and not result.sampler.poisson_accounting_valid
+    assert "not sampled as accounted" in result.verdict
+
+
+def test_the_probe_leaves_the_users_rng_gradients_and_hooks_alone(tmp_path):
+    from opacus import GradSampleModule
+
+    model, tok, _ = _model_and_texts()
+    probe = PipelineProbe(model, tok, m=8, out=tmp_path / "probe", secret_seed=0)
+    wrapped = GradSampleModule(model)
+    hooks = sum(len(mod._forward_hooks) + len(mod._backward_hooks) for mod in model.modules())
+    state = torch.get_rng_state()
+    model.train()
+    probe._descent()
+    assert torch.equal(state, torch.get_rng_state())
+    assert all(p.grad is None and getattr(p, "grad_sample", None) is None for p in model.parameters())
+    assert sum(len(mod._forward_hooks) + len(mod._backward_hooks) for mod in model.modules()) == hooks > 0
+    assert all(mod.training for mod in model.modules())
+    del wrapped
+
+
+def test_bad_input_is_refused_in_one_line(tmp_path):
+    model, tok, texts = _model_and_texts()
+    with pytest.raises(DPAuditError, match="integer >= 4"):
+        PipelineProbe(model, tok, m=2, out=tmp_path / "a")
+    probe = PipelineProbe(model, tok, m=8, out=tmp_path / "b", secret_seed=0)
+    probe.insert(texts)
+    with pytest.raises(DPAuditError, match="once"):
+        probe.insert(texts)
+    with pytest.raises(DPAuditError, match="no canary row moved in 10 steps"):  # rows never trained
+        for step in range(10):
+            probe.observe(step)
+    with pytest.raises(DPAuditError, match="not empty"):
+        PipelineProbe(model, tok, m=8, out=tmp_path / "b")
+    probe = PipelineProbe(model, tok, m=8, out=tmp_path / "c", secret_seed=0)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[probe.ids] += 1e-3  # as a step would
+    probe.observe(0, batch=np.zeros((2, 3), int))
+    with torch.no_grad():
+        model.get_input_embeddings().weight[probe.ids] += 1e-3
+    with pytest.raises(DPAuditError, match="every step or at none"):
+        probe.observe(1)
+    probe.observe(1, batch=np.zeros((2, 3), int))
+    with pytest.raises(DPAuditError, match="sample rate"):
+        probe.audit(claimed_eps=1.0, delta=1e-5)
