@@ -80,3 +80,15 @@ def group_claim(epsilon: float | None, delta: float, copies: int) -> tuple[float
         f"each member canary is inserted {copies} times, so the audit holds the run to group privacy of {copies} "
         f"examples: eps {copies} x {epsilon:.4g} = {copies * epsilon:.4g}, delta {copies} e^({copies - 1} eps) delta = "
         f"{group_delta:.3g}")
+
+
+def held_claim(epsilon: float | None, delta: float, copies: int, m: int) -> tuple[float | None, float, str | None]:
+    """The claim m canaries, each member inserted ``copies`` times, are held to: ``group_claim``'s, or eps None (and
+    the run's delta) when its delta is at least 1/m, a claim so weak it allows leaking a canary outright, which no
+    audit of m canaries can test (the bound is then reported without a verdict)."""
+    eps, group_delta, line = group_claim(epsilon, delta, copies)
+    if eps is not None and group_delta * m >= 1:
+        return None, delta, (f"{line}: too weak for {m} canaries to test (delta >= 1/m); the bound is reported "
+                             "without a verdict")
+    return eps, group_delta, line
+

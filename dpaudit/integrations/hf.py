@@ -197,8 +197,6 @@ class DPAuditCallback(TrainerCallback):
             return control
         if int(os.environ.get("RANK", "0")) != 0:
             return control
-        from dpaudit.audit.claims import group_claim
-
         steps = int(state.global_step or 0)
         claimed, source = self._claim()
         scores, members, score, control = score_canaries(model, tokenizer, self.manifest, self.settings,
@@ -266,22 +264,12 @@ class DPAuditCallback(TrainerCallback):
 
 
 # -- canaries ---------------------------------------------------------------------------------------------
-def _tier_claim(claimed, delta: float, copies: int, n: int) -> tuple[float | None, float, str | None]:
-    """The claim a tier of n canaries, each member ``copies`` times, is held to: group privacy (claims.group_claim);
-    eps None (and the run's delta) when that claim is too weak for n canaries to test (delta >= 1/n)."""
-    from dpaudit.audit.claims import group_claim
-
-    eps, group_delta, line = group_claim(claimed, delta, copies)
-    if eps is not None and group_delta * n >= 1:
-        return None, delta, f"{line}: too weak for its {n} canaries to test (delta >= 1/m)"
-    return eps, group_delta, line
-
-
 def _power_notes(copies, repeats, claimed, delta, alpha) -> dict:
     """Per tier that tests a claim (group privacy for k copies): a line when its canaries cannot refute it."""
+    from dpaudit.audit.claims import held_claim
     from dpaudit.audit.power import power_note
 
-    held = {k: _tier_claim(claimed, delta, k, copies.count(k)) for k in repeats}
+    held = {k: held_claim(claimed, delta, k, copies.count(k)) for k in repeats}
     tested = [k for k in repeats if held[k][0] is not None]
     notes = {}
     for k in tested:
@@ -437,6 +425,7 @@ def audit_tiers(scores, members, score: str, settings: _Settings, claimed: float
     from dataclasses import replace
 
     from dpaudit.audit.analysis import analyse
+    from dpaudit.audit.claims import held_claim
     from dpaudit.audit.roc import summarise
 
     control = np.asarray(control, dtype=float)
@@ -453,7 +442,7 @@ def audit_tiers(scores, members, score: str, settings: _Settings, claimed: float
     tiers = []
     for k, pick in zip(ks, picks):
         n, inside = int(pick.sum()), members[pick]
-        eps, delta, line = _tier_claim(claimed, settings.delta, k, n)
+        eps, delta, line = held_claim(claimed, settings.delta, k, n)
         if not inside.any() or inside.all():
             eps, delta, line = None, settings.delta, f"{n} canaries, all {'members' if inside.all() else 'non-members'}"
         tiers.append(Tier(k, eps, delta, line or f"held to the claim: eps {claimed}, delta {settings.delta:g}"))

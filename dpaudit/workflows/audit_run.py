@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from dpaudit.audit.claims import group_claim
+from dpaudit.audit.claims import held_claim
 from dpaudit.core.atomic import atomic_write_json, atomic_write_text, save_model_folder
 from dpaudit.audit.analysis import AuditResult, analyse
 from dpaudit.audit.report import prepare_folder, write_report
@@ -128,10 +128,7 @@ def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model
                    show_progress=show_progress)
     scores, members = score_checkpoint(result.model_dir, manifest, show_progress=show_progress)
     claimed = result.epsilon if math.isfinite(result.epsilon) else None
-    claimed, delta, group = group_claim(claimed, cfg.delta, settings.repeats)
-    if claimed is not None and delta * len(members) >= 1:  # a group claim this weak allows leaking a canary outright
-        claimed, delta, group = None, cfg.delta, (f"{group}: no audit of {len(members)} canaries can test that (delta "
-                                                  ">= 1/m); the bound is reported without a verdict")
+    claimed, delta, group = held_claim(claimed, cfg.delta, settings.repeats, len(members))
     audit = analyse(scores, members, claimed_epsilon=claimed, delta=delta, alpha=settings.alpha, score="neg-loss",
                     mechanism=cfg.mechanism if cfg.private else None, ceiling=_ceiling(cfg, result, claimed, group))
     reused = {} if tok is not None else {
@@ -202,14 +199,13 @@ def _power_note(cfg: TrainConfig, settings: AuditRunSettings, m: int) -> dict:
     (held to group privacy for repeated canaries) whatever the run leaks, and the smallest m that could."""
     import sys
 
-    from dpaudit.audit.claims import group_claim
     from dpaudit.audit.power import power_note
 
     if cfg.sigma is not None or not math.isfinite(cfg.target_epsilon):
         return {}  # the claim is known only once sigma is accounted (or there is none)
     repeats = 1 if cfg.white_box else settings.repeats
-    claimed, delta, _ = group_claim(cfg.target_epsilon, cfg.delta, repeats)
-    note = power_note(m, claimed, delta, settings.alpha) if delta * m < 1 else None
+    claimed, delta, _ = held_claim(cfg.target_epsilon, cfg.delta, repeats, m)
+    note = power_note(m, claimed, delta, settings.alpha) if claimed is not None else None
     if note is None:
         return {}
     print(f"dpaudit: warning: {note}", file=sys.stderr)
