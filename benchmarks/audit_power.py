@@ -35,6 +35,7 @@ RUNS = {
                ("before: full, prefix 8", "dp-sgd", 1, BEFORE)],
     "dp-zo": [("before: prefix 8", "dp-zo", 4, ["--prefix-length", "8"]), ("defaults", "dp-zo", 4, []),
               ("defaults", "dp-zo", 1, []), ("defaults", "dp-zo", 8, [])],
+    "dp-zo-range": [("defaults", "dp-zo", 1, []), ("defaults", "dp-zo", 8, [])],  # the dp-zo rows across eps alone
 }
 
 
