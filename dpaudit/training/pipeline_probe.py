@@ -55,6 +55,8 @@ class PipelineProbe(WhiteBoxProbe):
                  budget: float = BUDGET, secret_seed: int | None = None):
         if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 4:
             raise DPAuditError(f"m (the number of canaries) must be an integer >= 4, got {m!r}")
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1:
+            raise DPAuditError(f"budget (the probe's share of the wall time) must be in (0, 1], got {budget!r}")
         if any(type(p).__name__ == "DTensor" for p in model.parameters()):
             raise DPAuditError("a PipelineProbe reads the canaries' rows from one process's model: the weights here "
                                "are sharded (FSDP); use WhiteBoxProbe, or probe an unsharded run")

@@ -126,6 +126,8 @@ def test_bad_input_is_refused_in_one_line(tmp_path):
     model, tok, texts = _model_and_texts()
     with pytest.raises(DPAuditError, match="integer >= 4"):
         PipelineProbe(model, tok, m=2, out=tmp_path / "a")
+    with pytest.raises(DPAuditError, match="budget"):
+        PipelineProbe(model, tok, m=8, out=tmp_path / "a", budget=0)
     probe = PipelineProbe(model, tok, m=8, out=tmp_path / "b", secret_seed=0)
     probe.insert(texts)
     with pytest.raises(DPAuditError, match="once"):
