@@ -225,18 +225,25 @@ def audit_transcript(
     delta: AuditDeltaOpt = None,
     alpha: AlphaOpt = 0.05,
     headline: HeadlineOpt = "auto",
+    sample_rate: Annotated[float | None, typer.Option(
+        "--sample-rate", help="A PipelineProbe folder whose batches were logged: the rate the run is accounted with; "
+                              "the member canaries' inclusions are tested against it (half of alpha).")] = None,
     report: ReportOpt = None,
     force: ForceOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """White-box audit of a run's transcript (DP-SGD canary-aligned releases, DP-ZO (seed, scalar) log)."""
+    """White-box audit of a run's transcript (DP-SGD canary-aligned releases, DP-ZO (seed, scalar) log, a probe's
+    folder)."""
     from dpaudit.audit.whitebox import audit_run_folder
+    from dpaudit.core.run_folder import check_number
 
+    if sample_rate is not None:
+        check_number("--sample-rate", sample_rate, above=0, at_most=1)
     if report is not None:
         refuse_overlap(report, {"run": run}, folder_output=True)
     claimed_eps, delta, context = resolve_claims(run, claimed_eps, delta)
     result, scores, members, facts = audit_run_folder(run, claimed_epsilon=claimed_eps, delta=delta, alpha=alpha,
-                                                      headline=headline)
+                                                      headline=headline, sample_rate=sample_rate)
     context.update({k: v for k, v in facts.items() if not isinstance(v, dict)})
     present(result, {"run": str(run), **context}, as_json, report=report, force=force, scores=scores,
             members=members)

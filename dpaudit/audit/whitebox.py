@@ -176,15 +176,50 @@ def _run_ceiling(meta: dict, steps: int, claimed_epsilon, delta: float):
     return run_ceiling(mech, delta, claimed_epsilon)
 
 
+CANARY_BATCHES = "canary_batches.jsonl"  # a PipelineProbe's log: the canaries in each step's batch (0600)
+
+
+def canary_sampler_audit(run_dir: Path, members: np.ndarray, sample_rate: float, alpha: float):
+    """The sampler audit of the member canaries' inclusions in a PipelineProbe's batch log: each member must be in
+    each step independently at the accounted rate (audit/sampler.py, with the members as the dataset)."""
+    import json
+
+    from dpaudit.audit.sampler import analyse_batches
+
+    index = {int(i): k for k, i in enumerate(np.flatnonzero(members))}
+    batches = []
+    with open(Path(run_dir) / CANARY_BATCHES, encoding="utf-8") as fh:
+        for line in fh:
+            try:
+                present = [int(i) for i in json.loads(line)]
+            except (ValueError, TypeError):
+                raise DPAuditError(f"{Path(run_dir) / CANARY_BATCHES} is not as a probe writes it") from None
+            if any(i not in index for i in present):  # a non-member's text was trained on
+                raise DPAuditError("a canary that was never inserted was in a batch: the texts the loop trained on are "
+                                   "not the ones insert() returned")
+            batches.append([index[i] for i in present])
+    return analyse_batches(batches, dataset_size=len(index), sample_rate=sample_rate, alpha=alpha)
+
+
 def audit_run_folder(run_dir: Path, *, claimed_epsilon: float | None, delta: float, alpha: float = 0.05,
-                     headline: str = "auto"):
+                     headline: str = "auto", sample_rate: float | None = None):
     """The white-box audit of a run folder: (AuditResult of the chosen statistic, scores, members, facts).
-    With several statistics each gets alpha / their number, and the larger headline is kept."""
+    With several statistics each gets alpha / their number, and the larger headline is kept. A PipelineProbe's
+    folder with a batch log, given ``sample_rate`` (the rate the run is accounted with): half of alpha goes to the
+    sampler audit of its member canaries (``AuditResult.sampler``), half to the statistics."""
     from dpaudit.audit.analysis import analyse
 
     meta = _run_config(Path(run_dir))  # read once
     stats, members, name, facts = transcript_scores(run_dir, meta)
-    share = alpha / len(stats)
+    logged = run_folder.release_of(meta) == "pipeline-rows" and (Path(run_dir) / CANARY_BATCHES).is_file()
+    sampler = None
+    if logged and sample_rate is not None:
+        sampler = canary_sampler_audit(run_dir, members, sample_rate, alpha / 2)
+        facts = {**facts, "canaries' sampler audit": f"at alpha {alpha / 2:g} (the bounds at the other half)"}
+    elif logged:
+        facts = {**facts, "canaries' sampler audit": "not made: the batches were logged; give the sample rate the "
+                                                      "run is accounted with to test them"}
+    share = (alpha / 2 if sampler is not None else alpha) / len(stats)
     mechanism = meta["config"].get("mechanism")
     ceiling = _run_ceiling(meta, facts["steps"], claimed_epsilon, delta)
     results = {k: analyse(v, members, claimed_epsilon=claimed_epsilon, delta=delta, alpha=share, score=name,
@@ -195,7 +230,8 @@ def audit_run_folder(run_dir: Path, *, claimed_epsilon: float | None, delta: flo
              "alpha per statistic": share,
              "other statistics": {k: r.epsilon_lower_bound for k, r in results.items() if k != best}}
     result = results[best]
-    result.alpha = alpha  # the family-wise level; each bound inside was computed at alpha / len(stats)
+    result.alpha = alpha  # the family-wise level; each bound inside was computed at its share of it
+    result.sampler = sampler
     unprotected = (meta.get("probe") or {}).get("unprotected_parameters") or []
     result.unprotected = tuple(str(n) for n in unprotected)
     return result, stats[best], members, facts

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dpaudit.audit.whitebox import CANARY_BATCHES as BATCHES
 from dpaudit.audit.whitebox_canaries import TRANSCRIPT
 from dpaudit.core.errors import DPAuditError
 from dpaudit.training.probe import WhiteBoxProbe
@@ -41,7 +42,6 @@ from dpaudit.training.probe import WhiteBoxProbe
 BUDGET = 0.05  # the share of the training's wall time the canaries' directions may take (refreshed that often)
 CHUNK = 64  # canary sequences a backward pass
 STILL = 10  # steps without any canary row moving: refused (the rows are not trained, so nothing can be read)
-BATCHES = "canary_batches.jsonl"  # the canaries in each step's batch, when observe() is given it (0600)
 INSERT_DOMAIN = 0x70697073  # "pips": where the members go in the user's texts, apart from membership's stream
 
 
@@ -209,32 +209,21 @@ class PipelineProbe(WhiteBoxProbe):
         self._batches.write(json.dumps([int(i) for i in present]) + "\n")
         self._batches.flush()
 
-    def _sampler_audit(self, alpha: float, accountant):
-        """The sampler audit of the member canaries' inclusions, when ``observe`` was given the batches: each member
-        must be in each step independently at the accounted rate (the ``sample_rate`` given to ``audit``, else the
-        Opacus accountant's last). alpha is split: half to it, half to the eps bounds."""
+    def _sampler_rate(self, accountant) -> float | None:
+        """When ``observe`` was given the batches: the rate the run is accounted with (the ``sample_rate`` given to
+        ``audit``, else the Opacus accountant's last), at which ``audit_run_folder`` tests the member canaries'
+        inclusions (half of alpha to it, half to the eps bounds)."""
         if self._batches is None:
-            return alpha, None
-        from dpaudit.audit.sampler import analyse_batches
-
-        rate = self.sample_rate
+            return None
+        self._batches.flush()
         history = getattr(accountant, "history", None)
+        rate = self.sample_rate
         if rate is None and isinstance(history, list) and history:
             rate = float(history[-1][1])
         if rate is None:
             raise DPAuditError("the probe saw the batches: give audit() the sample rate the run is accounted with "
                                "(sample_rate=, or accountant=)")
-        self._batches.flush()
-        index = {int(i): k for k, i in enumerate(self.canaries.member_ids)}
-        batches = []
-        for line in (self.out / BATCHES).read_text().splitlines():
-            present = json.loads(line)
-            if any(i not in index for i in present):  # a non-member's text was trained on
-                raise DPAuditError("a canary that was never inserted was in a batch: the texts the loop trains on are "
-                                   "not the ones insert() returned")
-            batches.append([index[i] for i in present])
-        verdict = analyse_batches(batches, dataset_size=len(index), sample_rate=rate, alpha=alpha / 2)
-        return alpha / 2, verdict
+        return rate
 
     def audit(self, claimed_eps: float | None = None, delta: float | None = None, *, sample_rate: float | None = None,
               accountant=None, alpha: float = 0.05, report: bool = True):

@@ -334,10 +334,8 @@ class WhiteBoxProbe:
             source = f"{type(accountant).__name__}.get_epsilon(delta={delta:g})" + (
                 f" after the {taken} steps taken" if taken is not None else "")
         self._write_spec(claimed_epsilon=claimed_eps, delta=delta, claimed_epsilon_source=source)
-        share, sampler = self._sampler_audit(alpha, accountant)
         result, scores, members, facts = audit_run_folder(self.out, claimed_epsilon=claimed_eps, delta=delta,
-                                                          alpha=share)
-        result.alpha, result.sampler = alpha, sampler
+                                                          alpha=alpha, sample_rate=self._sampler_rate(accountant))
         if report:
             from dpaudit.audit.report import write_report
             from dpaudit.core.lock import remove_folder
@@ -349,10 +347,10 @@ class WhiteBoxProbe:
             write_report(self.out / "report", result, scores, members, context)
         return result
 
-    def _sampler_audit(self, alpha: float, accountant):
-        """(alpha left for the eps bounds, a sampler verdict on the canaries' inclusions or None): a
-        PipelineProbe that saw the batches tests them at half of alpha (pipeline_probe.py)."""
-        return alpha, None
+    def _sampler_rate(self, accountant) -> float | None:
+        """The rate the canaries' logged inclusions are tested at (a PipelineProbe given the batches:
+        pipeline_probe.py); None: no sampler audit."""
+        return None
 
     def _context(self) -> dict:
         """What the report says of where the canaries enter."""

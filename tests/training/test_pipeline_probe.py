@@ -98,11 +98,23 @@ def test_a_side_step_without_clipping_or_noise_is_a_violation_of_the_bound(tmp_p
     assert result.sampler is None and result.violation and result.epsilon_lower_bound > 2.0, result.verdict
 
 
-def test_a_batch_reused_for_four_steps_fails_the_canaries_sampler_audit(tmp_path):
+def test_a_batch_reused_for_four_steps_fails_the_canaries_sampler_audit_in_python_and_the_cli(tmp_path):
+    from cli_helpers import assert_one_line_error, dpaudit
+
     probe, engine = _run(tmp_path, bug="reuse", steps=60)
-    result = probe.audit(claimed_eps=4.0, delta=1e-5, sample_rate=engine.accountant.history[-1][1])
+    rate = engine.accountant.history[-1][1]
+    result = probe.audit(claimed_eps=4.0, delta=1e-5, sample_rate=rate)
     assert result.violation and not result.sampler.poisson_accounting_valid
     assert "not sampled as accounted" in result.verdict
+    probe.close()
+    folder = tmp_path / "probe"
+    out = dpaudit("audit", "transcript", "--run", folder, "--claimed-eps", 4, "--delta", 1e-5, "--sample-rate", rate,
+                  "--json")
+    assert out.returncode == 1 and not json.loads(out.stdout)["canary_sampler_audit"]["poisson_accounting_valid"]
+    out = dpaudit("audit", "transcript", "--run", folder, "--claimed-eps", 4, "--delta", 1e-5, "--json")
+    assert out.returncode == 0 and "canary_sampler_audit" not in json.loads(out.stdout), out.stderr  # untested: said
+    assert_one_line_error(dpaudit("audit", "transcript", "--run", folder, "--claimed-eps", 4, "--delta", 1e-5,
+                                  "--sample-rate", 2))
 
 
 def test_the_probe_leaves_the_users_rng_gradients_and_hooks_alone(tmp_path):
