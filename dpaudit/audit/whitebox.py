@@ -99,6 +99,19 @@ def public_noise(seeds: np.ndarray, kind: str, scale: float) -> np.ndarray:
     return np.array([draw(np.random.default_rng(int(s)), scale) for s in seeds])
 
 
+def _transcript_rows(run_dir: Path, m: int) -> np.ndarray:
+    """A transcript of m floats a step (gradient probes and trainers, pipeline probes), memory-mapped: (steps, m)."""
+    from dpaudit.audit.whitebox_canaries import TRANSCRIPT
+
+    path = run_dir / TRANSCRIPT
+    size = path.stat().st_size if path.is_file() else 0
+    if size % (4 * m):
+        raise DPAuditError(f"{path} is truncated")
+    if size == 0:
+        raise DPAuditError(f"{run_dir} has no released steps to audit")
+    return np.memmap(path, dtype="<f4", mode="r", shape=(size // (4 * m), m))
+
+
 def transcript_scores(run_dir: Path, meta: dict | None = None
                       ) -> tuple[dict[str, np.ndarray], np.ndarray, str, dict]:
     """({statistic: scores}, members, score name, facts) for a white-box run folder (``meta``: its
@@ -116,13 +129,8 @@ def transcript_scores(run_dir: Path, meta: dict | None = None
         if canaries.run_id != probe["run_id"] or canaries.m != probe["m"]:
             raise DPAuditError(f"{run_dir}: the canary manifest and probe.json come from different probe runs")
     if release == "pipeline-rows":  # a PipelineProbe: each step's movement of the canaries' own rows
-        path = run_dir / TRANSCRIPT
-        size = path.stat().st_size if path.is_file() else 0
-        if size % (4 * canaries.m):
-            raise DPAuditError(f"{path} is truncated")
-        steps = size // (4 * canaries.m)
-        stats = _pipeline_scores(np.memmap(path, dtype="<f4", mode="r", shape=(steps, canaries.m))) if steps else {}
-        name = "white-box-pipeline"
+        rows = _transcript_rows(run_dir, canaries.m)
+        steps, stats, name = len(rows), _pipeline_scores(rows), "white-box-pipeline"
     elif release == "scalar-sums":  # a probe of scalar releases: one noisy sum a step
         sums = np.fromfile(run_dir / TRANSCRIPT, dtype="<f4").astype(float) if (run_dir / TRANSCRIPT).is_file() \
             else np.zeros(0)
@@ -131,15 +139,8 @@ def transcript_scores(run_dir: Path, meta: dict | None = None
         stats = {"correlation": signs.T @ sums / clip} if steps else {}
         name = "white-box-dp-zo"
     elif release == "gradient-transcript":
-        path = run_dir / TRANSCRIPT
-        size = path.stat().st_size if path.is_file() else 0
-        if size % (4 * canaries.m):
-            raise DPAuditError(f"{path} is truncated")
-        steps = size // (4 * canaries.m)
-        if steps == 0:
-            raise DPAuditError(f"{run_dir} has no released steps to audit")
-        stats = _alignment_scores(np.memmap(path, dtype="<f4", mode="r", shape=(steps, canaries.m)), canaries, clip)
-        name = "white-box-dp-sgd"
+        rows = _transcript_rows(run_dir, canaries.m)
+        steps, stats, name = len(rows), _alignment_scores(rows, canaries, clip), "white-box-dp-sgd"
     elif release == "zo-log":
         seeds, scalars = run_folder.zo_log(run_dir)
         steps = len(scalars)

@@ -67,7 +67,7 @@ class PipelineProbe(WhiteBoxProbe):
         self.step, self._begun, self._inserted = 0, None, False
         self._start(int(m), 1.0, seed)
         self.ids = self._add_tokens()
-        self._id_array, self._batches, self.sample_rate, self._moved = np.asarray(self.ids), None, None, False
+        self._batches, self.sample_rate, self._moved = None, None, False
         self._texts = self._canary_ids()
         self.budget, self.probe_seconds, self.refreshed, self._first = float(budget), 0.0, 0, None
         self._previous = self._rows()
@@ -203,7 +203,7 @@ class PipelineProbe(WhiteBoxProbe):
         import torch
 
         ids = batch.detach().cpu().numpy() if isinstance(batch, torch.Tensor) else np.asarray(batch)
-        present = np.flatnonzero(np.isin(self._id_array, ids.reshape(-1)))
+        present = np.flatnonzero(np.isin(self.ids, ids.reshape(-1)))
         if self._batches is None:  # written 0600: which canaries appear is their membership
             self._batches = os.fdopen(os.open(self.out / BATCHES, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "a")
         self._batches.write(json.dumps([int(i) for i in present]) + "\n")
