@@ -2,7 +2,9 @@
 
 For each schedule (sigma, B, N, T, delta): Poisson sampling at p = B / N (add/remove, pld: what a user
 quotes), fixed-size batches without replacement (replace-one, rdp: dp-accounting's sampled-without-replacement
-event), shuffled epochs (zero-out: the upper bound without amplification, and Chua et al.'s lower bound). The
+event), shuffled epochs (zero-out: the upper bound without amplification, and Chua et al.'s lower bound), balls-in-bins (add/remove:
+the allocation accountant's upper and lower bound). The rows come from dpaudit.accounting.sampler_table, which
+`dpaudit compare --sampling all` prints too. The
 ratio column is each row's eps over the Poisson (add/remove) eps measured in the same run: by how much Poisson
 accounting would understate a run that really used that sampler (the lower bound's ratio is what it
 understates at least). Poisson under replace-one (dp-accounting's PLD) is shown too, the fixed row's peer
@@ -40,55 +42,10 @@ privacy:
 """
 
 
-def _timed(fn):
-    began = time.perf_counter()
-    value = fn()
-    return value, time.perf_counter() - began
-
-
 def rows_for(sigma: float, b: int, n: int, steps: int, delta: float) -> list[dict]:
-    from dpaudit.accounting import shuffle
-    from dpaudit.accounting.mechanism import schedule
-    from dpaudit.accounting.registry import epsilon
+    from dpaudit.accounting import sampler_table
 
-    poisson_event = schedule("gaussian", sigma, None, b, n, steps, None)
-    fixed_event = schedule("gaussian", sigma, None, b, n, steps, None, "fixed")
-    shuffled = schedule("gaussian", sigma, None, b, n, steps, None, "shuffle")
-    poisson, t_p = _timed(lambda: epsilon(poisson_event, delta))
-    fixed, t_f = _timed(lambda: epsilon(fixed_event, delta))
-    upper, t_u = _timed(lambda: epsilon(shuffled, delta))
-    lower, t_l = _timed(lambda: shuffle.lower_bound(sigma, shuffled.steps_per_epoch,
-                                                    steps // shuffled.steps_per_epoch, delta))
-    replace_one, t_r = _timed(lambda: _poisson_replace_one(sigma, b / n, steps, delta))
-    base = poisson.epsilon
-    out = [
-        {"sampler": "poisson", "bound": "upper", "relation": "add/remove", "accountant": poisson.accountant,
-         "epsilon": poisson.epsilon, "seconds": t_p},
-        {"sampler": "poisson", "bound": "upper", "relation": "replace-one", "accountant": "dp-acc. pld",
-         "epsilon": replace_one, "seconds": t_r},
-        {"sampler": "fixed", "bound": "upper", "relation": "replace-one", "accountant": fixed.accountant,
-         "epsilon": fixed.epsilon, "seconds": t_f},
-        {"sampler": "shuffle", "bound": "upper", "relation": "zero-out", "accountant": upper.accountant,
-         "epsilon": upper.epsilon, "seconds": t_u},
-        {"sampler": "shuffle", "bound": "lower (Chua et al.)", "relation": "zero-out", "accountant": "-",
-         "epsilon": lower, "seconds": t_l},
-    ]
-    for row in out:
-        row["vs_poisson"] = None if row["epsilon"] is None else row["epsilon"] / base
-        row["steps"] = steps
-    return out
-
-
-def _poisson_replace_one(sigma: float, p: float, steps: int, delta: float) -> float:
-    """Poisson sampling under replace-one (dp-accounting's PLD, pessimistic, grid 1e-3): the peer of the fixed
-    row under the same relation, so that the sampler's share and the relation's share can be told apart."""
-    import dp_accounting
-    from dp_accounting.pld import pld_privacy_accountant
-
-    acc = pld_privacy_accountant.PLDAccountant(dp_accounting.NeighboringRelation.REPLACE_ONE,
-                                               value_discretization_interval=1e-3)
-    acc.compose(dp_accounting.PoissonSampledDpEvent(p, dp_accounting.GaussianDpEvent(sigma)), steps)
-    return acc.get_epsilon(delta)
+    return sampler_table.rows(sigma, b, n, steps, delta)
 
 
 def check_seconds() -> tuple[float, int, str]:
@@ -112,12 +69,12 @@ def main() -> None:
                         "rows": rows})
         if not args.json:
             print(f"\n{name}: sigma = {sigma:g}, T = {rows[0]['steps']}, delta = {delta:g}")
-            print(f"  {'sampler':<8} {'bound':<20} {'relation':<12} {'accountant':<10} {'eps':>10} "
+            print(f"  {'sampler':<13} {'bound':<20} {'relation':<12} {'accountant':<10} {'eps':>10} "
                   f"{'x Poisson':>10} {'s':>7}")
             for r in rows:
                 eps = "-" if r["epsilon"] is None else f"{r['epsilon']:.4g}"
                 ratio = "-" if r["vs_poisson"] is None else f"{r['vs_poisson']:.3g}"
-                print(f"  {r['sampler']:<8} {r['bound']:<20} {r['relation']:<12} {r['accountant']:<10} {eps:>10} "
+                print(f"  {r['sampler']:<13} {r['bound']:<20} {r['relation']:<12} {r['accountant']:<10} {eps:>10} "
                       f"{ratio:>10} {r['seconds']:>7.2f}")
     seconds, code, said = check_seconds()
     if args.json:

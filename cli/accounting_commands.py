@@ -213,6 +213,9 @@ def compare(
         raise DPAuditError("give exactly one of --sigma (compare epsilons) or --eps (compare calibrated sigmas)")
     accounting = eps is None  # compare epsilons at the given noise (else calibrated sigmas)
     d = resolve_delta(mech, delta)
+    if sampling == "all":
+        _compare_samplers(mech, sigma, d, p, batch_size, dataset_size, steps, epochs, phase, as_json)
+        return
     if eps is not None:
         check_epsilon(eps)
     m = event_from(mech, 1.0 if sigma is None else sigma, p, batch_size, dataset_size, steps, epochs, sampling, phase)
@@ -269,6 +272,35 @@ def compare(
     if cut:
         console.print(f"[yellow]cut short (no answer within the budget, or refused): {', '.join(cut)}; "
                       "see their rows (--timeout, --max-memory)[/yellow]", highlight=False)
+
+
+def _compare_samplers(mech, sigma, delta, p, batch_size, dataset_size, steps, epochs, phase, as_json) -> None:
+    """``--sampling all``: one Gaussian schedule's eps under each sampler (accounting/sampler_table.py)."""
+    from rich.table import Table
+
+    from dpaudit.accounting import sampler_table
+
+    if sigma is None or mech != "gaussian" or phase or p is not None or batch_size is None or dataset_size is None:
+        raise DPAuditError("--sampling all compares one Gaussian schedule: give --sigma, -B, -N and -T or --epochs "
+                           "(not --p, --eps or --phase)")
+    shuffled = event_from(mech, sigma, None, batch_size, dataset_size, steps, epochs, "shuffle", None)
+    rows = sampler_table.rows(sigma, batch_size, dataset_size, shuffled.steps, delta)
+    if as_json:
+        emit_json({"command": "compare", "quantity": "epsilon", "sampling": "all", "sigma": sigma,
+                   "batch_size": batch_size, "dataset_size": dataset_size, "steps": shuffled.steps, "delta": delta,
+                   "rows": [{k: json_float(v) if isinstance(v, float) else v for k, v in r.items()} for r in rows]})
+        return
+    table = Table(title=f"epsilon by sampler — gaussian, sigma={sigma:g}, B={batch_size}, N={dataset_size}, "
+                        f"T={shuffled.steps}, delta={delta:g}")
+    for col in ("sampler", "bound", "relation", "accountant", "epsilon", "x Poisson", "time (s)"):
+        table.add_column(col)
+    for r in rows:
+        eps = "—" if r["epsilon"] is None else fmt(r["epsilon"])
+        ratio = "—" if r["vs_poisson"] is None else f"{r['vs_poisson']:.3g}"
+        table.add_row(r["sampler"], r["bound"] + ("" if r.get("converged", True) else " (not converged)"),
+                      r["relation"], r["accountant"], eps if "why" not in r else f"[dim]{r['why']}[/dim]", ratio,
+                      f"{r['seconds']:.2f}")
+    console.print(table)
 
 
 def _closed_form_rows(m, eps: float, delta: float, rows: list[dict]) -> list[dict]:

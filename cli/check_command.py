@@ -183,7 +183,7 @@ def _judge(cfg, config: Path) -> tuple[dict, bool]:
     claim = cfg.claim_accounted_as
     if claim is not None and claim != cfg.sampling:
         claimed = epsilon(resampled(probe, claim), cfg.delta)
-        lower = shuffled.get("lower_bound_chua") if shuffled else None
+        lower = shuffled.get("lower_bound") if shuffled else None
         report["claim"] = {"accounted_as": claim, "epsilon": json_float(claimed.epsilon),
                            "accountant": claimed.accountant,
                            "understated_by": json_float(spent.epsilon / claimed.epsilon) if claimed.epsilon else None,

@@ -95,20 +95,21 @@ def event_from(mech: str, sigma: float | None, p, batch_size, dataset_size, step
 
 
 def shuffle_lines(event, delta: float, result) -> tuple[list[str], dict]:
-    """For a shuffled schedule: the Chua et al. lower bound and the Poisson figure beside the upper bound, as
-    lines for people and a mapping for --json; nothing for other samplers."""
+    """For a shuffled or balls-in-bins schedule: the lower bound and the Poisson figure beside the upper bound,
+    as lines for people and a mapping for --json; nothing for other samplers."""
     from dpaudit.accounting.shuffle import context_for
 
     ctx = context_for(event, delta, result)
     if ctx is None:
         return [], {}
     data = ctx.to_json(result.epsilon)
-    lines = [f"lower bound (Chua et al. shuffle construction): eps >= {fmt(ctx.lower_bound)}"
+    lines = [f"lower bound ({ctx.lower_bound_words}): eps >= {fmt(ctx.lower_bound)}"
              if ctx.lower_bound is not None else f"lower bound: none ({ctx.lower_bound_note})",
              f"accounted as Poisson sampling (p = B/N, {ctx.poisson_accountant}) it would read eps <= "
              f"{fmt(ctx.poisson_epsilon)}"
              + (f": understated by up to {result.epsilon / ctx.poisson_epsilon:.3g}x (this upper bound)"
-                if 0 < ctx.poisson_epsilon < result.epsilon else " (not below this upper bound)")
+                if 0 < ctx.poisson_epsilon < result.epsilon
+                else f" ({ctx.poisson_epsilon / result.epsilon:.4g}x this upper bound)" if result.epsilon > 0 else "")
              + (f", by at least {ctx.lower_bound / ctx.poisson_epsilon:.3g}x (the lower bound)"
                 if ctx.lower_bound is not None and 0 < ctx.poisson_epsilon < ctx.lower_bound else "")]
     return lines, data

@@ -92,7 +92,7 @@ class Mechanism:
 
     def sampling_words(self) -> str:
         return scheme(self.sampling).words.format(p=self.sampling_rate, T=self.steps, B=self.batch_size,
-                                                  N=self.dataset_size)
+                                                  N=self.dataset_size, t=self.steps_per_epoch)
 
 
 @dataclass(frozen=True)
@@ -247,6 +247,9 @@ def schedule(kind: str, sigma: float, p: float | None = None, batch_size: int | 
     fixed and shuffled batches need B and N."""
     if scheme(sampling).needs_sizes and (batch_size is None or dataset_size is None):
         raise DPAuditError(f"{sampling} sampling needs the batch size and the dataset size (-B and -N), not p")
+    if scheme(sampling).whole_epochs and epochs is not None and epochs != int(epochs):
+        raise DPAuditError(f"{sampling} sampling allocates every example once an epoch: --epochs must be a whole "
+                           f"number, got {epochs!r}")
     rate = sampling_rate_from(batch_size, dataset_size, p)
     sizes = {"batch_size": batch_size, "dataset_size": dataset_size} if scheme(sampling).needs_sizes else {}
     # Shuffled epochs are N // B batches each (a partial last batch, if kept, adds nothing to the bound)

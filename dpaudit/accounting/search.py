@@ -25,3 +25,5 @@ class SearchHooks:
     resolution: Callable
     # (event, delta, options) -> float: an estimate *below* the true eps on those options (brackets only)
     below: Callable | None = None
+    # (template, target eps, delta) -> sigma: a start near the answer (e.g. a cheaper sampler's calibration)
+    start: Callable | None = None

@@ -38,6 +38,10 @@ true eps: a lower bound, never an accountant's answer. Computed here from first 
 under the mixture is Phi((c - m)/sigma) Phi(c/sigma)^(K - 1)); for phases, the largest phase's bound (each
 phase alone is a post-processing of the run). For the Gaussian only.
 
+The same proof holds for balls-in-bins (samplers/balls_in_bins.py) under add/remove: an added example sits in
+exactly one batch an epoch and moves its sum by at most C. It is that sampler's bound for noises the allocation
+accountant does not cover.
+
 The Poisson figure: the same sigma, p = B / N and T accounted as if the batches were Poisson sampled (pld),
 which is what a user who shuffles but quotes a Poisson accountant reports.
 """
@@ -48,7 +52,8 @@ import math
 from dataclasses import dataclass
 
 from dpaudit.accounting.mechanism import Mechanism, Phases, compose_phases, resampled
-from dpaudit.accounting.result import ZERO_OUT_WORDS, EpsilonResult
+from dpaudit.accounting.result import EpsilonResult
+from dpaudit.accounting.samplers import relation_of
 
 LOWER_GRID = 1e-3          # the lower bound's loss discretisation at most (rounded down: a finer grid is tighter)
 LOWER_SLACK = 1e-2         # ... and finer with many epochs: E epochs lose at most E x grid <= this of the loss
@@ -75,7 +80,7 @@ def epsilon(mech: Mechanism | Phases, delta: float) -> EpsilonResult:
     inner = account(equivalent, delta)
     touched = [epochs_touched(m) for m in mech.phases]
     return EpsilonResult(
-        accountant="shuffle", epsilon=inner.epsilon, delta=delta, relation=ZERO_OUT_WORDS,
+        accountant="shuffle", epsilon=inner.epsilon, delta=delta, relation=relation_of(mech),
         guarantee=f"upper bound without amplification: each example in at most {'/'.join(map(str, touched))} "
                   f"batch(es) (one an epoch), accounted as that many full-batch releases ({inner.accountant})",
         details={"epochs_touched": touched, "steps_per_epoch": [m.steps_per_epoch for m in mech.phases],
@@ -84,17 +89,20 @@ def epsilon(mech: Mechanism | Phases, delta: float) -> EpsilonResult:
 
 @dataclass(frozen=True)
 class ShuffleContext:
-    """What a shuffled run's report shows beside its upper bound."""
+    """What a shuffled (or balls-in-bins) run's report shows beside its upper bound."""
 
-    lower_bound: float | None      # Chua et al.'s construction: the true eps is at least this
+    lower_bound: float | None      # the true eps is at least this (Chua et al.'s construction; allocation's own)
     lower_bound_note: str
     poisson_epsilon: float         # the same sigma, p, T accounted as Poisson (add/remove, pld)
     poisson_accountant: str
+    lower_bound_words: str = "Chua et al. shuffle construction"
 
     def to_json(self, upper: float) -> dict:
         from dpaudit.accounting.result import json_float
 
-        return {"lower_bound_chua": None if self.lower_bound is None else json_float(self.lower_bound),
+        lower = None if self.lower_bound is None else json_float(self.lower_bound)
+        return {"lower_bound": lower, "lower_bound_words": self.lower_bound_words,
+                **({"lower_bound_chua": lower} if self.lower_bound_words.startswith("Chua") else {}),
                 "lower_bound_note": self.lower_bound_note, "poisson_epsilon": json_float(self.poisson_epsilon),
                 "poisson_accountant": self.poisson_accountant,
                 "poisson_understates_upper_by": json_float(upper / self.poisson_epsilon)
@@ -104,8 +112,21 @@ class ShuffleContext:
 
 
 def context_for(event, delta: float, result: EpsilonResult) -> ShuffleContext | None:
-    """The context of a shuffled schedule's answer from this accountant; None for anything else."""
-    return context(event, delta) if event.sampling == "shuffle" and result.accountant == "shuffle" else None
+    """The context of a shuffled schedule's answer from this accountant, or of a balls-in-bins one from the
+    allocation accountant (its own lower bound); None for anything else."""
+    if event.sampling == "shuffle" and result.accountant == "shuffle":
+        return context(event, delta)
+    if result.accountant == "allocation":
+        from dpaudit.accounting import allocation
+        from dpaudit.accounting.registry import epsilon as account
+
+        poisson = account(resampled(event, "poisson"), delta)
+        lower = result.details.get("lower_bound")
+        if lower is None:
+            lower = allocation.lower_bound(event, delta, result.details["lattice"])
+        return ShuffleContext(lower, allocation.LOWER_NOTE, poisson.epsilon, poisson.accountant,
+                              "the allocation pair's loss rounded down")
+    return None
 
 
 def context(mech: Mechanism | Phases, delta: float) -> ShuffleContext:

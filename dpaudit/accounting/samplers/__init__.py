@@ -7,7 +7,7 @@ event for one step (where its RDP accountant covers the scheme), and the words f
 module here (or ``register_scheme`` from outside code); tests/training/test_extension.py adds one and accounts with it.
 
 The schemes: ``poisson`` (poisson.py), ``fixed`` (fixed.py), ``shuffle`` (shuffle.py; its accountant is
-accounting/shuffle.py) and ``balls-in-bins`` (balls_in_bins.py, named so that it is refused with the reason).
+accounting/shuffle.py) and ``balls-in-bins`` (balls_in_bins.py; accounting/allocation.py).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ class Scheme:
     accountants: tuple[str, ...] = ()  # its own accountants, the first that answers is the default (): pld's rule
     independent_steps: bool = False    # each step takes an example with probability p, independently of the rest
     epochs: bool = False               # epochs of N // B batches (--epochs counts those)
+    whole_epochs: bool = False         # --epochs must be a whole number (each epoch allocates every example)
     refused: str | None = None     # why no accountant answers it (a scheme named only to say why)
     sensitivity: float = 1.0       # how far one neighbour moves a clipped sum, in units of C (replace-one: 2)
     # (mech, one unsampled step's DpEvent) -> dp-accounting's DpEvent of one sampled step (rdp covers the scheme)

@@ -1,0 +1,118 @@
+"""Issue 40: balls-in-bins (random allocation) accounting. The upper and the lower bound bracket a brute-force
+hockey-stick divergence of the dominating pair (t = 2: a 2-D integral), nest inside pld-accounting's interval
+(Feldman & Shenfeld's own code) where it is installed, sit below Poisson where the theory says so, and calibrate
+on the safe side. No stored outputs."""
+
+import math
+
+import numpy as np
+import pytest
+
+import dpaudit
+from dpaudit.accounting import allocation
+from dpaudit.accounting.mechanism import schedule
+from dpaudit.accounting.registry import epsilon
+from dpaudit.accounting.result import NeighboringRelation
+from dpaudit.core.errors import DPAuditError
+
+
+def balls(sigma, per_epoch, epochs, batch=10):
+    return schedule("gaussian", sigma, None, batch, batch * per_epoch, per_epoch * epochs, None, "balls-in-bins")
+
+
+def _hockey_stick_two_steps(sigma: float, eps: float) -> float:
+    """max over the two directions of E_Q[(P/Q - e^eps)_+] (and (Q, P)): P = (N(e1) + N(e2)) / 2, Q = N(0),
+    sigma^2 I on R^2, by a fine 2-D midpoint rule (error ~1e-8 at these widths)."""
+    step = sigma / 120
+    axis = np.arange(-9 * sigma, 1 + 9 * sigma, step) + step / 2
+    y1, y2 = np.meshgrid(axis, axis, indexing="ij")
+    q = np.exp(-(y1 ** 2 + y2 ** 2) / (2 * sigma ** 2)) / (2 * math.pi * sigma ** 2)
+    ratio = 0.5 * (np.exp((2 * y1 - 1) / (2 * sigma ** 2)) + np.exp((2 * y2 - 1) / (2 * sigma ** 2)))
+    p = q * ratio
+    remove = np.maximum(p - math.exp(eps) * q, 0).sum() * step ** 2
+    add = np.maximum(q - math.exp(eps) * p, 0).sum() * step ** 2
+    return max(remove, add)
+
+
+@pytest.mark.parametrize("sigma", [0.9, 1.5])
+def test_bounds_bracket_the_brute_force_divergence_of_two_steps(sigma):
+    delta = 1e-3
+    mech = balls(sigma, 2, 1)
+    upper = epsilon(mech, delta, "allocation")
+    lower = allocation.lower_bound(mech, delta, upper.details["lattice"])
+    assert upper.neighboring == NeighboringRelation.ADD_OR_REMOVE_ONE
+    assert lower <= upper.epsilon <= 1.01 * lower + 1e-3
+    assert _hockey_stick_two_steps(sigma, upper.epsilon) <= delta * (1 + 1e-4)   # the upper bound holds
+    assert _hockey_stick_two_steps(sigma, lower) >= delta * (1 - 1e-4)           # the lower bound is below the truth
+
+
+def test_nested_inside_pld_accounting_interval():
+    pld_accounting = pytest.importorskip("PLD_accounting")
+    theirs_upper, theirs_lower = pld_accounting.gaussian_allocation_epsilon_range(
+        delta=1e-5, sigma=1.0, num_steps=10, num_epochs=3)
+    ours = epsilon(balls(1.0, 10, 3), 1e-5, "allocation")
+    lower = allocation.lower_bound(balls(1.0, 10, 3), 1e-5, ours.details["lattice"])
+    assert theirs_lower <= lower <= ours.epsilon <= theirs_upper
+
+
+def test_below_poisson_at_one_hundred_steps_and_refined_towards_the_lower_bound():
+    """The issue's case: t = 100, sigma 1, one epoch; Poisson at p = 1/100 for 100 steps reads 0.718."""
+    mech = balls(1.0, 100, 1)
+    poisson = epsilon(schedule("gaussian", 1.0, 0.01, None, None, 100), 1e-5)
+    ours = epsilon(mech, 1e-5)
+    assert ours.accountant == "allocation" and ours.details["converged"]
+    rungs = [r["epsilon"] for r in ours.details["rungs"]]
+    assert rungs == sorted(rungs, reverse=True)                     # finer lattices, smaller bounds
+    lower = allocation.lower_bound(mech, 1e-5, ours.details["lattice"])
+    assert lower <= ours.epsilon <= 1.005 * lower
+    assert ours.epsilon < 0.9 * poisson.epsilon
+
+
+def test_calibration_meets_the_target_on_the_safe_side_and_close_to_the_converged_sigma():
+    target = 1.0
+    cal = dpaudit.calibrate(eps=target, batch_size=10, dataset_size=500, epochs=4, sampling="balls-in-bins")
+    assert cal.result.accountant == "allocation" and cal.epsilon <= target
+    template = balls(1.0, 50, 4)
+    # the sigma where a finer (valid) lattice meets the target is at most 1 % below the calibrated one
+    finer = epsilon(template.with_sigma(cal.sigma * 0.99), 1e-5, "allocation",
+                    allocation.AllocationOptions(lattice=allocation.LADDER[-3]))
+    assert finer.epsilon > target
+
+
+def test_bad_input_is_refused_in_one_line():
+    with pytest.raises(DPAuditError, match="whole number"):
+        schedule("gaussian", 1.0, None, 10, 100, None, 2.5, "balls-in-bins")
+    with pytest.raises(DPAuditError, match="exceeds"):
+        schedule("gaussian", 1.0, None, 200, 100, 5, None, "balls-in-bins")
+    with pytest.raises(DPAuditError, match="at least 2 steps an epoch"):
+        epsilon(schedule("gaussian", 1.0, None, 60, 100, 5, None, "balls-in-bins"), 1e-5, "allocation")
+    with pytest.raises(DPAuditError, match="delta > 0"):
+        epsilon(balls(1.0, 10, 1), 0.0, "allocation")
+    laplace = epsilon(schedule("laplace", 2.0, None, 10, 100, 20, None, "balls-in-bins"), 1e-5)
+    assert laplace.accountant == "shuffle" and laplace.neighboring == NeighboringRelation.ADD_OR_REMOVE_ONE
+
+
+def test_partial_epoch_is_accounted_as_whole():
+    whole = epsilon(balls(1.2, 20, 2), 1e-5, "allocation")
+    partial = epsilon(schedule("gaussian", 1.2, None, 10, 200, 25, None, "balls-in-bins"), 1e-5, "allocation")
+    assert partial.epsilon == whole.epsilon and "partial last epoch" in partial.guarantee
+
+
+def test_cli_balls_in_bins_and_the_sampler_table():
+    import json
+
+    from cli_helpers import assert_one_line_error, dpaudit as run
+
+    said = run("epsilon", "--sigma", "1.2", "-B", "10", "-N", "300", "--epochs", "3", "--sampling", "balls-in-bins",
+               "--json")
+    assert said.returncode == 0, said.stderr
+    answer = json.loads(said.stdout)
+    assert answer["result"]["accountant"] == "allocation" and answer["result"]["neighboring"] == "add/remove"
+    assert answer["shuffle"]["lower_bound"] <= answer["result"]["epsilon"]
+    table = run("compare", "--sigma", "1.2", "-B", "10", "-N", "300", "--epochs", "3", "--sampling", "all", "--json")
+    assert table.returncode == 0, table.stderr
+    rows = {(r["sampler"], r["bound"], r["relation"]): r for r in json.loads(table.stdout)["rows"]}
+    assert rows[("poisson", "upper", "add/remove")]["vs_poisson"] == 1.0
+    assert rows[("balls-in-bins", "lower", "add/remove")]["epsilon"] \
+        <= rows[("balls-in-bins", "upper", "add/remove")]["epsilon"] <= rows[("shuffle", "upper", "zero-out")]["epsilon"]
+    assert_one_line_error(run("compare", "--eps", "1", "-B", "10", "-N", "300", "--epochs", "3", "--sampling", "all"))
