@@ -103,11 +103,13 @@ def epsilon(mech: Mechanism | Phases, delta: float, settings: AllocationOptions 
     limited_by, converged = None, settings.lattice is not None
     for h in ladder:
         need = _cost(mech, h, delta)
-        if seen and (not budgets.current().fits(need[0]) or need[1] > budgets.current().seconds_left()):
+        if not budgets.current().fits(need[0]) or need[1] > budgets.current().seconds_left():
             limited_by = "memory" if not budgets.current().fits(need[0]) else "time"
+            if not seen:
+                return _without_amplification(mech, delta, f"balls-in-bins accounting at lattice {h:g} needs about "
+                                              f"{budgets.human_bytes(need[0])} and {need[1]:.0f} s, over the "
+                                              f"budget ({limited_by})")
             break
-        if not seen:
-            budgets.current().require(need[0], f"balls-in-bins accounting at lattice {h:g}")
         upper, directions = _bound(mech, delta, h, pessimistic=True)
         seen.append((h, upper, directions))
         if len(seen) >= 2:
@@ -141,9 +143,21 @@ LOWER_NOTE = ("the same epochs' loss rounded the other way on the answer's latti
               "random-allocation pair (Feldman & Shenfeld) is at least this")
 
 
-def lower_bound(mech: Mechanism | Phases, delta: float, lattice: float) -> float:
-    """A lower bound on the true eps at ``delta`` (each rounding the other way, the truncated mass dropped)."""
+def lower_bound(mech: Mechanism | Phases, delta: float, lattice: float) -> float | None:
+    """A lower bound on the true eps at ``delta`` (each rounding the other way, the truncated mass dropped);
+    None when it would not fit what is left of the budget (it costs what the upper bound's last rung did)."""
+    need = _cost(mech, lattice, delta)
+    if not budgets.current().fits(need[0]) or need[1] > budgets.current().seconds_left():
+        return None
     return _bound(mech, delta, lattice, pessimistic=False)[0]
+
+
+def _without_amplification(mech, delta: float, why: str) -> EpsilonResult:
+    """The shuffle bound (each example in one batch an epoch: E full-batch releases), valid for balls-in-bins
+    under add/remove (accounting/shuffle.py), answering for allocation when its first rung does not fit."""
+    from dpaudit.accounting import shuffle
+
+    return shuffle.epsilon(mech, delta).standing_in_for("allocation", why)
 
 
 def _cost(mech, h: float, delta: float) -> tuple[float, float]:

@@ -124,7 +124,8 @@ def context_for(event, delta: float, result: EpsilonResult) -> ShuffleContext | 
         lower = result.details.get("lower_bound")
         if lower is None:
             lower = allocation.lower_bound(event, delta, result.details["lattice"])
-        return ShuffleContext(lower, allocation.LOWER_NOTE, poisson.epsilon, poisson.accountant,
+        return ShuffleContext(lower, allocation.LOWER_NOTE if lower is not None else "not computed: it would not "
+                              "fit what is left of the time or memory budget", poisson.epsilon, poisson.accountant,
                               "the allocation pair's loss rounded down")
     return None
 

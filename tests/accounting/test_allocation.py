@@ -116,3 +116,15 @@ def test_cli_balls_in_bins_and_the_sampler_table():
     assert rows[("balls-in-bins", "lower", "add/remove")]["epsilon"] \
         <= rows[("balls-in-bins", "upper", "add/remove")]["epsilon"] <= rows[("shuffle", "upper", "zero-out")]["epsilon"]
     assert_one_line_error(run("compare", "--eps", "1", "-B", "10", "-N", "300", "--epochs", "3", "--sampling", "all"))
+
+
+def test_over_budget_answers_the_shuffle_bound_and_says_so():
+    from dpaudit.core import limits
+
+    mech = balls(1.0, 5000, 2)  # its coarsest lattice needs ~150 MB, over a 256M budget's ~96 MB
+    with limits.limits(max_memory="256M"):
+        answer = epsilon(mech, 1e-5)
+        assert allocation.lower_bound(mech, 1e-5, allocation.LADDER[0]) is None
+    assert answer.accountant == "shuffle" and answer.details["requested"] == "allocation"
+    assert "over the budget" in answer.guarantee
+    assert answer.epsilon >= epsilon(schedule("gaussian", 1.0, 1 / 5000, None, None, 10_000), 1e-5).epsilon
