@@ -257,19 +257,29 @@ def audit_sampler(
         "--dataset-size", "-N", help="Examples in the dataset (default: the largest index + 1).")] = None,
     p: Annotated[Optional[float], typer.Option("--p", help="The sampling rate the run claims (default: estimated "
                                                            "from the batches).")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(
+        "--batch-size", "-B", help="The batch size B (balls-in-bins: t = N // B steps an epoch).")] = None,
+    sampling: Annotated[str, typer.Option(
+        "--sampling", help="The sampler the run accounts (poisson, fixed, shuffle, balls-in-bins): exit 0 when the "
+                           "log matches it.")] = "poisson",
     alpha: AlphaOpt = 0.05,
     as_json: JsonOpt = False,
 ) -> None:
-    """Test whether a run's batches are Poisson sampled (what the accountants assume); exit 1 when they are not,
-    naming what the sampler looks like (fixed-size, shuffled epochs, cyclic, balls-in-bins, with replacement)."""
-    from dpaudit.audit.sampler import analyse_batches, read_log
+    """Test whether a run's batches are what its accounting assumes (Poisson by default, or --sampling NAME);
+    exit 1 when they are not, naming what the sampler looks like (Poisson, fixed-size, shuffled epochs, cyclic,
+    balls-in-bins, with replacement)."""
+    from dpaudit.audit.sampler import analyse_as, read_log
 
-    verdict = analyse_batches(read_log(log), dataset_size=dataset_size, sample_rate=p, alpha=alpha)
+    verdict, matches, observed = analyse_as(read_log(log), sampling, dataset_size, p, batch_size, alpha)
     if as_json:
-        emit_json({"command": "audit sampler", "log": str(log), **verdict.to_dict()})
+        emit_json({"command": "audit sampler", "log": str(log), "sampling": sampling, "matches": matches,
+                   "observed_sampling": observed, **verdict.to_dict()})
     else:
-        style = "green" if verdict.poisson_accounting_valid else "bold red"
-        console.print(f"[{style}]{escape(verdict.verdict)}[/{style}]", highlight=False)
+        style = "green" if matches else "bold red"
+        said = verdict.verdict if sampling == "poisson" else (
+            f"{'consistent with' if matches else 'NOT'} {sampling} sampling: the log looks like "
+            f"{verdict.looks_like} (alpha = {alpha:g})")
+        console.print(f"[{style}]{escape(said)}[/{style}]", highlight=False)
         for name in ("batch sizes", "inclusions per example"):
             t = verdict.tests[name]
             console.print(f"  {name}: dispersion {t['dispersion']:.3g} (1 for Poisson; p too uniform "
@@ -279,7 +289,7 @@ def audit_sampler(
                       f"{most['expected']:.3g} expected, p {most['p_value']:.2g})", highlight=False)
         for note in verdict.notes:
             console.print(f"  note: {escape(note)}", highlight=False)
-    if not verdict.poisson_accounting_valid:
+    if not matches:
         raise typer.Exit(1)
 
 

@@ -16,7 +16,6 @@ from dpaudit.cli.common import (
     time_budget,
 )
 from dpaudit.accounting.config import load_privacy_config
-from dpaudit.accounting.samplers import observed_as
 
 
 
@@ -91,7 +90,7 @@ def _gate_sampler(log: Path, cfg) -> dict:
     not account. A log with fewer is tested as far as it goes, and says so (it vouches for no later step)."""
     from itertools import islice
 
-    from dpaudit.audit.sampler import ALPHA, analyse_batches, read_log
+    from dpaudit.audit.sampler import ALPHA, analyse_as, read_log
     from dpaudit.core.errors import DPAuditError
 
     phases = cfg.event.phases
@@ -107,8 +106,8 @@ def _gate_sampler(log: Path, cfg) -> dict:
                 yield batch
 
         try:
-            verdict = analyse_batches(window(), dataset_size=m.dataset_size or cfg.dataset_size,
-                                      sample_rate=m.sampling_rate, alpha=alpha)
+            verdict, ok, observed = analyse_as(window(), m.sampling, m.dataset_size or cfg.dataset_size,
+                                               m.sampling_rate, m.batch_size, alpha)
         except DPAuditError as exc:
             logged += seen[0]
             if seen[0] < 2:
@@ -117,8 +116,6 @@ def _gate_sampler(log: Path, cfg) -> dict:
             raise DPAuditError(f"sampler log {log}, phase {i + 1}: {exc}") from None
         logged += seen[0]
         window_steps = seen[0]
-        observed = observed_as(verdict.looks_like)  # the sampler dpaudit accounts what the log looks like under
-        ok = observed == m.sampling
         consistent = consistent and ok
         parts.append({"phase": i + 1, **verdict.to_dict(), "steps_logged": window_steps, "observed_sampling": observed,
                       "config_sampling": m.sampling, "consistent_with_config": ok})

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 ROOTS = {"dpaudit.cli": REPO / "cli", "dpaudit.canaries": REPO / "canaries", "dpaudit": REPO / "dpaudit"}
 LAYERS = {  # package (or top-level module) of dpaudit -> its rank; a module may import its own rank or lower
     "core": 0, "accounting": 1, "audit": 2, "models": 3, "canaries": 3, "training": 4, "workflows": 5,
-    "integrations": 6, "api": 7, "cli": 7, "__init__": 7,
+    "integrations": 6, "api": 7, "cli": 7, "__init__": 7, "samplers": 7,
 }
 
 

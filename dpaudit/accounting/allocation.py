@@ -155,9 +155,9 @@ def lower_bound(mech: Mechanism | Phases, delta: float, lattice: float) -> float
 def _without_amplification(mech, delta: float, why: str) -> EpsilonResult:
     """The shuffle bound (each example in one batch an epoch: E full-batch releases), valid for balls-in-bins
     under add/remove (accounting/shuffle.py), answering for allocation when its first rung does not fit."""
-    from dpaudit.accounting import shuffle
+    from dpaudit.accounting.registry import epsilon as account
 
-    return shuffle.epsilon(mech, delta).standing_in_for("allocation", why)
+    return account(mech, delta, "shuffle").standing_in_for("allocation", why)
 
 
 def _cost(mech, h: float, delta: float) -> tuple[float, float]:

@@ -16,7 +16,7 @@ import importlib
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from dpaudit.accounting import allocation, analytic, pure, rdp
+from dpaudit.accounting import analytic, pure, rdp
 from dpaudit.accounting.mechanism import Mechanism, Phases, check_delta, check_epsilon
 from dpaudit.accounting.noises import noise
 from dpaudit.accounting.result import DeltaResult, EpsilonResult, NeighboringRelation
@@ -150,7 +150,7 @@ ACCOUNTANTS: dict[str, Accountant] = {
                    "balls-in-bins (random allocation): one epoch's exact dominating pair on a lattice, composed "
                    "over the epochs; upper bound, lower bound beside it", "dpaudit.accounting.allocation:epsilon",
                    options="dpaudit.accounting.allocation:AllocationOptions", samplings=(), phases=True,
-                   limitation=allocation.limitation, search="dpaudit.accounting.allocation:search_hooks"),
+                   limitation=lambda m: _load("dpaudit.accounting.allocation:limitation")(m), search="dpaudit.accounting.allocation:search_hooks"),
         Accountant("shuffle", None, False,
                    "shuffled epochs without amplification: each example in at most one batch an epoch, zero-out",
                    "dpaudit.accounting.shuffle:epsilon", samplings=(), phases=True),

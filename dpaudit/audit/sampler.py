@@ -86,9 +86,12 @@ class SamplerVerdict:
             return (f"consistent with Poisson sampling at p = {self.sample_rate:.4g} over {self.steps} steps "
                     f"(alpha = {self.alpha:g}: a correct Poisson sampler is flagged at most {self.alpha:.0%} of the "
                     "time; passing refutes none of the samplers that share its fingerprints)")
-        return (f"NOT POISSON: looks like {self.looks_like}; accounting it as Poisson sampling would understate "
-                f"eps (account it with the sampler it is). A correct Poisson sampler reads so at most {self.alpha:.0%} "
-                "of the time")
+        consequence = ("accounting it as Poisson sampling is not what it draws; account it as balls-in-bins "
+                       "(--sampling balls-in-bins: close to Poisson's eps)" if self.looks_like.startswith("balls-in-bins")
+                       else "accounting it as Poisson sampling would understate eps (account it with the sampler it "
+                            "is)")
+        return (f"NOT POISSON: looks like {self.looks_like}; {consequence}. A correct Poisson sampler reads so at "
+                f"most {self.alpha:.0%} of the time")
 
     def to_dict(self) -> dict:
         return {"verdict": self.verdict, "looks_like": self.looks_like,
@@ -280,6 +283,49 @@ def analyse_batches(batches, dataset_size: int | None = None, sample_rate: float
     return SamplerVerdict(looks_like=looks, poisson_accounting_valid=looks == POISSON, steps=steps,
                           dataset_size=n, sample_rate=p, sample_rate_source=source, alpha=alpha, tests=tests,
                           notes=notes)
+
+
+def analyse_as(batches, sampling: str, dataset_size: int | None = None, sample_rate: float | None = None,
+               batch_size: int | None = None, alpha: float = ALPHA) -> tuple[SamplerVerdict, bool, str | None]:
+    """A log tested against the named sampler: (the verdict, whether the log matches it, the sampler it is
+    accounted as). The fingerprint tests name what the log looks like (``analyse_batches``); it matches when that
+    is ``sampling`` (the scheme records' ``looks_like``). Balls-in-bins is checked exactly too: with t = N // B
+    steps an epoch, no example twice in an epoch (a log that has one is not balls-in-bins: refused) and every
+    example once in each complete epoch."""
+    from dpaudit.accounting.samplers import observed_as, scheme
+
+    scheme(sampling)  # refuses an unknown name
+    if sampling == "balls-in-bins":
+        if dataset_size is None or batch_size is None:
+            raise DPAuditError("testing a log against balls-in-bins needs the dataset size and the batch size "
+                               "(-N and -B: t = N // B steps an epoch)")
+        batches = _epochs_checked(batches, dataset_size, dataset_size // batch_size)
+        sample_rate = 1 / (dataset_size // batch_size) if sample_rate is None else sample_rate
+    verdict = analyse_batches(batches, dataset_size, sample_rate, alpha)
+    observed = observed_as(verdict.looks_like)
+    return verdict, observed == sampling, observed
+
+
+def _epochs_checked(batches, n: int, per_epoch: int):
+    """The batches, passed through, with each epoch of ``per_epoch`` steps checked for balls-in-bins' structure."""
+    seen = np.zeros(n, dtype=bool)
+    step = 0
+    for batch in batches:
+        for i in batch:
+            if not 0 <= i < n:
+                raise DPAuditError(f"step {step + 1}: index {i} is outside the dataset of {n}")
+            if seen[i]:
+                raise DPAuditError(f"step {step + 1}: example {i} is drawn twice in epoch {step // per_epoch + 1}: "
+                                   "not balls-in-bins (each example once an epoch)")
+            seen[i] = True
+        step += 1
+        if step % per_epoch == 0:
+            if not seen.all():
+                missing = int(np.flatnonzero(~seen)[0])
+                raise DPAuditError(f"epoch {step // per_epoch}: example {missing} is in none of its {per_epoch} "
+                                   "steps: not balls-in-bins (each example once an epoch)")
+            seen[:] = False
+        yield batch
 
 
 class SamplerAudit:

@@ -1,0 +1,90 @@
+"""Issue 40, item 3: the samplers a user switches to draw what is accounted, log it in the format the sampler
+audit reads, and the audit recognises each (and refuses a log that is not balls-in-bins)."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from dpaudit.audit.sampler import analyse_as, read_log
+from dpaudit.core.errors import DPAuditError
+from dpaudit.samplers import BallsInBinsSampler, PoissonSampler
+
+
+def test_balls_in_bins_partitions_each_epoch_into_random_steps(tmp_path):
+    n, b, epochs = 3000, 32, 6
+    sampler = BallsInBinsSampler(n, b, epochs, seed=0).log(tmp_path / "batches.jsonl")
+    t = n // b
+    steps_of_zero = []
+    for _ in range(epochs):
+        batches = list(sampler)
+        assert len(batches) == len(sampler) == t
+        flat = np.concatenate([np.asarray(x, dtype=np.int64) for x in batches])
+        assert np.array_equal(np.sort(flat), np.arange(n))           # every example once an epoch
+        steps_of_zero.append(next(i for i, x in enumerate(batches) if 0 in x))
+    with pytest.raises(DPAuditError, match="made for 6 epoch"):
+        next(iter(sampler))
+    sampler.close()
+    assert len(set(steps_of_zero)) > 1                                # not the same step every epoch
+    assert oct(os.stat(tmp_path / "batches.jsonl").st_mode & 0o777) == "0o600"
+    verdict, matches, observed = analyse_as(read_log(tmp_path / "batches.jsonl"), "balls-in-bins", n, None, b)
+    assert matches and observed == "balls-in-bins"
+    assert not analyse_as(read_log(tmp_path / "batches.jsonl"), "poisson", n, None)[1]
+    with pytest.raises(DPAuditError, match="never overwritten"):
+        BallsInBinsSampler(n, b, 1).log(tmp_path / "batches.jsonl")
+
+
+def test_balls_in_bins_steps_are_uniform_across_examples():
+    """Which step an example lands in is uniform over the t steps (chi-square over 10,000 examples, t = 10)."""
+    from scipy import stats
+
+    sampler = BallsInBinsSampler(10_000, 1000, 1, seed=3)
+    step_of = np.empty(10_000, dtype=np.int64)
+    for step, batch in enumerate(sampler):
+        step_of[batch] = step
+    counts = np.bincount(step_of, minlength=10)
+    assert stats.chisquare(counts).pvalue > 1e-4
+    # neighbouring examples are not kept together (the permutation mixes): the steps of i and i + 1 agree ~1/t
+    assert np.mean(step_of[:-1] == step_of[1:]) < 0.2
+
+
+def test_poisson_sampler_is_read_as_poisson_and_not_as_balls_in_bins(tmp_path):
+    n, p = 4000, 0.02
+    sampler = PoissonSampler(n, p, steps=300, seed=1).log(tmp_path / "p.jsonl")
+    drawn = list(sampler)
+    sampler.close()
+    assert len(drawn) == 300 and all(len(set(x)) == len(x) for x in drawn)
+    sizes = np.array([len(x) for x in drawn])
+    assert abs(sizes.mean() - n * p) < 4 * np.sqrt(n * p / 300)
+    verdict, matches, _ = analyse_as(read_log(tmp_path / "p.jsonl"), "poisson", n, p)
+    assert matches and verdict.poisson_accounting_valid
+    with pytest.raises(DPAuditError, match="twice in epoch"):
+        analyse_as(read_log(tmp_path / "p.jsonl"), "balls-in-bins", n, None, 200)
+    assert [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()] == drawn
+
+
+def test_drop_in_to_a_data_loader_and_opacus(tmp_path):
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.randn(200, 3), torch.randint(0, 2, (200,)))
+    loader = DataLoader(data, batch_sampler=BallsInBinsSampler(200, 20, 1, seed=0))
+    assert sum(len(y) for _, y in loader) == 200
+    opacus = pytest.importorskip("opacus")
+    model = torch.nn.Linear(3, 2)
+    engine = opacus.PrivacyEngine(accountant="prv")
+    loader = DataLoader(data, batch_sampler=BallsInBinsSampler(200, 20, 1, seed=0))
+    _, optimizer, private = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                                data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
+                                                poisson_sampling=False)
+    assert optimizer.expected_batch_size == 20 and len(private) == 10   # the rate Opacus reads: 1 / t
+
+
+def test_bad_input():
+    for make in (lambda: BallsInBinsSampler(10, 20, 1), lambda: BallsInBinsSampler(10, 2, 0),
+                 lambda: PoissonSampler(10, 1.5), lambda: PoissonSampler(0, 0.1)):
+        with pytest.raises(DPAuditError):
+            make()
+    with pytest.raises(DPAuditError, match="needs the dataset size and the batch size"):
+        analyse_as([[0], [1]], "balls-in-bins")
