@@ -101,6 +101,7 @@ def epsilon(mech: Mechanism | Phases, delta: float, settings: AllocationOptions 
     ladder = (settings.lattice,) if settings.lattice is not None else LADDER
     seen: list[tuple[float, float, dict]] = []  # (h, upper, per-direction)
     limited_by, converged = None, settings.lattice is not None
+    spent: dict[float, float] = {}  # seconds each rung took (the lower bound costs about as much as its rung)
     for h in ladder:
         need = _cost(mech, h, delta)
         if not budgets.current().fits(need[0]) or need[1] > budgets.current().seconds_left():
@@ -110,8 +111,10 @@ def epsilon(mech: Mechanism | Phases, delta: float, settings: AllocationOptions 
                                               f"{budgets.human_bytes(need[0])} and {need[1]:.0f} s, over the "
                                               f"budget ({limited_by})")
             break
+        rung_began = time.perf_counter()
         upper, directions = _bound(mech, delta, h, pessimistic=True)
         seen.append((h, upper, directions))
+        spent[h] = time.perf_counter() - rung_began
         if len(seen) >= 2:
             (h0, u0, _), (h1, u1, _) = seen[-2], seen[-1]
             remaining = max(0.0, u0 - u1) * h1 / (h0 - h1)
@@ -122,7 +125,7 @@ def epsilon(mech: Mechanism | Phases, delta: float, settings: AllocationOptions 
     lower = _bound(mech, delta, h, pessimistic=False)[0] if settings.lower else None
     epochs = [epochs_of(m) for m in mech.phases]
     partial = any(m.steps % m.steps_per_epoch for m in mech.phases)
-    details = {"lattice": h, "converged": converged, "epochs": epochs,
+    details = {"lattice": h, "lattice_seconds": spent[h], "converged": converged, "epochs": epochs,
                "steps_per_epoch": [m.steps_per_epoch for m in mech.phases],
                "rungs": [{"lattice": s[0], "epsilon": s[1]} for s in seen],
                "seconds": round(time.perf_counter() - began, 3)}
@@ -143,11 +146,12 @@ LOWER_NOTE = ("the same epochs' loss rounded the other way on the answer's latti
               "random-allocation pair (Feldman & Shenfeld) is at least this")
 
 
-def lower_bound(mech: Mechanism | Phases, delta: float, lattice: float) -> float | None:
+def lower_bound(mech: Mechanism | Phases, delta: float, lattice: float, seconds: float | None = None) -> float | None:
     """A lower bound on the true eps at ``delta`` (each rounding the other way, the truncated mass dropped);
-    None when it would not fit what is left of the budget (it costs what the upper bound's last rung did)."""
+    None when it would not fit what is left of the budget: it costs about what the upper bound's rung at this
+    lattice did (``seconds``, measured; else estimated), so 1.5 times that must be left."""
     need = _cost(mech, lattice, delta)
-    if not budgets.current().fits(need[0]) or need[1] > budgets.current().seconds_left():
+    if not budgets.current().fits(need[0]) or 1.5 * (seconds or need[1]) > budgets.current().seconds_left():
         return None
     return _bound(mech, delta, lattice, pessimistic=False)[0]
 

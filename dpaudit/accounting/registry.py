@@ -48,6 +48,8 @@ class Accountant:
     phases: bool = False                        # composes several phases
     quick: bool = False          # answers in about a second at any T: a search's start and its valid fallback
     search: str | None = None    # "module:function" -> search.SearchHooks (calibrate, max-steps)
+    # relations its bound also holds under, beyond the sampler's own (wor-pld: add/remove as well as replace-one)
+    also_relations: tuple[NeighboringRelation, ...] = ()
 
     def covers(self, sampling: str) -> bool:
         """Whether it accounts ``sampling``: listed here, or among the sampler record's own accountants."""
@@ -63,7 +65,7 @@ class Accountant:
         facts = scheme(sampling)
         if facts.refused:
             return facts.refused
-        if relation is not None and relation != facts.relation:
+        if relation is not None and relation != facts.relation and relation not in self.also_relations:
             return (f"{sampling} sampling is accounted under {facts.relation.value} neighbours, "
                     f"not {relation.value}")
         if not self.covers(sampling):
@@ -99,7 +101,7 @@ class Accountant:
         check_delta(delta, allow_zero=True)
         self._require(mech, delta, relation)
         result = _load(self.epsilon_fn)(mech, delta, **self._options(options))
-        return replace(result, neighboring=scheme(mech.sampling).relation)
+        return replace(result, neighboring=relation or scheme(mech.sampling).relation)
 
     def delta(self, mech: Event, eps: float, options=None,
               relation: NeighboringRelation | None = None) -> DeltaResult:
@@ -146,6 +148,11 @@ ACCOUNTANTS: dict[str, Accountant] = {
                    "exact without subsampling (analytic Gaussian / one Laplace release)",
                    "dpaudit.accounting.analytic:epsilon", delta_fn="dpaudit.accounting.analytic:delta",
                    sigma_fn=analytic.sigma_closed_form, limitation=analytic.limitation),
+        Accountant("wor-pld", ("gaussian",), True,
+                   "fixed-size batches: Lebeda et al.'s dominating pair of sampling without replacement as a PLD "
+                   "(dp-accounting connect-the-dots), composed; replace-one and add/remove alike",
+                   "dpaudit.accounting.wor:epsilon", samplings=(), phases=True,
+                   also_relations=(NeighboringRelation.ADD_OR_REMOVE_ONE,)),
         Accountant("allocation", ("gaussian",), True,
                    "balls-in-bins (random allocation): one epoch's exact dominating pair on a lattice, composed "
                    "over the epochs; upper bound, lower bound beside it", "dpaudit.accounting.allocation:epsilon",

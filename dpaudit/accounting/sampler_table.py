@@ -3,7 +3,8 @@ benchmarks/sampling.py).
 
 Rows, each an eps at delta for the same noise, B, N and T: Poisson at p = B / N (add/remove: what users quote);
 Poisson under replace-one (dp-accounting's PLD: the peer of the fixed row under its relation); fixed-size
-batches (replace-one, RDP: dp-accounting's sampled-without-replacement event); shuffled epochs (zero-out: the
+batches (replace-one, and add/remove alike: the wor-pld PLD; and RDP, dp-accounting's sampled-without-replacement
+event, the looser fallback); shuffled epochs (zero-out: the
 upper bound without amplification, Chua et al.'s lower bound); balls-in-bins (add/remove: the allocation
 accountant's upper bound and its lower bound). Each row has its time and its ratio to the Poisson row.
 """
@@ -52,7 +53,8 @@ def rows(sigma: float, batch_size: int, dataset_size: int, steps: int, delta: fl
     poisson, t_p = _timed(lambda: epsilon(event("poisson"), delta))
     out = [("poisson", "upper", "add/remove", poisson, t_p)]
     out.append(("poisson", "upper", "replace-one", *_timed(lambda: poisson_replace_one(sigma, b / n, steps, delta))))
-    out.append(("fixed", "upper", "replace-one", *_timed(lambda: epsilon(event("fixed"), delta))))
+    out.append(("fixed", "upper", "replace-one", *_timed(lambda: epsilon(event("fixed"), delta, "wor-pld"))))
+    out.append(("fixed", "upper (RDP)", "replace-one", *_timed(lambda: epsilon(event("fixed"), delta, "rdp"))))
     shuffled = event("shuffle")
     out.append(("shuffle", "upper", "zero-out", *_timed(lambda: epsilon(shuffled, delta))))
     out.append(("shuffle", "lower (Chua et al.)", "zero-out", *_timed(lambda: shuffle.lower_bound(
@@ -62,7 +64,8 @@ def rows(sigma: float, batch_size: int, dataset_size: int, steps: int, delta: fl
     out.append(("balls-in-bins", "upper", "add/remove", upper, t_u))
     if not isinstance(upper, Exception) and upper.accountant == "allocation":
         out.append(("balls-in-bins", "lower", "add/remove", *_timed(
-            lambda: allocation.lower_bound(balls, delta, upper.details["lattice"]))))
+            lambda: allocation.lower_bound(balls, delta, upper.details["lattice"],
+                                   upper.details["lattice_seconds"]))))
     base = poisson.epsilon
     table = []
     for sampler, bound, relation, value, seconds in out:

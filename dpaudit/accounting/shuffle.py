@@ -123,7 +123,8 @@ def context_for(event, delta: float, result: EpsilonResult) -> ShuffleContext | 
         poisson = account(resampled(event, "poisson"), delta)
         lower = result.details.get("lower_bound")
         if lower is None:
-            lower = allocation.lower_bound(event, delta, result.details["lattice"])
+            lower = allocation.lower_bound(event, delta, result.details["lattice"],
+                                           result.details.get("lattice_seconds"))
         return ShuffleContext(lower, allocation.LOWER_NOTE if lower is not None else "not computed: it would not "
                               "fit what is left of the time or memory budget", poisson.epsilon, poisson.accountant,
                               "the allocation pair's loss rounded down")

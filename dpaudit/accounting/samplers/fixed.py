@@ -1,7 +1,9 @@
 """Fixed-size batches: B examples drawn without replacement each step, independently across steps.
 
-N is public, so neighbours replace one example (replace-one); dp-accounting accounts this as
-``SampledWithoutReplacementDpEvent`` (Renyi DP, Wang, Balle & Kasiviswanathan 2019). Under replace-one a clipped
+N is public, so neighbours replace one example (replace-one). Accounted as a PLD of Lebeda et al.'s dominating
+pair (accounting/wor.py; the same bound holds under add/remove), with dp-accounting's
+``SampledWithoutReplacementDpEvent`` (Renyi DP, Wang, Balle & Kasiviswanathan 2019) as the fallback and
+cross-check. Under replace-one a clipped
 sum moves by up to 2C, not C (``sensitivity`` 2).
 """
 
@@ -17,7 +19,7 @@ def _rdp_event(mech, step):
 
 SCHEME = Scheme("fixed", NeighboringRelation.REPLACE_ONE, True,
                 "fixed-size batches: B = {B} of N = {N} drawn without replacement each step (p = {p:.4g}), T = {T} steps",
-                REPLACE_ONE_WORDS, accountants=("rdp", "pure"), independent_steps=True, sensitivity=2.0,
+                REPLACE_ONE_WORDS, accountants=("wor-pld", "rdp", "pure"), independent_steps=True, sensitivity=2.0,
                 rdp_event=_rdp_event,
                 rdp_note="fixed-size batches: dp-accounting's sampled-without-replacement event, replace-one, "
                          "sensitivity 2C", looks_like=("fixed-size batches drawn without replacement",), rank=1)
