@@ -111,7 +111,7 @@ _RESUMED = {"method": "method", "delta": "delta", "mech": "mechanism", "clip": "
             "direction": "direction", "trainable": "trainable", "bf16": "bf16", "seed": "seed",
             "accountant": "accountant", "save_every": "save_every", "white_box": "white_box",
             "plant_bug": "plant_bug", "per_sample_grads": "per_sample_grads", "micro_batch": "micro_batch",
-            "shard": "shard"}
+            "shard": "shard", "sampling": "sampling"}
 
 
 def _resumed_flags(out: Path, flags: dict) -> dict:
@@ -161,6 +161,9 @@ def train_cmd(
     plant_bug: PlantBugOpt = None,
     stop_on_divergence: DivergenceOpt = False,
     threads: ThreadsOpt = None,
+    sampling: Annotated[str, typer.Option(
+        "--sampling", help="How a private run draws its batches, and is accounted: poisson (rate B/N) or "
+                           "balls-in-bins (each example in one random step of each epoch of N // B steps).")] = "poisson",
     as_json: JsonOpt = False,
 ) -> None:
     """Fine-tune a local causal LM with DP-ZO or DP-SGD (sigma calibrated to --eps) or a non-private baseline."""
@@ -173,13 +176,14 @@ def train_cmd(
                                          direction=direction, trainable=trainable, bf16=bf16, seed=seed,
                                          accountant=accountant, save_every=save_every, white_box=white_box,
                                          plant_bug=plant_bug, per_sample_grads=per_sample_grads,
-                                         micro_batch=micro_batch, shard=shard))
+                                         micro_batch=micro_batch, shard=shard, sampling=sampling))
         (method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction, trainable, bf16,
-         seed, accountant, save_every, white_box, plant_bug, per_sample_grads, micro_batch, shard) = given.values()
+         seed, accountant, save_every, white_box, plant_bug, per_sample_grads, micro_batch, shard,
+         sampling) = given.values()
     cfg = make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction,
                       trainable, bf16, seed, secret_seed, accountant, save_every=save_every, white_box=white_box,
                       plant_bug=plant_bug, allow_overspend=allow_overspend, per_sample_grads=per_sample_grads,
-                      micro_batch=micro_batch, max_memory=max_memory, shard=shard,
+                      micro_batch=micro_batch, max_memory=max_memory, shard=shard, sampling=sampling,
                       stop_on_divergence=stop_on_divergence, model=model)
     refuse_overlap(out, {"model": model, "dataset": data}, folder_output=True)
     set_threads(threads)

@@ -1,4 +1,5 @@
-"""Batches: Poisson sampling with rate p for the private runs, shuffled fixed-size batches otherwise."""
+"""Batches: the private runs draw by their sampler (``SOURCES``: Poisson with rate p = B / N, or balls-in-bins
+with N // B steps an epoch, each accounted as such), the non-private baselines take shuffled fixed-size batches."""
 
 from __future__ import annotations
 
@@ -16,3 +17,18 @@ def shuffled_batches(n: int, batch_size: int, rng: np.random.Generator):
         order = rng.permutation(n)
         for start in range(0, n, batch_size):
             yield order[start:start + batch_size]
+
+
+def _poisson_source(n: int, batch_size: int, secret: int, rng: np.random.Generator):
+    return lambda step: poisson_batch(n, batch_size / n, rng)
+
+
+def _balls_in_bins_source(n: int, batch_size: int, secret: int, rng: np.random.Generator):
+    from dpaudit.training.samplers import AllocationSchedule
+
+    return AllocationSchedule(n, batch_size, secret)
+
+
+# --sampling NAME -> (n, B, secret, rng) -> (step -> the step's example indices). A sampler the trainers can draw
+# is one entry here; how it is accounted is its Scheme record (accounting/samplers/).
+SOURCES = {"poisson": _poisson_source, "balls-in-bins": _balls_in_bins_source}

@@ -34,15 +34,16 @@ class PrivacyPlan:
 
     @classmethod
     def build(cls, *, kind: str, rate: float, steps: int, delta: float, target_epsilon: float,
-              sigma: float | None, accountant: str | None, bug: Bug = NO_BUG) -> "PrivacyPlan":
+              sigma: float | None, accountant: str | None, bug: Bug = NO_BUG, sampling: str = "poisson",
+              examples: int | None = None) -> "PrivacyPlan":
         if sigma is None and not math.isfinite(target_epsilon):
             return cls(None, delta, None, math.inf, False)
         calibrated = sigma is None
+        template = _template(kind, rate, steps, sampling, examples)
         if calibrated:
-            template = Mechanism(kind, 1.0, rate, steps)
             sigma = (_remove_only_sigma(template, target_epsilon, delta) if bug.remove_only
                      else calibrate_sigma(template, target_epsilon, delta, accountant).sigma)
-        return cls(Mechanism(kind, sigma, rate, steps), delta, accountant, target_epsilon, calibrated)
+        return cls(template.with_sigma(sigma), delta, accountant, target_epsilon, calibrated)
 
     def noise_sigma(self, bug: Bug = NO_BUG) -> float:
         """The noise multiplier the trainer adds: the plan's, unless a planted bug scales it."""
@@ -65,6 +66,15 @@ class PrivacyPlan:
 
     def epsilon_at(self, steps: int):
         return epsilon(self.event_at(steps), self.delta, self.accountant)
+
+
+def _template(kind: str, rate: float, steps: int, sampling: str, examples: int | None) -> Mechanism:
+    """The run's event at sigma 1: Poisson at rate p, or a sampler that needs B and N (B = round(p N))."""
+    from dpaudit.accounting.samplers import scheme
+
+    if not scheme(sampling).needs_sizes:
+        return Mechanism(kind, 1.0, rate, steps, sampling)
+    return Mechanism(kind, 1.0, rate, steps, sampling, max(1, round(rate * examples)), examples)
 
 
 def _remove_only_sigma(template: Mechanism, target: float, delta: float) -> float:

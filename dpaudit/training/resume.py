@@ -99,6 +99,9 @@ def resume_phases(plan, header: dict, previous: dict, released: int, run_dir: Pa
         raise DPAuditError(f"{run_dir / run_folder.LEDGER} does not say its {', '.join(missing)}: refusing to resume a "
                            "run whose spending is unknown; start a new run folder")
     data_changed = [k for k in DATA_KEYS if k in previous and previous[k] != header[k]]
+    if data_changed and plan.private and header.get("sampling", "poisson") != "poisson":
+        raise DPAuditError(f"resuming {run_dir} on other data is composed as a new phase of Poisson sampling only; "
+                           f"this run draws {header['sampling']} batches: start a new run folder")
     if data_changed and plan.private and plan.calibrated and isinstance(previous.get("sigma"), (int, float)):
         plan = replace(plan, mechanism=plan.mechanism.with_sigma(float(previous["sigma"])))
         header = {**header, "sigma": plan.sigma}
@@ -185,7 +188,8 @@ EXECUTION_ONLY = ("per_sample_grads", "micro_batch", "max_memory", "shard", "sto
 
 
 def plan_of(config: dict) -> dict:
-    return {k: v for k, v in config.items() if k not in EXECUTION_ONLY}
+    """What a resume must keep; runs from before ``sampling`` existed drew Poisson batches."""
+    return {"sampling": "poisson", **{k: v for k, v in config.items() if k not in EXECUTION_ONLY}}
 
 
 def has_content(folder: Path) -> bool:

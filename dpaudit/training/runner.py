@@ -50,6 +50,7 @@ class TrainConfig:
     save_every: int = 0
     unsafe_disable_noise: bool = False   # for audit tests only: claims eps but adds no noise
     white_box: int = 0                   # m white-box canaries planted in the run (0: none)
+    sampling: str = "poisson"            # how private runs draw batches, and are accounted (training/batches.py)
     allow_overspend: bool = False        # a resume may spend more than planned (recorded); not part of the plan
     plant_bug: str | None = None         # a planted privacy bug (testing the audit; see training/bugs.py)
     per_sample_grads: str = "ghost"      # dp-sgd: ghost (clipped sums without per-example gradients) or materialise
@@ -92,6 +93,14 @@ class TrainConfig:
         self.bug = planted_bug(self.plant_bug, record, METHODS)
         if self.white_box and not self.private:
             raise DPAuditError("a white-box audit needs a private run (give --eps or --sigma)")
+        from dpaudit.training.batches import SOURCES
+
+        if self.sampling not in SOURCES:
+            raise DPAuditError(f"the bundled trainers draw {' or '.join(SOURCES)} batches, not {self.sampling!r} "
+                               "(account another sampler with the accounting commands)")
+        if self.sampling != "poisson" and (self.white_box or not self.private):
+            raise DPAuditError(f"--sampling {self.sampling} is for private runs without white-box canaries (their "
+                               "audit assumes Poisson sampling; non-private runs shuffle)")
         if self.shard:  # the one list of what sharding does not run with (white-box canaries shard: probe.py)
             why = ("LoRA (its adapters are small; plain torchrun data parallelism suits it)" if self.trainable == "lora"
                    else "--per-sample-grads materialise (sharded DP-SGD uses ghost clipping)"
@@ -185,6 +194,7 @@ class _Run:
     trainer: Any
     rng: Any
     sharded: bool
+    secret: int = 0                   # the run's secret seed (balls-in-bins batches are drawn from it by epoch)
 
     @property
     def n(self) -> int:  # member canaries are examples too
@@ -273,7 +283,7 @@ def _assemble(opening, texts: list[str], run_dir: Path, cfg: TrainConfig, world,
     _load_trainer_state(trainer, run_dir, opening.start, sharded)
     return _Run(run_dir=run_dir, cfg=cfg, world=world, start=opening.start, model=model, tokenizer=tokenizer,
                 data=data, n_real=len(data), canaries=canaries, rate=batch_size / n, plan=plan, ledger=ledger,
-                discarded=discarded, trainer=trainer, rng=rng, sharded=sharded)
+                discarded=discarded, trainer=trainer, rng=rng, sharded=sharded, secret=int(secret))
 
 
 def _privacy(opening, texts: list[str], run_dir: Path, cfg: TrainConfig, world, n: int, rate: float):
@@ -284,13 +294,13 @@ def _privacy(opening, texts: list[str], run_dir: Path, cfg: TrainConfig, world, 
 
     plan = PrivacyPlan.build(kind=cfg.mechanism, rate=rate, steps=cfg.steps, delta=cfg.delta,
                              target_epsilon=cfg.target_epsilon, sigma=cfg.sigma, accountant=cfg.accountant,
-                             bug=cfg.bug)
+                             bug=cfg.bug, sampling=cfg.sampling, examples=n)
     header = {"method": cfg.method, "private": plan.private, "mechanism": cfg.mechanism if plan.private else None,
               "sigma": plan.sigma, "clip": cfg.clip, "sampling_rate": rate, "steps_planned": cfg.steps,
               "delta": cfg.delta, "target_epsilon": cfg.target_epsilon if math.isfinite(cfg.target_epsilon)
               else "inf", "examples": n, "noise_disabled_unsafely": cfg.unsafe_disable_noise,
               "white_box_canaries": cfg.white_box, "planted_bug": cfg.plant_bug,
-              "world_size": world.size, "data_sha256": fingerprint(texts)}
+              "world_size": world.size, "data_sha256": fingerprint(texts), "sampling": cfg.sampling}
     if opening.previous_ledger is not None:
         plan, header = resume_phases(plan, header, opening.previous_ledger, opening.released_before, run_dir)
     # Steps run after the last checkpoint of a killed run are redone with fresh noise, but their
@@ -325,17 +335,18 @@ def _loop(run: _Run, show_progress: bool):
     """The steps: each batch drawn, written ahead in the ledger, run, watched; checkpoints when due.
     Returns (last loss, the divergence watch)."""
     from dpaudit.core.threads import adapt as adapt_threads
-    from dpaudit.training.batches import poisson_batch, shuffled_batches
+    from dpaudit.training.batches import SOURCES, shuffled_batches
     from dpaudit.training.divergence import DivergenceWatch
 
     cfg, world, ledger, canaries = run.cfg, run.world, run.ledger, run.canaries
     batches = None if cfg.private else shuffled_batches(run.n, cfg.batch_size or run.n, run.rng)
+    draw = SOURCES[cfg.sampling](run.n, cfg.batch_size or run.n, run.secret, run.rng) if cfg.private else None
     last_loss, interrupted_at, watch = None, run.start, DivergenceWatch()
     label = f"{cfg.method}{'' if cfg.private else ' (non-private)'}"
     try:
         with progress_bar(cfg.steps - run.start, label, show_progress and world.is_main) as advance:
             for step in range(run.start, cfg.steps):
-                idx = poisson_batch(run.n, run.rate, run.rng) if cfg.private else next(batches)
+                idx = draw(step) if cfg.private else next(batches)
                 real = idx[idx < run.n_real]
                 sampled = canaries.member_ids[idx[idx >= run.n_real] - run.n_real] if canaries else idx[:0]
                 batch = {k: v.to(world.device) for k, v in run.data.batch(world.shard(real)).items()}

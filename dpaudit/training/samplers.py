@@ -78,6 +78,42 @@ class _Logged:
             self._log = None
 
 
+def epoch_draw(rng: np.random.Generator, n: int, per_epoch: int) -> tuple[np.ndarray, list[int]]:
+    """One balls-in-bins epoch's randomness: the t batch sizes (multinomial, drawn as successive binomials) and
+    the permutation's four round keys."""
+    keys = [int(k) for k in rng.integers(0, 2 ** 63, size=4)]
+    sizes = np.empty(per_epoch, dtype=np.int64)
+    left = n
+    for step in range(per_epoch):
+        remaining = per_epoch - step
+        sizes[step] = left if remaining == 1 else int(rng.binomial(left, 1 / remaining))
+        left -= sizes[step]
+    return sizes, keys
+
+
+def allocated(n: int, sizes: np.ndarray, keys: list[int], step: int) -> np.ndarray:
+    """Batch ``step`` of an epoch drawn by ``epoch_draw``: the keyed permutation of its positions, sorted."""
+    offset = int(sizes[:step].sum())
+    positions = np.arange(offset, offset + int(sizes[step]), dtype=np.uint64)
+    return np.sort(_permute(positions, keys, n)).astype(np.int64)
+
+
+class AllocationSchedule:
+    """The bundled trainers' balls-in-bins batches: step s's batch from (secret, epoch) alone, so a resumed run
+    draws the batches the killed one would have (Poisson batches need no such care: each step is fresh)."""
+
+    def __init__(self, n: int, batch_size: int, secret: int) -> None:
+        self.n, self.per_epoch, self.secret = n, max(1, n // batch_size), int(secret)
+        self._epoch, self._draw = -1, None
+
+    def __call__(self, step: int) -> np.ndarray:
+        epoch, within = divmod(step, self.per_epoch)
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._draw = epoch_draw(np.random.default_rng([self.secret, 0xB1B5, epoch]), self.n, self.per_epoch)
+        return allocated(self.n, *self._draw, within)
+
+
 class PoissonSampler(_Logged):
     """Each example joins each step's batch independently with probability ``sample_rate``. One iteration
     yields ``steps`` batches (default round(1 / p), an epoch's worth, as Opacus' UniformWithReplacementSampler).
@@ -116,8 +152,6 @@ class BallsInBinsSampler(_Logged):
             raise DPAuditError(f"batch size B={self.batch_size} exceeds the dataset size N={self.dataset_size}")
         self.steps_per_epoch = self.dataset_size // self.batch_size
         self._drawn = 0
-        half = max(1, math.ceil(math.log2(self.dataset_size) / 2))  # the Feistel domain: 4^half >= N
-        self._half_bits = half
 
     def __len__(self) -> int:
         return self.steps_per_epoch
@@ -127,32 +161,30 @@ class BallsInBinsSampler(_Logged):
             raise DPAuditError(f"this sampler was made for {self.epochs} epoch(s), all drawn: account more epochs "
                                "and make a new sampler")
         self._drawn += 1
-        keys = [int(k) for k in self._rng.integers(0, 2 ** 63, size=4)]
-        left, offset = self.dataset_size, 0
+        sizes, keys = epoch_draw(self._rng, self.dataset_size, self.steps_per_epoch)
         for step in range(self.steps_per_epoch):
-            remaining = self.steps_per_epoch - step
-            size = left if remaining == 1 else int(self._rng.binomial(left, 1 / remaining))
-            positions = np.arange(offset, offset + size, dtype=np.uint64)
-            offset, left = offset + size, left - size
-            yield self._record(sorted(int(i) for i in self._permute(positions, keys)))
+            yield self._record(allocated(self.dataset_size, sizes, keys, step).tolist())
         self._flush()
 
-    def _permute(self, x: np.ndarray, keys: list[int]) -> np.ndarray:
-        """The keyed permutation of [0, N) at positions ``x``: Feistel on 2 x half bits, cycle-walked below N."""
-        out = self._feistel(x, keys)
-        outside = out >= self.dataset_size
-        while outside.any():  # each walk lands in [0, N) with probability N / 4^half >= 1/4
-            out[outside] = self._feistel(out[outside], keys)
-            outside = out >= self.dataset_size
-        return out
 
-    def _feistel(self, x: np.ndarray, keys: list[int]) -> np.ndarray:
-        bits = np.uint64(self._half_bits)
-        mask = np.uint64((1 << self._half_bits) - 1)
-        left, right = x >> bits, x & mask
-        for key in keys:
-            left, right = right, left ^ (_mix(right, key) & mask)
-        return (left << bits) | right
+def _permute(x: np.ndarray, keys: list[int], n: int) -> np.ndarray:
+    """The keyed permutation of [0, n) at positions ``x``: Feistel on 2 x half bits (4^half >= n), cycle-walked
+    below n."""
+    half = max(1, math.ceil(math.log2(max(n, 2)) / 2))
+    out = _feistel(x, keys, half)
+    outside = out >= n
+    while outside.any():  # each walk lands in [0, n) with probability n / 4^half >= 1/4
+        out[outside] = _feistel(out[outside], keys, half)
+        outside = out >= n
+    return out
+
+
+def _feistel(x: np.ndarray, keys: list[int], half: int) -> np.ndarray:
+    bits, mask = np.uint64(half), np.uint64((1 << half) - 1)
+    left, right = x >> bits, x & mask
+    for key in keys:
+        left, right = right, left ^ (_mix(right, key) & mask)
+    return (left << bits) | right
 
 
 def _mix(x: np.ndarray, key: int) -> np.ndarray:

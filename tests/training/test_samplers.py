@@ -88,3 +88,31 @@ def test_bad_input():
             make()
     with pytest.raises(DPAuditError, match="needs the dataset size and the batch size"):
         analyse_as([[0], [1]], "balls-in-bins")
+
+
+def test_trainer_schedule_partitions_each_epoch_and_is_a_function_of_secret_and_step():
+    from dpaudit.training.batches import SOURCES
+
+    draw = SOURCES["balls-in-bins"](100, 10, 7, None)
+    again = SOURCES["balls-in-bins"](100, 10, 7, None)
+    epochs = [[draw(e * 10 + i) for i in range(10)] for e in range(3)]
+    for batches in epochs:
+        assert np.array_equal(np.sort(np.concatenate(batches)), np.arange(100))
+    assert not all(np.array_equal(a, b) for a, b in zip(epochs[0], epochs[1]))
+    assert np.array_equal(again(25), epochs[2][5])           # a resume at step 25 draws the same batch
+
+
+def test_bundled_trainer_draws_and_accounts_balls_in_bins(tiny_model_dir, tmp_path):
+    from dpaudit.training.runner import TrainConfig, train
+
+    texts = [f"Alice number {i} lives in Paris and likes bread." for i in range(40)]
+    cfg = TrainConfig(method="dp-sgd", target_epsilon=3.0, steps=12, batch_size=8, lr=1e-3, secret_seed=1,
+                      sampling="balls-in-bins")
+    run = train(tiny_model_dir, texts, tmp_path / "run", cfg, show_progress=False)
+    assert run.accountant == "allocation" and run.epsilon <= 3.0
+    ledger = json.loads((run.run_dir / "privacy_ledger.json").read_text())
+    assert ledger["sampling"] == "balls-in-bins" and ledger["accountant"] == "allocation"
+    with pytest.raises(DPAuditError, match="white-box"):
+        TrainConfig(method="dp-sgd", target_epsilon=3.0, sampling="balls-in-bins", white_box=100)
+    with pytest.raises(DPAuditError, match="draw poisson or balls-in-bins"):
+        TrainConfig(method="dp-sgd", target_epsilon=3.0, sampling="shuffle")
