@@ -63,6 +63,7 @@ BYTES_PER_POINT = 56     # measured: FFT buffers per point of the cyclic length 
 SECONDS_PER_POINT = 4e-7  # measured on 2 loaded cores, per point of the cyclic length, both directions
 _UNIT = 2.0 ** -53
 MAX_EPOCHS = 10**6
+MIN_SIGMA = 0.1          # below: e^{1/sigma^2} overflows the lattice's range (the shuffle bound answers instead)
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,9 @@ def epochs_of(mech: Mechanism) -> int:
 
 def limitation(mech: Mechanism | Phases) -> str | None:
     for m in mech.phases:
+        if m.sigma < MIN_SIGMA:
+            return (f"allocation accounting takes sigma >= {MIN_SIGMA:g} (below it one step's loss spans more than "
+                    "the lattice can hold; the shuffle bound answers)")
         if m.steps_per_epoch < 2:
             return "balls-in-bins needs at least 2 steps an epoch (N >= 2B); with one step an epoch it is full batch"
         if epochs_of(m) > MAX_EPOCHS:
@@ -175,7 +179,8 @@ def _eta(mech, delta: float) -> float:
     """What one epoch's window may truncate, on each side of each direction: the run's share over its epochs,
     counted up to a power of two so that schedules of similar length share their epochs' PLDs (max-steps)."""
     epochs = sum(epochs_of(m) for m in mech.phases)
-    return TAIL_SHARE * delta / (4 * 2 ** math.ceil(math.log2(epochs)))
+    # only the window's size depends on it (what falls outside is accounted either way), so it is kept finite
+    return max(1e-250, TAIL_SHARE * delta / (4 * 2 ** math.ceil(math.log2(epochs))))
 
 
 @functools.lru_cache(maxsize=64)
@@ -210,7 +215,8 @@ def _window(sigma: float, t: int, h: float, eta: float, remove: bool) -> tuple[i
     a1 = int(math.floor(scale * math.exp(m - z * s) / h))
     top = scale * math.exp(m + z * s) + (t - 1) + z * math.sqrt(t * math.expm1(s * s))  # above the sum w.p. >= 1-eta
     floor = ((t - 1) * a + a1) * h
-    return a, a1, max(16, int(math.ceil((top - floor) / h)))
+    # + t + 1: rounding each of the t terms up moves the sum up to t lattice steps above the sum itself
+    return a, a1, max(16, int(math.ceil((top - floor) / h)) + t + 1)
 
 
 def _lattice(sigma: float, h: float, a: int, size: int, up: bool, scale: float = 1.0):

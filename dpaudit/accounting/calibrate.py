@@ -211,9 +211,10 @@ def calibrate_sigma(template: Mechanism, target_eps: float, delta: float, accoun
         lo, converged = hi * (1 - rtol / 2), True
     else:
         hooks = acc.search_hooks() if options is None else None
-        (anchor, fallback), evaluations = _initial_sigma(template, target_eps, delta, name), 0
-        if hooks is not None and hooks.start is not None:
-            anchor = hooks.start(template, target_eps, delta)
+        if hooks is not None and hooks.start is not None:  # the accountant's own start (allocation: Poisson's)
+            (anchor, fallback), evaluations = (hooks.start(template, target_eps, delta), None), 0
+        else:
+            (anchor, fallback), evaluations = _initial_sigma(template, target_eps, delta, name), 0
         fixed_resolution = hooks is not None
         for attempt in range(3):
             # The resolution is fixed from a converged evaluation at the anchor; if the answer lands far from

@@ -157,7 +157,8 @@ ACCOUNTANTS: dict[str, Accountant] = {
                    "balls-in-bins (random allocation): one epoch's exact dominating pair on a lattice, composed "
                    "over the epochs; upper bound, lower bound beside it", "dpaudit.accounting.allocation:epsilon",
                    options="dpaudit.accounting.allocation:AllocationOptions", samplings=(), phases=True,
-                   limitation=lambda m: _load("dpaudit.accounting.allocation:limitation")(m), search="dpaudit.accounting.allocation:search_hooks"),
+                   limitation=lambda m: _load("dpaudit.accounting.allocation:limitation")(m),
+                   search="dpaudit.accounting.allocation:search_hooks"),
         Accountant("shuffle", None, False,
                    "shuffled epochs without amplification: each example in at most one batch an epoch, zero-out",
                    "dpaudit.accounting.shuffle:epsilon", samplings=(), phases=True),

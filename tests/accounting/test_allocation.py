@@ -128,3 +128,12 @@ def test_over_budget_answers_the_shuffle_bound_and_says_so():
     assert answer.accountant == "shuffle" and answer.details["requested"] == "allocation"
     assert "over the budget" in answer.guarantee
     assert answer.epsilon >= epsilon(schedule("gaussian", 1.0, 1 / 5000, None, None, 10_000), 1e-5).epsilon
+
+
+def test_extremes_are_answered_never_crash():
+    tiny = epsilon(balls(0.05, 100, 2), 1e-5)
+    assert tiny.accountant == "shuffle" and math.isfinite(tiny.epsilon)
+    huge = epsilon(balls(1e6, 100, 2), 1e-5)
+    assert huge.accountant == "allocation" and 0 <= huge.epsilon < 1e-3
+    far = epsilon(balls(1.0, 100, 2), 1e-200)
+    assert math.isfinite(far.epsilon) and far.epsilon > epsilon(balls(1.0, 100, 2), 1e-5).epsilon
