@@ -330,6 +330,6 @@ def search_hooks():
         # phases: the answer multiplies the parts as given, and the template's multiplier is already in them
         return sigma * template.sigma if isinstance(poisson, Phases) else sigma
 
-    return SearchHooks(start=start, coarse=lambda mech, delta: AllocationOptions(lattice=LADDER[0]),
+    return SearchHooks(start=start, overshoot=1.01, coarse=lambda mech, delta: AllocationOptions(lattice=LADDER[0]),
                        first=lambda mech, delta: AllocationOptions(lattice=LADDER[1]),
                        resolution=resolution)

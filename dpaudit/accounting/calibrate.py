@@ -128,9 +128,11 @@ def _initial_sigma(template, target: float, delta: float, accountant: str):
     return max(0.3, scale * math.sqrt(2 * math.log(1.25 / max(delta, 1e-300))) / target), None
 
 
-def _bracket(f, target: float, sigma0: float) -> tuple[float, float]:
+def _bracket(f, target: float, sigma0: float, overshoot: float = 1.1) -> tuple[float, float]:
     """(lo, hi) with eps(lo) > target >= eps(hi). Steps in log-log space: eps ~ sigma^-k, with k read off
-    the last two evaluations (1 until there are two), overshooting a little so one step usually brackets."""
+    the last two evaluations (1 until there are two), overshooting a little so one step usually brackets
+    (``overshoot``: 1.1, and at least 5 % a step; an accountant whose start is close asks for less)."""
+    least = min(1.05, overshoot)
     lo, hi, sigma = None, None, min(max(sigma0, SIGMA_MIN), SIGMA_MAX)
     seen: list[tuple[float, float]] = []
     while lo is None or hi is None:
@@ -148,13 +150,13 @@ def _bracket(f, target: float, sigma0: float) -> tuple[float, float]:
             if sigma <= SIGMA_MIN:
                 raise DPAuditError(f"target eps={target:g} is met even with sigma={SIGMA_MIN:g}: "
                                    f"no meaningful noise level to calibrate")
-            factor = min(16.0, max(1.05, 1.1 * (target / max(eps, 1e-12)) ** (1 / k)))
+            factor = min(16.0, max(least, overshoot * (target / max(eps, 1e-12)) ** (1 / k)))
             sigma = max(SIGMA_MIN, sigma / factor if lo is None else sigma)
         else:
             lo = sigma
             if sigma >= SIGMA_MAX:
                 raise DPAuditError(f"target eps={target:g} is unreachable: even sigma={SIGMA_MAX:g} gives eps={eps:.4g}")
-            factor = 16.0 if not math.isfinite(eps) else min(16.0, max(1.05, 1.1 * (eps / target) ** (1 / k)))
+            factor = 16.0 if not math.isfinite(eps) else min(16.0, max(least, overshoot * (eps / target) ** (1 / k)))
             sigma = min(SIGMA_MAX, sigma * factor if hi is None else sigma)
         if lo is not None and hi is not None:
             return lo, hi
@@ -225,7 +227,7 @@ def calibrate_sigma(template: Mechanism, target_eps: float, delta: float, accoun
                     anchor, evaluations = _coarse_anchor(template, target_eps, delta, anchor, name, hooks)
                 f = _Evaluator(template, delta, name, options,
                                _resolution_rule(hooks, template, delta, anchor) if fixed_resolution else None)
-                lo, hi = _bracket(f, target_eps, anchor)
+                lo, hi = _bracket(f, target_eps, anchor, hooks.overshoot if hooks is not None else 1.1)
             except budget.OverBudget as exc:
                 if fallback is None or not math.isfinite(budget.current().seconds_left()):
                     raise

@@ -27,3 +27,4 @@ class SearchHooks:
     below: Callable | None = None
     # (template, target eps, delta) -> sigma: a start near the answer (e.g. a cheaper sampler's calibration)
     start: Callable | None = None
+    overshoot: float = 1.1   # the bracket's first step past the target: less where the start is known to be close
