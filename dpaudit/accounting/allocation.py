@@ -102,6 +102,7 @@ def epsilon(mech: Mechanism | Phases, delta: float, settings: AllocationOptions 
     if delta <= 0:
         raise DPAuditError("allocation needs delta > 0")
     began = time.perf_counter()
+    given, mech = mech, _whole_epochs(mech)  # what is accounted (and cached: max-steps tries many T an epoch)
     ladder = (settings.lattice,) if settings.lattice is not None else LADDER
     seen: list[tuple[float, float, dict]] = []  # (h, upper, per-direction)
     limited_by, converged = None, settings.lattice is not None
@@ -128,7 +129,7 @@ def epsilon(mech: Mechanism | Phases, delta: float, settings: AllocationOptions 
     h, upper, directions = min(seen, key=lambda s: s[1])
     lower = _bound(mech, delta, h, pessimistic=False)[0] if settings.lower else None
     epochs = [epochs_of(m) for m in mech.phases]
-    partial = any(m.steps % m.steps_per_epoch for m in mech.phases)
+    partial = any(m.steps % m.steps_per_epoch for m in given.phases)
     details = {"lattice": h, "lattice_seconds": spent[h], "converged": converged, "epochs": epochs,
                "steps_per_epoch": [m.steps_per_epoch for m in mech.phases],
                "rungs": [{"lattice": s[0], "epsilon": s[1]} for s in seen],
@@ -153,7 +154,13 @@ LOWER_NOTE = ("the same epochs' loss rounded the other way on the answer's latti
 def lower_bound(mech: Mechanism | Phases, delta: float, lattice: float, seconds: float | None = None) -> float | None:
     """A lower bound on the true eps at ``delta`` (each rounding the other way, the truncated mass dropped);
     None when it would not fit what is left of the budget: it costs about what the upper bound's rung at this
-    lattice did (``seconds``, measured; else estimated), so 1.5 times that must be left."""
+    lattice did (``seconds``, measured; else estimated), so 1.5 times that must be left. Only complete epochs
+    count (their outputs are part of the run's, so their eps is at most the run's); none complete: None."""
+    parts = tuple(m.with_steps((m.steps // m.steps_per_epoch) * m.steps_per_epoch) for m in mech.phases
+                  if m.steps >= m.steps_per_epoch)
+    if not parts:
+        return None
+    mech = parts[0] if len(parts) == 1 else Phases(parts, getattr(mech, "sigma", 1.0))
     need = _cost(mech, lattice, delta)
     if not budgets.current().fits(need[0]) or 1.5 * (seconds or need[1]) > budgets.current().seconds_left():
         return None
@@ -166,6 +173,12 @@ def _without_amplification(mech, delta: float, why: str) -> EpsilonResult:
     from dpaudit.accounting.registry import epsilon as account
 
     return account(mech, delta, "shuffle").standing_in_for("allocation", why)
+
+
+def _whole_epochs(mech: Mechanism | Phases) -> Mechanism | Phases:
+    """Each phase's steps rounded up to whole epochs: the event the bound is computed for."""
+    parts = tuple(m.with_steps(epochs_of(m) * m.steps_per_epoch) for m in mech.phases)
+    return parts[0] if isinstance(mech, Mechanism) else Phases(parts, mech.sigma)
 
 
 def _cost(mech, h: float, delta: float) -> tuple[float, float]:
@@ -310,8 +323,9 @@ def _wrap_bound(pieces, length: int) -> float:
 
 
 def search_hooks():
-    """Calibration and max-steps evaluate every candidate at one lattice (each valid; no lower bound): the
-    coarsest rung to move a start, the second to bracket, and the one the ladder converges to at the anchor."""
+    """Calibration and max-steps evaluate every candidate at one lattice (each valid): the coarsest rung to move
+    a start, the second to bracket (max-steps brackets T between its upper and its lower bound there), and the one
+    the ladder converges to at the anchor."""
     from dpaudit.accounting.search import SearchHooks
 
     def resolution(anchor, delta: float):
@@ -330,6 +344,10 @@ def search_hooks():
         # phases: the answer multiplies the parts as given, and the template's multiplier is already in them
         return sigma * template.sigma if isinstance(poisson, Phases) else sigma
 
-    return SearchHooks(start=start, overshoot=1.01, coarse=lambda mech, delta: AllocationOptions(lattice=LADDER[0]),
+    def below(mech, delta: float, options: AllocationOptions) -> float:
+        """The lower bound at the options' lattice (0 where no epoch is complete, or it would not fit)."""
+        return lower_bound(mech, delta, options.lattice) or 0.0
+
+    return SearchHooks(start=start, overshoot=1.01, below=below, coarse=lambda mech, delta: AllocationOptions(lattice=LADDER[0]),
                        first=lambda mech, delta: AllocationOptions(lattice=LADDER[1]),
                        resolution=resolution)

@@ -137,3 +137,10 @@ def test_extremes_are_answered_never_crash():
     assert huge.accountant == "allocation" and 0 <= huge.epsilon < 1e-3
     far = epsilon(balls(1.0, 100, 2), 1e-200)
     assert math.isfinite(far.epsilon) and far.epsilon > epsilon(balls(1.0, 100, 2), 1e-5).epsilon
+
+
+def test_lower_bound_counts_complete_epochs_only():
+    partial = schedule("gaussian", 1.2, None, 10, 200, 25, None, "balls-in-bins")   # 1 epoch of 20 and 5 steps
+    assert allocation.lower_bound(partial, 1e-5, 1e-3) == allocation.lower_bound(balls(1.2, 20, 1), 1e-5, 1e-3)
+    assert allocation.lower_bound(schedule("gaussian", 1.2, None, 10, 200, 5, None, "balls-in-bins"), 1e-5,
+                                  1e-3) is None
