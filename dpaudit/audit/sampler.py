@@ -289,15 +289,15 @@ def analyse_as(batches, sampling: str, dataset_size: int | None = None, sample_r
                batch_size: int | None = None, alpha: float = ALPHA) -> tuple[SamplerVerdict, bool, str | None]:
     """A log tested against the named sampler: (the verdict, whether the log matches it, the sampler it is
     accounted as). The fingerprint tests name what the log looks like (``analyse_batches``); it matches when that
-    is ``sampling`` (the scheme records' ``looks_like``). Balls-in-bins is checked exactly too: with t = N // B
-    steps an epoch, no example twice in an epoch (a log that has one is not balls-in-bins: refused) and every
-    example once in each complete epoch."""
+    is ``sampling`` (the scheme records' ``looks_like``). A scheme with ``whole_epochs`` (balls-in-bins) is checked
+    exactly too: with t = N // B steps an epoch, no example twice in an epoch (a log that has one is not that
+    sampler: refused) and every example once in each complete epoch."""
     from dpaudit.accounting.samplers import observed_as, scheme
 
-    scheme(sampling)  # refuses an unknown name
-    if sampling == "balls-in-bins":
+    facts = scheme(sampling)  # refuses an unknown name
+    if facts.whole_epochs:  # every example exactly once in each epoch of N // B steps: checked exactly
         if dataset_size is None or batch_size is None:
-            raise DPAuditError("testing a log against balls-in-bins needs the dataset size and the batch size "
+            raise DPAuditError(f"testing a log against {sampling} needs the dataset size and the batch size "
                                "(-N and -B: t = N // B steps an epoch)")
         batches = _epochs_checked(batches, dataset_size, dataset_size // batch_size)
         sample_rate = 1 / (dataset_size // batch_size) if sample_rate is None else sample_rate
