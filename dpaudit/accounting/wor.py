@@ -30,6 +30,7 @@ has no such class (its MixtureGaussianPrivacyLoss puts a plain Gaussian on one s
 
 from __future__ import annotations
 
+import functools
 import math
 
 from dpaudit.accounting.mechanism import Mechanism, Phases
@@ -49,6 +50,7 @@ def limitation(mech: Mechanism | Phases) -> str | None:
     return None
 
 
+@functools.cache
 def _loss_class():
     """dp-accounting's MonotonePrivacyLoss for the pair of the module docstring (built lazily: scipy, dp-accounting)."""
     import numpy as np
