@@ -216,10 +216,26 @@ def _run_tasks(mech, eps_grid, settings, tasks, total: int):
             yield from pending.popleft().result()
         finished = True
     finally:
-        if not finished:  # the executor offers no way to stop running work but ending its processes
+        if finished:
+            pool.shutdown(wait=True)
+        else:  # the executor offers no way to stop running work but ending its processes
             for process in list((getattr(pool, "_processes", None) or {}).values()):
                 process.terminate()
-        pool.shutdown(wait=finished, cancel_futures=True)
+            _shut_down_within(pool, SHUTDOWN_SECONDS)
+
+
+SHUTDOWN_SECONDS = 10.0  # a stopped pool's own threads get this long to wind down
+
+
+def _shut_down_within(pool, seconds: float) -> None:
+    """Shut a pool whose workers were ended down, waiting (at most ``seconds``) for its threads: left running,
+    the thread that feeds tasks to the workers can write to a pipe the exiting interpreter has closed, and print a
+    traceback (errno 9) after the one-line refusal (seen once in CI under load)."""
+    import threading
+
+    waiter = threading.Thread(target=pool.shutdown, kwargs={"wait": True, "cancel_futures": True}, daemon=True)
+    waiter.start()
+    waiter.join(seconds)
 
 
 def _grid_top(mech: Mechanism, delta: float) -> float:
