@@ -51,30 +51,30 @@ def rows(sigma: float, batch_size: int, dataset_size: int, steps: int, delta: fl
         return schedule("gaussian", sigma, None, b, n, steps, None, sampling)
 
     poisson, t_p = _timed(lambda: epsilon(event("poisson"), delta))
-    out = [("poisson", "upper", "add/remove", poisson, t_p)]
-    out.append(("poisson", "upper", "replace-one", *_timed(lambda: poisson_replace_one(sigma, b / n, steps, delta))))
-    out.append(("fixed", "upper", "replace-one", *_timed(lambda: epsilon(event("fixed"), delta, "wor-pld"))))
-    out.append(("fixed", "upper (RDP)", "replace-one", *_timed(lambda: epsilon(event("fixed"), delta, "rdp"))))
+    # (sampler, bound, relation, accountant for a bare number (a result names its own), value, seconds)
+    out = [("poisson", "upper", "add/remove", None, poisson, t_p),
+           ("poisson", "upper", "replace-one", "dp-accounting pld",
+            *_timed(lambda: poisson_replace_one(sigma, b / n, steps, delta))),
+           ("fixed", "upper", "replace-one", None, *_timed(lambda: epsilon(event("fixed"), delta, "wor-pld"))),
+           ("fixed", "upper (RDP)", "replace-one", None, *_timed(lambda: epsilon(event("fixed"), delta, "rdp")))]
     shuffled = event("shuffle")
-    out.append(("shuffle", "upper", "zero-out", *_timed(lambda: epsilon(shuffled, delta))))
-    out.append(("shuffle", "lower (Chua et al.)", "zero-out", *_timed(lambda: shuffle.lower_bound(
+    out.append(("shuffle", "upper", "zero-out", None, *_timed(lambda: epsilon(shuffled, delta))))
+    out.append(("shuffle", "lower (Chua et al.)", "zero-out", "-", *_timed(lambda: shuffle.lower_bound(
         sigma, shuffled.steps_per_epoch, steps // shuffled.steps_per_epoch, delta))))
     balls = event("balls-in-bins")
     upper, t_u = _timed(lambda: epsilon(balls, delta))
-    out.append(("balls-in-bins", "upper", "add/remove", upper, t_u))
+    out.append(("balls-in-bins", "upper", "add/remove", None, upper, t_u))
     if not isinstance(upper, Exception) and upper.accountant == "allocation":
-        out.append(("balls-in-bins", "lower", "add/remove", *_timed(
-            lambda: allocation.lower_bound(balls, delta, upper.details["lattice"],
-                                   upper.details["lattice_seconds"]))))
+        out.append(("balls-in-bins", "lower", "add/remove", "-", *_timed(
+            lambda: allocation.lower_bound(balls, delta, upper.details["lattice"], upper.details["lattice_seconds"]))))
     base = poisson.epsilon
     table = []
-    for sampler, bound, relation, value, seconds in out:
+    for sampler, bound, relation, accountant, value, seconds in out:
         row = {"sampler": sampler, "bound": bound, "relation": relation, "seconds": seconds, "steps": steps}
         if isinstance(value, Exception):
             row.update(epsilon=None, accountant="-", why=str(value))
         elif isinstance(value, (int, float)) or value is None:
-            row.update(epsilon=value, accountant="dp-accounting pld" if relation == "replace-one"
-                       and sampler == "poisson" else "-")
+            row.update(epsilon=value, accountant=accountant)
         else:
             row.update(epsilon=value.epsilon, accountant=value.accountant,
                        converged=value.details.get("converged", True))

@@ -311,13 +311,16 @@ def _epochs_checked(batches, n: int, per_epoch: int):
     seen = np.zeros(n, dtype=bool)
     step = 0
     for batch in batches:
-        for i in batch:
-            if not 0 <= i < n:
-                raise DPAuditError(f"step {step + 1}: index {i} is outside the dataset of {n}")
-            if seen[i]:
-                raise DPAuditError(f"step {step + 1}: example {i} is drawn twice in epoch {step // per_epoch + 1}: "
-                                   "not balls-in-bins (each example once an epoch)")
-            seen[i] = True
+        idx = np.asarray(batch, dtype=np.int64)
+        outside = idx[(idx < 0) | (idx >= n)]
+        if outside.size:
+            raise DPAuditError(f"step {step + 1}: index {int(outside[0])} is outside the dataset of {n}")
+        values, counts = np.unique(idx, return_counts=True)
+        again = values[(counts > 1) | seen[values]]
+        if again.size:
+            raise DPAuditError(f"step {step + 1}: example {int(again[0])} is drawn twice in epoch "
+                               f"{step // per_epoch + 1}: not balls-in-bins (each example once an epoch)")
+        seen[values] = True
         step += 1
         if step % per_epoch == 0:
             if not seen.all():
