@@ -183,8 +183,8 @@ def test_a_delta_known_before_composing_skips_the_float64_pass(monkeypatch):
     both.pmfs  # noqa: B018 - float64 first, then recomposed by epsilons
     expected = both.epsilons(1e-10)
     calls = []
-    compose = pld._self_compose  # noqa: SLF001
-    monkeypatch.setattr(pld, "_self_compose", lambda *a, **k: calls.append(k.get("precise", False)) or compose(*a, **k))
+    compose = pld.kernel._self_compose  # noqa: SLF001
+    monkeypatch.setattr(pld.kernel, "_self_compose", lambda *a, **k: calls.append(k.get("precise", False)) or compose(*a, **k))
     direct = pld.composed_pld(mech, grid, delta=1e-10)
     assert direct.epsilons(1e-10) == expected and calls == [True, True]
     assert direct.round_off == both.round_off
@@ -223,15 +223,15 @@ def test_long_double_powers_only_the_coefficients_that_matter(monkeypatch):
     composed = pld.composed_pld(mech, pld.first_grid(mech, 1e-10), delta=1e-10)
     single, bounds = composed.single["remove"], composed.bounds["remove"]
     kept = []
-    power = pld._power  # noqa: SLF001
+    power = pld.kernel._power  # noqa: SLF001
 
     def counting(spectrum, steps):
         power(spectrum, steps)
         kept.append((int(np.count_nonzero(spectrum)), len(spectrum)))
 
-    monkeypatch.setattr(pld, "_power", counting)
+    monkeypatch.setattr(pld.kernel, "_power", counting)
     fast = pld._self_compose(single, mech.steps, bounds, precise=True)  # noqa: SLF001
-    monkeypatch.setattr(pld, "_power", lambda spectrum, steps: np.power(spectrum, steps, out=spectrum))
+    monkeypatch.setattr(pld.kernel, "_power", lambda spectrum, steps: np.power(spectrum, steps, out=spectrum))
     full = pld._self_compose(single, mech.steps, bounds, precise=True)  # noqa: SLF001
     (count, length), = kept
     assert count < length / 100
