@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from dpaudit.accounting import ACCOUNTANTS, calibrate_sigma, default_accountant, epsilon, max_steps
+from dpaudit.accounting.calibrate import epsilons_over_steps
 from dpaudit.accounting.mechanism import check_epsilon
 from dpaudit.accounting.noises import noise
 from dpaudit.accounting.result import json_float
@@ -354,7 +355,7 @@ def plot(
         if sigma is None:
             raise DPAuditError("--vs steps needs --sigma")
         xs = sorted({int(x) for x in np.geomspace(1, m.steps, points)})
-        ys = [epsilon(m.with_steps(x), d, accountant).epsilon for x in xs]
+        ys = [r.epsilon for r in epsilons_over_steps(m, xs, d, accountant)]
         label = "steps T"
     title = f"{mech}, p={m.sampling_rate:g}, " + (f"T={m.steps}" if vs == "sigma" else f"sigma={sigma:g}") + f", delta={d:g}"
     epsilon_curve(xs, ys, x_label=label, title=title, path=out, target=eps, marker=marker)

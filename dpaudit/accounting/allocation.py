@@ -259,8 +259,9 @@ def _epoch(sigma: float, t: int, h: float, eta: float, pessimistic: bool, remove
     may sit at the wrong loss: the cyclic wrap's Chernoff bound and the round-off). Cached: max-steps composes
     the same epoch for every T it tries."""
     import numpy as np
-    from dp_accounting.pld import pld_pmf
     from scipy import fft
+
+    from dpaudit.accounting.pld import kernel
 
     a, a1, size = _window(sigma, t, h, eta, remove)
     up = pessimistic == remove  # remove + upper, or add + lower: the sum is rounded up
@@ -302,7 +303,7 @@ def _epoch(sigma: float, t: int, h: float, eta: float, pessimistic: bool, remove
     # the lower bound drops everything outside the window (dropping mass only lowers delta)
     lowest = int(rounded.min())
     probs = np.bincount(rounded - lowest, weights=masses)
-    return pld_pmf.DensePLDPmf(grid, lowest, probs, min(1.0, infinite), pessimistic), slack
+    return kernel.dense(grid, lowest, probs, min(1.0, infinite), pessimistic), slack
 
 
 def _wrap_bound(pieces, length: int) -> float:

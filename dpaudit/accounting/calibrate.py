@@ -19,12 +19,16 @@ from dataclasses import dataclass, replace
 from dpaudit.core import limits as budget
 from dpaudit.accounting.mechanism import Mechanism, check_delta, check_epsilon, miss_log_probability
 from dpaudit.accounting.registry import ACCOUNTANTS, default_accountant, epsilon, get_accountant
+from dpaudit.accounting import search
 from dpaudit.accounting.result import EpsilonResult
+from dpaudit.accounting.search import SIGMA as _SIGMA_PARAMETER, STEPS as _STEPS_PARAMETER
 from dpaudit.core.errors import DPAuditError
 
-SIGMA_MIN = 1e-3
-SIGMA_MAX = 1e6
-MAX_STEPS = 10**8
+SIGMA = _SIGMA_PARAMETER
+STEPS = _STEPS_PARAMETER
+SIGMA_MIN = SIGMA.low
+SIGMA_MAX = SIGMA.high
+MAX_STEPS = int(STEPS.high)
 MAX_EVALUATIONS = 80
 
 
@@ -88,8 +92,7 @@ def _coarse_anchor(template, target: float, delta: float, anchor: float, name: s
     f = _Evaluator(template, delta, name, None, lambda sigma: hooks.coarse(template.with_sigma(sigma), delta))
     if f(anchor).epsilon >= target / 2:
         return anchor, 1
-    lo, hi = _bracket(f, target, anchor)
-    return _refine(f, target, lo, hi, 0.01)[1], len(f.cache)
+    return _solve(f, target, anchor, rtol=0.02).value, len(f.cache)
 
 
 def _quick(template, delta: float, name: str) -> str | None:
@@ -128,38 +131,19 @@ def _initial_sigma(template, target: float, delta: float, accountant: str):
     return max(0.3, scale * math.sqrt(2 * math.log(1.25 / max(delta, 1e-300))) / target), None
 
 
-def _bracket(f, target: float, sigma0: float, overshoot: float = 1.1) -> tuple[float, float]:
-    """(lo, hi) with eps(lo) > target >= eps(hi). Steps in log-log space: eps ~ sigma^-k, with k read off
-    the last two evaluations (1 until there are two), overshooting a little so one step usually brackets
-    (``overshoot``: 1.1, and at least 5 % a step; an accountant whose start is close asks for less)."""
-    least = min(1.05, overshoot)
-    lo, hi, sigma = None, None, min(max(sigma0, SIGMA_MIN), SIGMA_MAX)
-    seen: list[tuple[float, float]] = []
-    while lo is None or hi is None:
-        if f.out_of_time():
-            raise budget.OverBudget(f"the search needs about {f.slowest:.0f} s an evaluation, "
-                                    f"more than the time budget has left")
-        eps = f(sigma).epsilon
-        if math.isfinite(eps) and eps > 0:
-            seen.append((math.log(sigma), math.log(eps)))
-        k = 1.0
-        if len(seen) >= 2 and seen[-1][0] != seen[-2][0]:
-            k = min(8.0, max(0.5, -(seen[-1][1] - seen[-2][1]) / (seen[-1][0] - seen[-2][0])))
-        if eps <= target:
-            hi = sigma
-            if sigma <= SIGMA_MIN:
-                raise DPAuditError(f"target eps={target:g} is met even with sigma={SIGMA_MIN:g}: "
-                                   f"no meaningful noise level to calibrate")
-            factor = min(16.0, max(least, overshoot * (target / max(eps, 1e-12)) ** (1 / k)))
-            sigma = max(SIGMA_MIN, sigma / factor if lo is None else sigma)
-        else:
-            lo = sigma
-            if sigma >= SIGMA_MAX:
-                raise DPAuditError(f"target eps={target:g} is unreachable: even sigma={SIGMA_MAX:g} gives eps={eps:.4g}")
-            factor = 16.0 if not math.isfinite(eps) else min(16.0, max(least, overshoot * (eps / target) ** (1 / k)))
-            sigma = min(SIGMA_MAX, sigma * factor if hi is None else sigma)
-        if lo is not None and hi is not None:
-            return lo, hi
+def _solve(f: "_Evaluator", target: float, start: float, rtol: float, overshoot: float = 1.1,
+           bracket=None) -> search.Found:
+    """``search.solve`` over sigma for ``f``, saying what the domain's ends mean for a calibration."""
+    try:
+        found = search.solve(lambda sigma: f(sigma).epsilon, target, SIGMA, start, rtol=rtol, overshoot=overshoot,
+                             out_of_time=f.out_of_time, bracket=bracket)
+    except search.Unreachable as exc:
+        raise DPAuditError(f"target eps={target:g} is unreachable: even sigma={SIGMA_MAX:g} gives "
+                           f"eps={exc.eps:.4g}") from None
+    if found.at_end:
+        raise DPAuditError(f"target eps={target:g} is met even with sigma={SIGMA_MIN:g}: "
+                           f"no meaningful noise level to calibrate")
+    return found
 
 
 def _polish(template, target: float, delta: float, fixed, lo: float, hi: float, width: float, name: str):
@@ -227,12 +211,12 @@ def calibrate_sigma(template: Mechanism, target_eps: float, delta: float, accoun
                     anchor, evaluations = _coarse_anchor(template, target_eps, delta, anchor, name, hooks)
                 f = _Evaluator(template, delta, name, options,
                                _resolution_rule(hooks, template, delta, anchor) if fixed_resolution else None)
-                lo, hi = _bracket(f, target_eps, anchor, hooks.overshoot if hooks is not None else 1.1)
+                found = _solve(f, target_eps, anchor, rtol / 2, hooks.overshoot if hooks is not None else 1.1)
             except budget.OverBudget as exc:
                 if fallback is None or not math.isfinite(budget.current().seconds_left()):
                     raise
                 return _fell_back(fallback, name, str(exc), time.perf_counter() - start)
-            lo, hi = _refine(f, target_eps, lo, hi, width)
+            lo, hi = found.rejected, found.value
             evaluations += len(f.cache)
             if not fixed_resolution or abs(math.log(hi / anchor)) < 0.05 or f.out_of_time():
                 break
@@ -266,47 +250,6 @@ def _fell_back(quick: Calibration, requested: str, why: str, seconds: float) -> 
                    f"search given more time would find a smaller one: --timeout)"))
 
 
-def _refine(f, target: float, lo: float, hi: float, width: float) -> tuple[float, float]:
-    """Shrink the bracket to relative width ``width``: secant on (log sigma, log eps), then
-    evaluate just either side of the estimate so that one pass usually closes the bracket.
-    Illinois rule: when the same end moves twice running, the other end's weight is halved, so a
-    curved eps(sigma) cannot stall the secant on one side (regula falsi's failure mode)."""
-    log_t = math.log(target)
-
-    def g(sigma: float) -> float:
-        eps = f(sigma).epsilon
-        return (math.log(eps) if eps > 0 else -math.inf) - log_t if math.isfinite(eps) else math.inf
-
-    weight_lo = weight_hi = 1.0
-    last = None
-    for _ in range(MAX_EVALUATIONS):
-        u_lo, u_hi = math.log(lo), math.log(hi)
-        if u_hi - u_lo <= width or f.out_of_time():
-            return lo, hi
-        if u_hi - u_lo <= 4 * width:  # narrow: plain bisection
-            mid = math.exp((u_lo + u_hi) / 2)
-            lo, hi = (lo, mid) if f(mid).epsilon <= target else (mid, hi)
-            continue
-        g_lo, g_hi = g(lo) * weight_lo, g(hi) * weight_hi
-        if math.isfinite(g_lo) and math.isfinite(g_hi) and g_lo != g_hi:
-            u = u_lo + g_lo * (u_hi - u_lo) / (g_lo - g_hi)
-        else:
-            u = (u_lo + u_hi) / 2
-        u = min(max(u, u_lo + width), u_hi - width)
-        above, below = math.exp(u + width / 2), math.exp(u - width / 2)
-        if f(above).epsilon <= target:
-            if f(below).epsilon <= target:
-                hi, moved = below, "hi"
-            else:
-                lo, hi, moved = below, above, "both"
-        else:
-            lo, moved = above, "lo"
-        weight_lo = weight_lo / 2 if moved == last == "hi" else (1.0 if moved != "hi" else weight_lo)
-        weight_hi = weight_hi / 2 if moved == last == "lo" else (1.0 if moved != "lo" else weight_hi)
-        last = moved
-    raise DPAuditError("calibration did not converge (accountant is not monotone here?)")
-
-
 @dataclass(frozen=True)
 class StepsAnswer:
     steps: int
@@ -321,64 +264,77 @@ class StepsAnswer:
 
 def max_steps(template: Mechanism, target_eps: float, delta: float, accountant: str | None = None,
               options=None) -> StepsAnswer:
-    """Largest T with eps(T) <= target for the given sigma and p."""
+    """Largest T with eps(T) <= target for the given sigma and p: ``search.solve`` over T. Where the accountant
+    offers a curve (pld), every T is read from one composed loss of the step (one transform per window size),
+    first at the refinement's first rung, then at the resolution it converges to at the answer."""
     check_epsilon(target_eps)
     check_delta(delta, allow_zero=True)
     name = accountant or default_accountant(template.with_steps(2), delta)
+    hooks = get_accountant(name).search_hooks()
+    if hooks is not None and hooks.curve is not None:
+        first = options if options is not None else hooks.first(template, delta)
+        found, at = _steps_search(hooks.curve(template, delta, first), target_eps)
+        if options is None and not found.at_end:
+            converged = hooks.resolution(template.with_steps(int(found.value)), delta)(template)
+            if converged.grid != first.grid:
+                finer, finer_at = _steps_search(hooks.curve(template, delta, converged), target_eps,
+                                                start=found.value)
+                if finer.value > found.value:  # both valid: the larger T
+                    found, at = finer, finer_at
+        return _steps_answer(found, at)
     cache: dict[int, EpsilonResult] = {}
-    # a resolution fixed once the bracket is known (pld: one step's loss range does not depend on T)
     step_options = options
 
-    def eps_at(steps: int) -> float:
+    def at(steps: int) -> EpsilonResult:
         if steps not in cache:
             cache[steps] = epsilon(template.with_steps(steps), delta, name, step_options)
-        return cache[steps].epsilon
+        return cache[steps]
 
-    if eps_at(1) > target_eps:
-        raise DPAuditError(f"even one step spends eps={eps_at(1):.4g} > target {target_eps:g}; raise sigma")
-    good, bad = 1, None
-    hooks = get_accountant(name).search_hooks()
+    bracket = None
     if hooks is not None and hooks.below is not None:
+        if at(1).epsilon > target_eps:
+            _one_step_over(at(1).epsilon, target_eps)
         try:
-            good, bad = _estimated_bracket(template, target_eps, delta, good, name, hooks)
+            good, bad = _estimated_bracket(template, target_eps, delta, 1, name, hooks)
         except (OverflowError, ValueError, FloatingPointError):
-            good, bad = 1, None  # the estimate from below fails on extreme inputs; plain doubling still works
+            good, bad = 1, None  # the estimate from below fails on extreme inputs; search from one step
         if options is None:
             step_options = hooks.resolution(template.with_steps(good), delta)(template.with_steps(good))
-        if bad is not None and eps_at(bad) <= target_eps:  # the optimistic estimate was wrong: keep doubling
-            good, bad = bad, None
-    while bad is None:
-        nxt = min(good * 2, MAX_STEPS)
-        if nxt == good:
-            return StepsAnswer(good, True, _at(cache, eps_at, good), None)
-        if eps_at(nxt) <= target_eps:
-            good = nxt
-            if good == MAX_STEPS:
-                return StepsAnswer(good, True, cache[good], None)
-        else:
-            bad = nxt
-    good = _last_within(eps_at, target_eps, good, bad)
-    return StepsAnswer(good, False, _at(cache, eps_at, good), eps_at(good + 1))
+            cache.clear()
+        if at(good).epsilon <= target_eps and (bad is None or at(bad).epsilon > target_eps):
+            bracket = (good, bad) if bad is not None else None
+    found, _ = _steps_search(at, target_eps, bracket=bracket)
+    return _steps_answer(found, at)
 
 
-def _last_within(eps_at, target: float, good: int, bad: int) -> int:
-    """The largest t in [good, bad) with eps(t) <= target, given eps(good) <= target < eps(bad): interpolate
-    eps linearly in t (eps grows about linearly to sqrt-like in T), and bisect whenever an interpolated step
-    kept the same end as the step before (so a curved eps(T) cannot stall it). Far fewer evaluations than
-    plain bisection over a wide bracket, each a full PLD at large T."""
-    prev, bisect_next = None, False
-    while bad - good > 1:
-        e_good, e_bad = eps_at(good), eps_at(bad)
-        if not bisect_next and math.isfinite(e_bad) and e_bad > e_good:
-            t = good + (target - e_good) * (bad - good) / (e_bad - e_good)
-            mid = int(min(max(round(t), good + 1), bad - 1))
-        else:
-            mid = (good + bad) // 2
-        ok = eps_at(mid) <= target
-        good, bad = (mid, bad) if ok else (good, mid)
-        bisect_next = ok == prev and not bisect_next
-        prev = ok
-    return good
+def _one_step_over(eps: float, target: float):
+    raise DPAuditError(f"even one step spends eps={eps:.4g} > target {target:g}; raise sigma")
+
+
+def _steps_search(at, target: float, start: float = 1, bracket=None):
+    """(``search.Found`` over T, T -> EpsilonResult memoised) for ``at`` (T -> EpsilonResult)."""
+    cache: dict[int, EpsilonResult] = {}
+
+    def memo(steps: float) -> EpsilonResult:
+        steps = int(steps)
+        if steps not in cache:
+            cache[steps] = at(steps)
+        return cache[steps]
+
+    if memo(1).epsilon > target:
+        _one_step_over(memo(1).epsilon, target)
+    try:
+        found = search.solve(lambda t: memo(t).epsilon, target, STEPS, start, bracket=bracket)
+    except search.Unreachable as exc:  # not met at T = 1, which was checked: only a non-monotone accountant
+        raise DPAuditError(f"even one step spends eps={exc.eps:.4g} > target {target:g}; raise sigma") from None
+    return found, memo
+
+
+def _steps_answer(found: search.Found, at) -> StepsAnswer:
+    steps = int(found.value)
+    if found.at_end:
+        return StepsAnswer(steps, True, at(steps), None)
+    return StepsAnswer(steps, False, at(steps), at(int(found.rejected)).epsilon)
 
 
 def _last_true(ok, good: int, bad: int) -> int:
@@ -388,11 +344,6 @@ def _last_true(ok, good: int, bad: int) -> int:
         mid = (good + bad) // 2
         good, bad = (mid, bad) if ok(mid) else (good, mid)
     return good
-
-
-def _at(cache: dict, eps_at, steps: int) -> EpsilonResult:
-    eps_at(steps)
-    return cache[steps]
 
 
 def _estimated_bracket(template: Mechanism, target: float, delta: float, good: int, name: str,
@@ -419,3 +370,17 @@ def _estimated_bracket(template: Mechanism, target: float, delta: float, good: i
     a = _last_true(lambda t: upper(t) <= target, lo, hi)  # the largest T the coarse upper bound allows
     d = _last_true(lambda t: lower(t) <= target, a, hi) + 1  # the first T the optimistic estimate exceeds
     return a, d
+
+
+def epsilons_over_steps(template: Mechanism, steps: list[int], delta: float,
+                        accountant: str | None = None) -> list[EpsilonResult]:
+    """eps at each T of ``steps`` (a curve of eps against T). Where the accountant offers a curve (pld), the
+    resolution it converges to at the largest T is fixed once and every T is read from one composed loss of
+    the step; otherwise each T is its own evaluation. Each is a valid bound, as ``epsilon`` is."""
+    name = accountant or default_accountant(template.with_steps(max(2, max(steps))), delta)
+    hooks = get_accountant(name).search_hooks()
+    if hooks is None or hooks.curve is None:
+        return [epsilon(template.with_steps(t), delta, name) for t in steps]
+    last = template.with_steps(max(steps))
+    at = hooks.curve(template, delta, hooks.resolution(last, delta)(template))
+    return [at(t) for t in steps]

@@ -19,7 +19,6 @@ import math
 import numbers
 
 import numpy as np
-from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.pld import privacy_loss_mechanism as plm
 
 _ISCLOSE = 1e-9  # math.isclose's default relative tolerance, which dp-accounting's scalar code uses
@@ -93,9 +92,9 @@ class LaplaceLoss(_ArrayDeltas, plm.LaplacePrivacyLoss):
 def subsampled_pld(loss_for, sampling_prob: float, grid: float, pessimistic: bool, connect_dots: bool = True):
     """dp-accounting's ``from_gaussian_mechanism`` / ``from_laplace_mechanism`` (add/remove, connect-the-dots
     when pessimistic and the loss has its bounds, privacy buckets otherwise) built on ``loss_for(adjacency)``."""
-    def single(adjacency):
-        return pld_lib._create_pld_pmf_from_monotone_privacy_loss(  # noqa: SLF001
-            loss_for(adjacency), pessimistic_estimate=pessimistic, value_discretization_interval=grid,
-            use_connect_dots=pessimistic and connect_dots)
+    from dpaudit.accounting.pld import kernel
 
-    return pld_lib._pld_for_subsampled_mechanism(single, sampling_prob)  # noqa: SLF001
+    def single(adjacency):
+        return kernel.monotone_pmf(loss_for(adjacency), grid, pessimistic, connect_dots)
+
+    return kernel.subsampled(single, sampling_prob)

@@ -124,11 +124,9 @@ def _loss_class():
 
 def one_step_pmf(sigma: float, gamma: float, grid: float):
     """One step's pessimistic (connect-the-dots) PMF on ``grid``."""
-    from dp_accounting.pld import privacy_loss_distribution as pld_lib
+    from dpaudit.accounting.pld import kernel
 
-    return pld_lib._create_pld_pmf_from_monotone_privacy_loss(  # noqa: SLF001 - dp-accounting's constructor
-        _loss_class()(sigma, gamma), pessimistic_estimate=True, value_discretization_interval=grid,
-        use_connect_dots=True).to_dense_pmf()
+    return kernel.monotone_pmf(_loss_class()(sigma, gamma), grid).to_dense_pmf()
 
 
 def _step_range(m: Mechanism) -> float:

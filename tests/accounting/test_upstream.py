@@ -9,7 +9,7 @@ import pytest
 pld_pmf = pytest.importorskip("dp_accounting.pld.pld_pmf")
 from dp_accounting.pld import common, privacy_loss_distribution, privacy_loss_mechanism  # noqa: E402
 
-# (module, name): used by accounting/pld.py, wor.py, allocation.py, shuffle.py, noises/
+# (module, name): used by accounting/pld/kernel.py, wor.py, allocation.py, shuffle.py, noises/
 MODULE_NAMES = [
     (privacy_loss_distribution, "_create_pld_pmf_from_monotone_privacy_loss"),   # wor.py
     (privacy_loss_distribution, "_pld_for_subsampled_mechanism"),                # pld.py
@@ -51,3 +51,42 @@ def test_monotone_privacy_loss_contract():
     for name in ("monotone_privacy_loss", "pessimistic_estimate", "value_discretization_interval",
                  "use_connect_dots"):
         assert name in params, f"_create_pld_pmf_from_monotone_privacy_loss lost its {name} parameter"
+
+
+# a PrivacyLossDistribution's private fields that pld/kernel.py reads (``directions``, ``raw_directions``)
+PLD_FIELDS = ["_pmf_remove", "_pmf_add", "_symmetric"]
+
+
+def test_privacy_loss_distribution_fields():
+    pld = privacy_loss_distribution.from_gaussian_mechanism(1.0, sampling_prob=0.5,
+                                                            value_discretization_interval=0.1)
+    for field in PLD_FIELDS:
+        assert hasattr(pld, field), f"PrivacyLossDistribution has no {field}, which dpaudit's pld kernel reads"
+    assert hasattr(pld._pmf_remove, "to_dense_pmf"), "a PLD's PMF has no to_dense_pmf"  # noqa: SLF001
+
+
+def test_the_kernel_mirrors_the_pinned_release():
+    """kernel.UPSTREAM names the minor release the kernel mirrors; pyproject pins that range."""
+    import re
+    from importlib.metadata import version
+    from pathlib import Path
+
+    from dpaudit.accounting.pld import kernel
+
+    installed = version("dp-accounting")
+    assert installed.startswith(kernel.UPSTREAM + "."), (f"dp-accounting {installed} is installed; the pld kernel "
+                                                          f"mirrors {kernel.UPSTREAM}.x: read its internals again")
+    pin = re.search(r'"dp-accounting([^"]*)"', (Path(__file__).parents[2] / "pyproject.toml").read_text()).group(1)
+    assert f">={kernel.UPSTREAM}" in pin and "<" in pin, f"pyproject pins dp-accounting{pin}"
+
+
+# private fields of dp-accounting's losses that vectorised_loss.py reads (the kernel's docstring lists them)
+LOSS_FIELDS = [("GaussianPrivacyLoss", "_standard_deviation", (1.0,)), ("LaplacePrivacyLoss", "_parameter", (1.0,))]
+
+
+@pytest.mark.parametrize("cls, field, args", LOSS_FIELDS, ids=[f"{c}.{f}" for c, f, _ in LOSS_FIELDS])
+def test_loss_fields(cls, field, args):
+    loss = getattr(privacy_loss_mechanism, cls)(*args, sampling_prob=0.5)
+    assert hasattr(loss, field), f"{cls} has no {field}, which dpaudit's vectorised_loss reads"
+    for public in ("sampling_prob", "adjacency_type", "sensitivity"):
+        assert hasattr(loss, public), f"{cls} has no {public}"

@@ -78,6 +78,12 @@ def epsilon(mech: Mechanism, delta: float, grid: float | None = None,
         return _fallback(mech, delta, f"pld does not fit the budget ({exc})")
     except OverflowError:  # dp-accounting evaluates e^{1/sigma} in floats: Laplace with sigma < ~1/700
         return _fallback(mech, delta, f"dp-accounting's PLD overflows at sigma = {mech.sigma:g}")
+    return _answer(mech, delta, best, rungs, rung_eps, limited, refined=grid is None)
+
+
+def _answer(mech: Event, delta: float, best: dict, rungs: list, rung_eps: list, limited: str | None,
+            refined: bool) -> EpsilonResult:
+    """The result of per-direction bounds ``best`` (the smallest over the grids ``rungs`` tried)."""
     eps = max(best.values())
     if all(noise(m.kind).pure_dp for m in mech.phases):
         # A Laplace run is also pure (T * eps_1)-DP; pessimistic rounding can put PLD a grid step
@@ -91,7 +97,7 @@ def epsilon(mech: Mechanism, delta: float, grid: float | None = None,
                "grids": [{"grid": g, "epsilon": e} for g, e in zip(rungs, rung_eps)],
                # whether this evaluation refined its grid to convergence (False on a fixed grid, as a
                # calibration's search uses): not the calibration's own `converged`
-               "grid_refined_to_convergence": limited is None and (grid is None), "limited_by": limited}
+               "grid_refined_to_convergence": limited is None and refined, "limited_by": limited}
     if not math.isfinite(eps) or limited is not None:
         alt = _alternative(mech, delta)
         if alt is not None and alt.epsilon < eps:
@@ -104,6 +110,29 @@ def epsilon(mech: Mechanism, delta: float, grid: float | None = None,
                   + (", grid limited by the " + limited + " budget)" if limited else ")"),
         directions=best, details=details,
     )
+
+
+def steps_curve(template: Mechanism, delta: float, options: PldOptions | None = None):
+    """T -> ``epsilon`` of ``template`` with T steps, on one grid (``options.grid``, else the ladder's first
+    rung): the step is discretised once and each direction's transform reused (``compose.StepsCurve``). Where
+    that does not apply or does not fit (p = 1 Gaussian steps collapse to one; delta below ``MIN_DELTA``; over
+    the memory budget), each T is ``epsilon`` on that grid, as valid."""
+    grid = options.grid if options is not None and options.grid is not None else first_grid(template, delta)
+    if delta < MIN_DELTA or _as_composed(template.with_steps(2)).steps == 1:
+        return lambda steps: epsilon(template.with_steps(steps), delta, grid)
+    shared: list = []
+
+    def at(steps: int) -> EpsilonResult:
+        mech = template.with_steps(steps)
+        try:
+            if not shared:
+                shared.append(StepsCurve(template, grid, delta))
+            found = shared[0].at(steps).epsilons(delta)
+        except (budgets.OverBudget, OverflowError):
+            return epsilon(mech, delta, grid)
+        return _answer(mech, delta, found, [grid], [max(found.values())], None, refined=False)
+
+    return at
 
 
 def delta(mech: Mechanism, eps: float, settings: PldOptions = PldOptions()) -> DeltaResult:
@@ -168,4 +197,5 @@ def _below(mech: Event, delta: float, options: PldOptions) -> float:
 def search_hooks():
     from dpaudit.accounting.search import SearchHooks
 
-    return SearchHooks(coarse=_coarse_options, first=_first_options, resolution=_resolution, below=_below)
+    return SearchHooks(coarse=_coarse_options, first=_first_options, resolution=_resolution, below=_below,
+                       curve=steps_curve)

@@ -5,7 +5,10 @@ the field, when an internal read here moves):
 - ``pld/pld_pmf.py``: ``DensePLDPmf`` (its fields ``_discretization``, ``_lower_loss``, ``_probs``,
   ``_infinity_mass``, ``_pessimistic_estimate``; its constructor), ``self_compose`` and ``get_epsilon_for_delta``;
 - ``pld/common.py``: ``self_convolve`` and ``compute_self_convolve_bounds`` (the Chernoff truncation);
-- ``pld/privacy_loss_distribution.py``: a PLD's ``_pmf_remove``, ``_pmf_add`` and ``_symmetric``.
+- ``pld/privacy_loss_distribution.py``: a PLD's ``_pmf_remove``, ``_pmf_add`` and ``_symmetric``; the private
+  constructors ``_create_pld_pmf_from_monotone_privacy_loss`` and ``_pld_for_subsampled_mechanism``;
+- ``pld/privacy_loss_mechanism.py``: ``GaussianPrivacyLoss._standard_deviation`` and
+  ``LaplacePrivacyLoss._parameter``, read by ``vectorised_loss.py`` (the losses' deltas on arrays).
 No other module of dpaudit touches those names; they go through the accessors below.
 
 Composition (``SelfComposition``): the T-fold PMF of one step is one FFT power, ``ifft(fft(x, L) ** T)``, rolled
@@ -89,6 +92,23 @@ def directions(pld, pessimistic: bool) -> dict:
     if not pld._symmetric:  # noqa: SLF001
         pmfs["add"] = _normalised(pld._pmf_add.to_dense_pmf(), pessimistic)  # noqa: SLF001
     return pmfs
+
+
+def monotone_pmf(loss, grid: float, pessimistic: bool = True, connect_dots: bool = True):
+    """One step's PMF of a ``MonotonePrivacyLoss`` on ``grid`` (dp-accounting's private constructor; connect-the-dots
+    when pessimistic and asked, privacy buckets otherwise)."""
+    from dp_accounting.pld import privacy_loss_distribution as pld_lib
+
+    return pld_lib._create_pld_pmf_from_monotone_privacy_loss(  # noqa: SLF001
+        loss, pessimistic_estimate=pessimistic, value_discretization_interval=grid,
+        use_connect_dots=pessimistic and connect_dots)
+
+
+def subsampled(single, sampling_prob: float):
+    """A PLD from ``single(adjacency) -> PMF`` under Poisson subsampling (dp-accounting's private combinator)."""
+    from dp_accounting.pld import privacy_loss_distribution as pld_lib
+
+    return pld_lib._pld_for_subsampled_mechanism(single, sampling_prob)  # noqa: SLF001
 
 
 def raw_directions(pld) -> dict:
