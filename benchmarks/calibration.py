@@ -9,6 +9,11 @@ several valid bounds): "valid" means the referee's eps <= target at that sigma. 
 
     .venv/bin/python benchmarks/calibration.py            # T = 75,000 and T = 1e6 cases (~20 min)
     .venv/bin/python benchmarks/calibration.py --quick    # the T = 75,000, eps = 1 case only
+    .venv/bin/python benchmarks/calibration.py --core     # the accounting core's table only (~1 min)
+
+The core table (``--core``, also printed first by the other runs): each command in a fresh process, imports
+included, against one dp-accounting eps evaluation at the paper case (p = 0.016, T = 75,000, delta = 1e-5) and a
+20-point eps-versus-T curve by dp-accounting (20 evaluations, one process), with each process's peak memory.
 """
 
 from __future__ import annotations
@@ -63,6 +68,95 @@ def run_tool(name: str, p: float, steps: int, eps: float, delta: float, timeout:
     return {"tool": name, "sigma": float(out.stdout.split()[-1]), "seconds": seconds}
 
 
+PAPER_SIGMA = 16.369286977517604  # the README's max_steps example: eps = 1 at T = 75,000 (p = 16/1000)
+CURVE_STEPS = "[int(t) for t in __import__('numpy').geomspace(1, 75000, 20)]"
+PEAK = "\nimport resource; print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
+CORE = {  # (tool, case): code run in a fresh process
+    ("dpaudit", "max-steps"): f"""
+import sys
+from dpaudit.cli.main import run
+sys.argv = ["dpaudit", "max-steps", "--sigma", "{PAPER_SIGMA!r}", "--eps", "1", "--p", "0.016", "--json"]
+try:
+    run()
+except SystemExit:
+    pass""",
+    ("dpaudit", "calibrate"): """
+import sys
+from dpaudit.cli.main import run
+sys.argv = ["dpaudit", "calibrate", "--eps", "1", "--p", "0.016", "--steps", "75000", "--json"]
+try:
+    run()
+except SystemExit:
+    pass""",
+    ("dpaudit", "plot --vs steps, 50 points"): f"""
+import sys, tempfile
+from dpaudit.cli.main import run
+out = tempfile.mktemp(suffix=".png")
+sys.argv = ["dpaudit", "plot", "--vs", "steps", "--sigma", "{PAPER_SIGMA!r}", "--p", "0.016", "--steps", "75000",
+            "--points", "50", "-o", out, "--json"]
+try:
+    run()
+except SystemExit:
+    pass""",
+    ("dpaudit", "eps-vs-T curve, 20 points"): f"""
+from dpaudit.accounting import Mechanism
+from dpaudit.accounting.calibrate import epsilons_over_steps
+print([r.epsilon for r in epsilons_over_steps(Mechanism("gaussian", {PAPER_SIGMA!r}, 0.016, 1), {CURVE_STEPS}, 1e-5)])""",
+    ("dp-accounting", "one eps at T = 75,000"): f"""
+import dp_accounting
+from dp_accounting.pld import pld_privacy_accountant
+acc = pld_privacy_accountant.PLDAccountant()
+acc.compose(dp_accounting.PoissonSampledDpEvent(0.016, dp_accounting.GaussianDpEvent({PAPER_SIGMA!r})), 75000)
+print(acc.get_epsilon(1e-5))""",
+    ("dp-accounting", "eps-vs-T curve, 20 points"): f"""
+import dp_accounting
+from dp_accounting.pld import pld_privacy_accountant
+out = []
+for t in {CURVE_STEPS}:
+    acc = pld_privacy_accountant.PLDAccountant()
+    acc.compose(dp_accounting.PoissonSampledDpEvent(0.016, dp_accounting.GaussianDpEvent({PAPER_SIGMA!r})), t)
+    out.append(acc.get_epsilon(1e-5))
+print(out)""",
+}
+
+
+def core_table(timeout: float) -> list[dict]:
+    """The accounting core's timings: each (tool, case) in a fresh process, seconds and peak memory; ratios
+    against dp-accounting's one eps evaluation at T = 75,000 measured in the same run."""
+    rows = []
+    for (tool, case), code in CORE.items():
+        began = time.perf_counter()
+        try:
+            out = subprocess.run([sys.executable, "-c", code + PEAK], capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rows.append({"tool": tool, "case": case, "error": f"over {timeout:g} s"})
+            continue
+        seconds = time.perf_counter() - began
+        peak = [int(line.split()[1]) for line in out.stdout.splitlines() if line.startswith("PEAK ")]
+        row = {"tool": tool, "case": case, "seconds": seconds, "peak_bytes": peak[-1] if peak else None}
+        if out.returncode != 0:
+            row["error"] = (out.stderr.strip().splitlines() or ["failed"])[-1][:200]
+        rows.append(row)
+    one = next((r["seconds"] for r in rows if r["case"] == "one eps at T = 75,000" and "error" not in r), None)
+    for r in rows:
+        if one and "seconds" in r:
+            r["ratio_to_one_dp_accounting_eps"] = r["seconds"] / one
+    return rows
+
+
+def print_core(rows: list[dict]) -> None:
+    print("\nThe accounting core (p = 0.016, sigma = 16.3693, delta = 1e-5; fresh process each, imports included)")
+    print(f"  {'tool':<14} {'case':<28} {'s':>7} {'peak MB':>8} {'x one dp-accounting eps':>24}")
+    for r in rows:
+        if "error" in r and "seconds" not in r:
+            print(f"  {r['tool']:<14} {r['case']:<28} {r['error']}")
+            continue
+        peak = f"{r['peak_bytes'] / 2**20:>8.0f}" if r.get("peak_bytes") else f"{'?':>8}"
+        ratio = r.get("ratio_to_one_dp_accounting_eps")
+        print(f"  {r['tool']:<14} {r['case']:<28} {r['seconds']:>7.2f} {peak} {ratio if ratio is None else round(ratio, 2):>24}"
+              + (f"  ({r['error']})" if "error" in r else ""), flush=True)
+
+
 def referee(sigma: float, p: float, steps: int, delta: float) -> float:
     sys.path.insert(0, "benchmarks")
     from pld_convergence import reference_epsilon
@@ -79,7 +173,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per tool and case")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--core", action="store_true", help="the accounting core's table only")
     args = parser.parse_args()
+    core = core_table(args.timeout)
+    if not args.json:
+        print_core(core)
+    if args.core:
+        if args.json:
+            print(json.dumps(core, indent=2))
+        return
     cases = CASES[:1] if args.quick else CASES
     rows = []
     for p, steps, eps, delta in cases:

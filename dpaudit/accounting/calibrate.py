@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 from dpaudit.core import limits as budget
 from dpaudit.accounting.mechanism import Mechanism, check_delta, check_epsilon, miss_log_probability
+from dpaudit.accounting.noises import noise
 from dpaudit.accounting.registry import ACCOUNTANTS, default_accountant, epsilon, get_accountant
 from dpaudit.accounting import search
 from dpaudit.accounting.result import EpsilonResult
@@ -76,10 +77,15 @@ class _Evaluator:
         return 3 * self.slowest > budget.current().seconds_left()
 
 
-def _resolution_rule(hooks, template, delta: float, sigma0: float):
-    """The accountant's converged resolution at ``sigma0``, carried to every sigma of the search."""
-    rule = hooks.resolution(template.with_sigma(sigma0), delta)
-    return lambda sigma: rule(template.with_sigma(sigma))
+class _resolution_rule:
+    """The accountant's converged resolution at ``sigma0``, carried to every sigma of the search (``rule``: the
+    accountant's own, which may say how much its ladder improved there: ``improvement``)."""
+
+    def __init__(self, hooks, template, delta: float, sigma0: float) -> None:
+        self.template, self.rule = template, hooks.resolution(template.with_sigma(sigma0), delta)
+
+    def __call__(self, sigma: float):
+        return self.rule(self.template.with_sigma(sigma))
 
 
 def _coarse_anchor(template, target: float, delta: float, anchor: float, name: str, hooks) -> tuple[float, int]:
@@ -101,13 +107,39 @@ def _quick(template, delta: float, name: str) -> str | None:
                  if acc.quick and other != name and acc.supports(template, delta) is None), None)
 
 
-def _initial_sigma(template, target: float, delta: float, accountant: str):
-    """(a start for the search, a valid calibration to fall back on or None)."""
+class _Later:
+    """A valid calibration to fall back on, made on first use (and kept): None when it cannot be made."""
+
+    def __init__(self, make) -> None:
+        self.make, self.made, self.tried = make, None, False
+
+    def __call__(self) -> Calibration | None:
+        if not self.tried:
+            self.tried = True
+            self.made = self.make()
+        return self.made
+
+
+@dataclass(frozen=True)
+class Start:
+    """Where a search over sigma starts, a valid calibration to fall back on (``_Later``, or None), and how far
+    its first step overshoots (``search.solve``): less from a close estimate."""
+
+    sigma: float
+    fallback: "_Later | None" = None
+    overshoot: float = 1.1
+
+
+ESTIMATE_OVERSHOOT = 1.01  # the CLT's sigma lands within ~1 % of PLD's at many steps (16.362 vs 16.369)
+
+
+def _initial_sigma(template, target: float, delta: float, accountant: str) -> Start:
+    """Where the search starts (``Start``)."""
     for other in ACCOUNTANTS.values():  # any closed form that covers the event is a start
         if other.sigma_fn is not None and other.supports(template, delta) is None:
             closed = other.sigma(template, target, delta)
             if closed is not None:
-                return closed, None
+                return Start(closed)
     quick = None if get_accountant(accountant).quick else _quick(template, delta, accountant)
     if quick is not None and delta > 0:
         # Each step's pair is at total variation <= its chance of taking the example, and T steps at
@@ -119,16 +151,21 @@ def _initial_sigma(template, target: float, delta: float, accountant: str):
         if epsilon(template.with_sigma(SIGMA_MIN), delta, quick).epsilon <= target:  # a valid bound says so
             raise DPAuditError(f"target eps={target:g} is met even with sigma={SIGMA_MIN:g}: "
                                f"no meaningful noise level to calibrate")
-        # A quick accountant (RDP) calibrates in ~1 s and lands 0-20 % above the tight sigma: a start two
-        # evaluations away, and a valid (looser) answer should the search not fit the time budget.
+        # A quick accountant (RDP) calibrates in ~0.5 s and lands 0-20 % above the tight sigma: a valid (looser)
+        # answer should the search not fit the time budget, made only then (``_Later``), and a start two
+        # evaluations away where the noise has no estimate of its own (the Gaussian's CLT: ``estimated_sigma``).
+        fallback = _Later(lambda: calibrate_sigma(template, target, delta, quick, rtol=0.02))
+        estimate = noise(template.kind).estimated_sigma(template, target, delta) if isinstance(template, Mechanism) \
+            else None
+        if estimate is not None and SIGMA_MIN < estimate < SIGMA_MAX:
+            return Start(estimate, fallback, ESTIMATE_OVERSHOOT)
         try:
-            start = calibrate_sigma(template, target, delta, quick, rtol=0.02)
-            return 0.95 * start.sigma, start
+            return Start(0.95 * fallback().sigma, fallback)
         except DPAuditError:
             pass
     # Gaussian: the classic sqrt(2 log(1.25/delta)) scaling, with amplification p sqrt(T).
     scale = template.sampling_rate * math.sqrt(template.steps) if template.steps > 1 else 1.0
-    return max(0.3, scale * math.sqrt(2 * math.log(1.25 / max(delta, 1e-300))) / target), None
+    return Start(max(0.3, scale * math.sqrt(2 * math.log(1.25 / max(delta, 1e-300))) / target))
 
 
 def _solve(f: "_Evaluator", target: float, start: float, rtol: float, overshoot: float = 1.1,
@@ -198,9 +235,11 @@ def calibrate_sigma(template: Mechanism, target_eps: float, delta: float, accoun
     else:
         hooks = acc.search_hooks() if options is None else None
         if hooks is not None and hooks.start is not None:  # the accountant's own start (allocation: Poisson's)
-            (anchor, fallback), evaluations = (hooks.start(template, target_eps, delta), None), 0
+            begin = Start(hooks.start(template, target_eps, delta), None, hooks.overshoot)
         else:
-            (anchor, fallback), evaluations = _initial_sigma(template, target_eps, delta, name), 0
+            begin = _initial_sigma(template, target_eps, delta, name)
+        anchor, fallback, evaluations = begin.sigma, begin.fallback, 0
+        overshoot = min(begin.overshoot, hooks.overshoot) if hooks is not None else begin.overshoot
         fixed_resolution = hooks is not None
         for attempt in range(3):
             # The resolution is fixed from a converged evaluation at the anchor; if the answer lands far from
@@ -209,26 +248,31 @@ def calibrate_sigma(template: Mechanism, target_eps: float, delta: float, accoun
             try:
                 if fixed_resolution and attempt == 0:
                     anchor, evaluations = _coarse_anchor(template, target_eps, delta, anchor, name, hooks)
-                f = _Evaluator(template, delta, name, options,
-                               _resolution_rule(hooks, template, delta, anchor) if fixed_resolution else None)
-                found = _solve(f, target_eps, anchor, rtol / 2, hooks.overshoot if hooks is not None else 1.1)
+                rule = _resolution_rule(hooks, template, delta, anchor) if fixed_resolution else None
+                f = _Evaluator(template, delta, name, options, rule)
+                found = _solve(f, target_eps, anchor, rtol / 2, overshoot)
             except budget.OverBudget as exc:
                 if fallback is None or not math.isfinite(budget.current().seconds_left()):
                     raise
-                return _fell_back(fallback, name, str(exc), time.perf_counter() - start)
+                return _fell_back(fallback(), name, str(exc), time.perf_counter() - start)
             lo, hi = found.rejected, found.value
             evaluations += len(f.cache)
             if not fixed_resolution or abs(math.log(hi / anchor)) < 0.05 or f.out_of_time():
                 break
             anchor = hi
         per_evaluation = (time.perf_counter() - start) / max(1, evaluations)
-        if fixed_resolution and budget.current().seconds_left() > 8 * per_evaluation:
+        # The accountant's own resolution reads eps lower than the fixed one by about the anchor ladder's last
+        # improvement: where the rejected sigma's eps is further above the target than twice that, it would
+        # reject it too, and the polish is skipped (it could only ever accept a smaller sigma).
+        improvement = getattr(getattr(rule, "rule", None), "improvement", None) if fixed_resolution else None
+        hopeless = improvement is not None and f(lo).epsilon > target_eps * (1 + 2 * improvement)
+        if fixed_resolution and not hopeless and budget.current().seconds_left() > 8 * per_evaluation:
             f, lo, hi, extra = _polish(template, target_eps, delta, f, lo, hi, width, name)
             evaluations += extra
         converged = _closed(lo, hi, width)
-        if fallback is not None and fallback.sigma < hi and not converged:
+        if fallback is not None and not converged and fallback().sigma < hi:
             # Stopped for time on a wide bracket whose valid end is above the quick sigma: the smaller valid one.
-            return _fell_back(fallback, name, f"its search stopped with sigma between {lo:.6g} and {hi:.6g}",
+            return _fell_back(fallback(), name, f"its search stopped with sigma between {lo:.6g} and {hi:.6g}",
                               time.perf_counter() - start)
     return Calibration(
         sigma=hi, result=f(hi), sigma_rejected=lo, epsilon_rejected=f(lo).epsilon,
@@ -270,6 +314,9 @@ def max_steps(template: Mechanism, target_eps: float, delta: float, accountant: 
     check_epsilon(target_eps)
     check_delta(delta, allow_zero=True)
     name = accountant or default_accountant(template.with_steps(2), delta)
+    capped = _quick_at_cap(template, target_eps, delta, name)
+    if capped is not None:
+        return StepsAnswer(MAX_STEPS, True, capped, None)
     hooks = get_accountant(name).search_hooks()
     if hooks is not None and hooks.curve is not None:
         first = options if options is not None else hooks.first(template, delta)
@@ -305,6 +352,23 @@ def max_steps(template: Mechanism, target_eps: float, delta: float, accountant: 
             bracket = (good, bad) if bad is not None else None
     found, _ = _steps_search(at, target_eps, bracket=bracket)
     return _steps_answer(found, at)
+
+
+def _quick_at_cap(template: Mechanism, target: float, delta: float, name: str) -> EpsilonResult | None:
+    """A quick accountant's bound at the cap (T = MAX_STEPS), where it already meets the target: then so does
+    every T below it, and the search (whose last evaluations, at 1e7-1e8 steps, each cost seconds in long
+    double) is not needed. None otherwise."""
+    quick = None if get_accountant(name).quick else _quick(template.with_steps(MAX_STEPS), delta, name)
+    if quick is None or delta <= 0:
+        return None
+    try:
+        found = epsilon(template.with_steps(MAX_STEPS), delta, quick)
+    except (DPAuditError, OverflowError, ValueError, FloatingPointError):
+        return None
+    if not found.epsilon <= target:
+        return None
+    return found.standing_in_for(name, f"{quick}'s bound already meets the target at the cap of {MAX_STEPS:g} "
+                                       f"steps (an upper bound there, so at every T below it)")
 
 
 def _one_step_over(eps: float, target: float):

@@ -307,8 +307,9 @@ def test_a_search_cut_short_by_time_says_so_or_answers_rdps_sigma_where_that_is_
 
     def calibrated_with_rdp_at(sigma):
         def start(*args):
-            anchor, rdp = real_start(*args)
-            return anchor, rdp and replace(rdp, sigma=sigma)
+            began = real_start(*args)
+            rdp = began.fallback and began.fallback()
+            return replace(began, fallback=rdp and (lambda: replace(rdp, sigma=sigma)))
         monkeypatch.setattr(calibrate, "_initial_sigma", start)
         with budget.limits(timeout=600):
             return calibrate_sigma(template, 1.0, 1e-5, "pld")

@@ -32,6 +32,11 @@ class Noise:
     # published closed-form sigmas for (T, eps, delta) without subsampling, shown beside the tight answer
     closed_forms: dict[str, Callable] = {}
 
+    def estimated_sigma(self, mech, eps: float, delta: float) -> float | None:
+        """An *estimate* of the sigma a tight accountant calibrates ``mech`` to (not a bound): a search's start.
+        None: no estimate (the search starts from a quick accountant's calibration)."""
+        return None
+
     def pld_loss(self, mech, adjacency, log_mass_truncation: float, pessimistic: bool = True):
         """dp-accounting's privacy-loss object for one direction of ``mech`` (cheap: no grid)."""
         raise NotImplementedError

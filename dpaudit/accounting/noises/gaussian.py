@@ -26,6 +26,30 @@ class Gaussian(Noise):
     def composed_sigma(sigma: float, steps: int) -> float:
         return sigma / steps ** 0.5  # both privacy losses N(T/2s^2, T/s^2): one step with s / sqrt(T)
 
+    def estimated_sigma(self, mech, eps: float, delta: float) -> float | None:
+        """The central limit theorem of Bu, Dong, Long & Su (2020): T Poisson-subsampled Gaussian steps are close
+        to mu-GDP with mu = p sqrt(T (e^{1/sigma^2} - 1)) when T is large and p small. mu is solved from
+        (eps, delta) (Dong, Roth & Su 2019: delta(eps) = Phi(-eps/mu + mu/2) - e^eps Phi(-eps/mu - mu/2)) and
+        sigma from mu. Only an estimate (a search's start, checked by a bound); None where it does not apply."""
+        if getattr(mech, "sampling", "poisson") != "poisson" or not 0 < mech.sampling_rate < 1 or mech.steps < 100 \
+                or not 0 < delta < 1:
+            return None
+        from scipy.special import ndtr
+
+        def excess(mu: float) -> float:  # delta(eps) of mu-GDP less delta: grows with mu
+            return float(ndtr(-eps / mu + mu / 2) - math.exp(eps) * ndtr(-eps / mu - mu / 2)) - delta
+
+        lo, hi = 1e-6, 1.0
+        while excess(hi) < 0 and hi < 1e3:
+            lo, hi = hi, hi * 2
+        if excess(hi) < 0:
+            return None
+        for _ in range(60):
+            mid = math.sqrt(lo * hi)
+            lo, hi = (mid, hi) if excess(mid) < 0 else (lo, mid)
+        per_step = (hi / mech.sampling_rate) ** 2 / mech.steps  # e^{1/sigma^2} - 1
+        return 1 / math.sqrt(math.log1p(per_step)) if per_step > 0 else None
+
     def pld_loss(self, mech, adjacency, log_mass_truncation, pessimistic=True):
         from dpaudit.accounting import vectorised_loss
 

@@ -186,8 +186,23 @@ def _resolution(anchor: Event, delta: float):
     """One refinement ladder at ``anchor`` fixes the grid relative to one step's loss range; every other event
     of the schedule is then evaluated on a single grid at that resolution (the ladder's last rung, the one that
     shows it has converged, alone costs ~3x the converged one)."""
-    ratio = converged_grid(anchor, delta) / step_loss_range(anchor, delta)
-    return lambda mech: PldOptions(grid=min(MAX_GRID, ratio * step_loss_range(mech, delta)))
+    return _Resolution(anchor, delta)
+
+
+class _Resolution:
+    """``_resolution``'s rule: event -> options at the anchor's converged grid relative to one step's loss range;
+    ``improvement``: how much the ladder's last rung improved on the first there (relative), which bounds how much
+    lower the converged evaluation reads than the fixed one (a search uses it to skip a pointless check)."""
+
+    def __init__(self, anchor: Event, delta: float) -> None:
+        result = epsilon(anchor, delta)
+        rungs = [r["epsilon"] for r in result.details.get("grids") or [] if math.isfinite(r["epsilon"])]
+        self.improvement = (rungs[0] - min(rungs)) / min(rungs) if rungs and min(rungs) > 0 else None
+        self.ratio = converged_grid(anchor, delta, result) / step_loss_range(anchor, delta)
+        self.delta = delta
+
+    def __call__(self, mech: Event) -> PldOptions:
+        return PldOptions(grid=min(MAX_GRID, self.ratio * step_loss_range(mech, self.delta)))
 
 
 def _below(mech: Event, delta: float, options: PldOptions) -> float:
