@@ -22,11 +22,9 @@ from dpaudit.accounting.noises import noise
 from dpaudit.accounting.registry import ACCOUNTANTS, default_accountant, epsilon, get_accountant
 from dpaudit.accounting import search
 from dpaudit.accounting.result import EpsilonResult
-from dpaudit.accounting.search import SIGMA as _SIGMA_PARAMETER, STEPS as _STEPS_PARAMETER
 from dpaudit.core.errors import DPAuditError
 
-SIGMA = _SIGMA_PARAMETER
-STEPS = _STEPS_PARAMETER
+SIGMA, STEPS = search.SIGMA, search.STEPS
 SIGMA_MIN = SIGMA.low
 SIGMA_MAX = SIGMA.high
 MAX_STEPS = int(STEPS.high)
@@ -116,7 +114,10 @@ class _Later:
     def __call__(self) -> Calibration | None:
         if not self.tried:
             self.tried = True
-            self.made = self.make()
+            try:
+                self.made = self.make()
+            except DPAuditError:
+                self.made = None
         return self.made
 
 
@@ -159,10 +160,8 @@ def _initial_sigma(template, target: float, delta: float, accountant: str) -> St
             else None
         if estimate is not None and SIGMA_MIN < estimate < SIGMA_MAX:
             return Start(estimate, fallback, ESTIMATE_OVERSHOOT)
-        try:
+        if fallback() is not None:
             return Start(0.95 * fallback().sigma, fallback)
-        except DPAuditError:
-            pass
     # Gaussian: the classic sqrt(2 log(1.25/delta)) scaling, with amplification p sqrt(T).
     scale = template.sampling_rate * math.sqrt(template.steps) if template.steps > 1 else 1.0
     return Start(max(0.3, scale * math.sqrt(2 * math.log(1.25 / max(delta, 1e-300))) / target))
@@ -252,7 +251,7 @@ def calibrate_sigma(template: Mechanism, target_eps: float, delta: float, accoun
                 f = _Evaluator(template, delta, name, options, rule)
                 found = _solve(f, target_eps, anchor, rtol / 2, overshoot)
             except budget.OverBudget as exc:
-                if fallback is None or not math.isfinite(budget.current().seconds_left()):
+                if fallback is None or not math.isfinite(budget.current().seconds_left()) or fallback() is None:
                     raise
                 return _fell_back(fallback(), name, str(exc), time.perf_counter() - start)
             lo, hi = found.rejected, found.value
@@ -270,7 +269,7 @@ def calibrate_sigma(template: Mechanism, target_eps: float, delta: float, accoun
             f, lo, hi, extra = _polish(template, target_eps, delta, f, lo, hi, width, name)
             evaluations += extra
         converged = _closed(lo, hi, width)
-        if fallback is not None and not converged and fallback().sigma < hi:
+        if fallback is not None and not converged and fallback() is not None and fallback().sigma < hi:
             # Stopped for time on a wide bracket whose valid end is above the quick sigma: the smaller valid one.
             return _fell_back(fallback(), name, f"its search stopped with sigma between {lo:.6g} and {hi:.6g}",
                               time.perf_counter() - start)
