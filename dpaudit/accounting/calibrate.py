@@ -189,7 +189,7 @@ def _polish(template, target: float, delta: float, fixed, lo: float, hi: float, 
     ladder = _Evaluator(template, delta, name, None)
     began = time.perf_counter()
     if ladder(lo).epsilon > target:
-        return fixed, lo, hi, 1
+        return _ladder_crossing(fixed, ladder, target, lo, hi)
     cost = time.perf_counter() - began
 
     def time_left() -> bool:
@@ -205,6 +205,26 @@ def _polish(template, target: float, delta: float, fixed, lo: float, hi: float, 
         mid = math.sqrt(lo * hi)
         lo, hi = (lo, mid) if ladder(mid).epsilon <= target else (mid, hi)
     return ladder, lo, hi, len(ladder.cache)
+
+
+def _ladder_crossing(fixed, ladder, target: float, lo: float, hi: float):
+    """The ladder rejected ``lo`` too, but reads lower than the fixed resolution there by a factor e^g. Taking the
+    same factor at every sigma of the bracket, the ladder meets the target where the fixed resolution reads
+    target x e^g: one ladder evaluation there (a twentieth of the bracket to the safe side), kept where it meets
+    the target (a valid bound), so the answer lands near the ladder's crossing, not anywhere in the fixed
+    bracket. Returns ``_polish``'s (evaluator, lo, hi, ladder evaluations)."""
+    f_lo, f_hi, l_lo = fixed(lo).epsilon, fixed(hi).epsilon, ladder(lo).epsilon
+    if not (0 < f_hi <= target < l_lo <= f_lo < math.inf) or f_lo == f_hi:
+        return fixed, lo, hi, 1
+    gap = math.log(f_lo) - math.log(l_lo)
+    share = (math.log(f_lo) - math.log(target) - gap) / (math.log(f_lo) - math.log(f_hi))
+    u = math.log(lo) + (min(1.0, max(0.0, share)) + 1 / 20) * (math.log(hi) - math.log(lo))
+    if not math.log(lo) < u < math.log(hi) or budget.current().seconds_left() < 8 * ladder.slowest:
+        return fixed, lo, hi, 1
+    sigma = math.exp(u)
+    if ladder(sigma).epsilon <= target:
+        return ladder, lo, sigma, 2
+    return fixed, lo, hi, 2
 
 
 def calibrate_sigma(template: Mechanism, target_eps: float, delta: float, accountant: str | None = None,
@@ -240,6 +260,7 @@ def calibrate_sigma(template: Mechanism, target_eps: float, delta: float, accoun
         anchor, fallback, evaluations = begin.sigma, begin.fallback, 0
         overshoot = min(begin.overshoot, hooks.overshoot) if hooks is not None else begin.overshoot
         fixed_resolution = hooks is not None
+        hint = None  # the last attempt's bracket, a start for the next (checked at the new resolution)
         for attempt in range(3):
             # The resolution is fixed from a converged evaluation at the anchor; if the answer lands far from
             # the anchor, it is re-fixed there and the search repeated from it (the converged resolution can
@@ -249,7 +270,7 @@ def calibrate_sigma(template: Mechanism, target_eps: float, delta: float, accoun
                     anchor, evaluations = _coarse_anchor(template, target_eps, delta, anchor, name, hooks)
                 rule = _resolution_rule(hooks, template, delta, anchor) if fixed_resolution else None
                 f = _Evaluator(template, delta, name, options, rule)
-                found = _solve(f, target_eps, anchor, rtol / 2, overshoot)
+                found = _solve(f, target_eps, anchor, rtol / 2, overshoot, bracket=hint)
             except budget.OverBudget as exc:
                 if fallback is None or not math.isfinite(budget.current().seconds_left()) or fallback() is None:
                     raise
@@ -258,7 +279,7 @@ def calibrate_sigma(template: Mechanism, target_eps: float, delta: float, accoun
             evaluations += len(f.cache)
             if not fixed_resolution or abs(math.log(hi / anchor)) < 0.05 or f.out_of_time():
                 break
-            anchor = hi
+            anchor, hint = hi, (hi, lo)
         per_evaluation = (time.perf_counter() - start) / max(1, evaluations)
         # The accountant's own resolution reads eps lower than the fixed one by about the anchor ladder's last
         # improvement: where the rejected sigma's eps is further above the target than twice that, it would

@@ -44,6 +44,7 @@ class SearchHooks:
 
 MAX_SEARCH_EVALUATIONS = 80
 MAX_STEP = math.log(16.0)   # a bracketing step moves the parameter by at most 16x
+CLOSER_STEPS = 3            # interpolated evaluations once the bracket is as narrow as asked (``_closer``)
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,8 @@ def solve(eps_at: Callable[[float], float], target: float, parameter: Parameter,
         x = min(max(math.exp(u), parameter.low), parameter.high)
         return float(round(x)) if parameter.integer else x
 
+    if bracket is not None and not (f(bracket[0]) <= target and (bracket[1] is None or f(bracket[1]) > target)):
+        start, bracket = bracket[0], None  # a hint that does not hold here: bracket from its good end
     good, bad = bracket if bracket is not None else _bracket(f, target, parameter, start, grows, overshoot,
                                                              out_of_time, clamp)
     if good is None:
@@ -118,7 +121,9 @@ def solve(eps_at: Callable[[float], float], target: float, parameter: Parameter,
         raise Unreachable(end, f(end))
     if bad is not None:
         good, bad = _narrow(f, target, parameter, good, bad, grows, width, out_of_time)
-        if not parameter.integer and not out_of_time():
+        for _ in range(CLOSER_STEPS):  # reals: land near the crossing, not anywhere in the last bracket
+            if parameter.integer or out_of_time() or abs(math.log(bad / good)) <= width / 50:
+                break
             good, bad = _closer(f, target, good, bad, grows, width)
     if not f(good) <= target:  # the safe-side check: the answer's own evaluation meets the target
         raise DPAuditError(f"internal error: the search's answer {parameter.name} = {good:g} reads eps "
@@ -138,7 +143,7 @@ def _closer(f, target: float, good: float, bad: float, grows: float, width: floa
     u_good, u_bad = math.log(good), math.log(bad)
     share = (math.log(target) - math.log(e_good)) / (math.log(e_bad) - math.log(e_good))
     u = u_good + share * (u_bad - u_good) - (u_bad - u_good) / 20
-    if not min(u_good, u_bad) < u < max(u_good, u_bad):
+    if not min(u_good, u_bad) < u < max(u_good, u_bad) or math.exp(u) in (good, bad):
         return good, bad
     x = math.exp(u)
     return (x, bad) if f(x) <= target else (good, x)
