@@ -28,7 +28,7 @@ SIGMA, STEPS = search.SIGMA, search.STEPS
 SIGMA_MIN = SIGMA.low
 SIGMA_MAX = SIGMA.high
 MAX_STEPS = int(STEPS.high)
-MAX_EVALUATIONS = 80
+MAX_EVALUATIONS = search.MAX_SEARCH_EVALUATIONS
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from dpaudit.accounting.pld.kernel import (MIN_DELTA, TAIL_MASS_TRUNCATION, _con
                                            _fft_bytes, _normalised, _self_compose, dropped_bound, epsilon_for_delta,
                                            round_off)
 from dpaudit.accounting.pld.ladder import (COARSE_GRID, CONVERGED, MAX_GRID, POINTS_PER_STEP, REFINE,  # noqa: F401
-                                           _fitted, _measured, _refine, epsilon_estimate_below, first_grid)
+                                           _fitted, _measured, _refine, first_grid)
 from dpaudit.accounting.pld.phases import PhasedPLD  # noqa: F401
 from dpaudit.accounting.result import DeltaResult, EpsilonResult
 from dpaudit.accounting.samplers import relation_of
@@ -205,12 +205,8 @@ class _Resolution:
         return PldOptions(grid=min(MAX_GRID, self.ratio * step_loss_range(mech, self.delta)))
 
 
-def _below(mech: Event, delta: float, options: PldOptions) -> float:
-    return epsilon_estimate_below(mech, delta, options.grid)
-
-
 def search_hooks():
     from dpaudit.accounting.search import SearchHooks
 
-    return SearchHooks(coarse=_coarse_options, first=_first_options, resolution=_resolution, below=_below,
+    return SearchHooks(coarse=_coarse_options, first=_first_options, resolution=_resolution,
                        curve=steps_curve)

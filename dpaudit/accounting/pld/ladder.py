@@ -36,12 +36,6 @@ def first_grid(mech: Mechanism, delta: float) -> float:
     return min(MAX_GRID, width / POINTS_PER_STEP) if math.isfinite(width) and width > 0 else COARSE_GRID
 
 
-def epsilon_estimate_below(mech: Mechanism, delta: float, grid: float = COARSE_GRID) -> float:
-    """A *lower* estimate of eps (dp-accounting's optimistic discretisation rounds losses down): never
-    reported as a guarantee, only used to bracket searches (the true eps is at least this)."""
-    return max(_fitted(mech, delta, grid, pessimistic=False)[0].values())
-
-
 def _fitted(mech: Mechanism, delta: float, grid: float, pessimistic: bool = True, measure=None) -> tuple[dict, float]:
     """Both directions' eps on ``grid``, or on the finest coarser grid that fits the memory budget
     (a coarser pessimistic grid is still a valid bound). Returns (directions, grid used)."""
