@@ -124,7 +124,7 @@ def solve(eps_at: Callable[[float], float], target: float, parameter: Parameter,
         for _ in range(CLOSER_STEPS):  # reals: land near the crossing, not anywhere in the last bracket
             if parameter.integer or out_of_time() or abs(math.log(bad / good)) <= width / 50:
                 break
-            good, bad = _closer(f, target, good, bad, grows, width)
+            good, bad = _closer(f, target, good, bad)
     if not f(good) <= target:  # the safe-side check: the answer's own evaluation meets the target
         raise DPAuditError(f"internal error: the search's answer {parameter.name} = {good:g} reads eps "
                            f"{f(good):.6g} > {target:g}")
@@ -132,7 +132,7 @@ def solve(eps_at: Callable[[float], float], target: float, parameter: Parameter,
     return Found(good, bad, len(seen), converged)
 
 
-def _closer(f, target: float, good: float, bad: float, grows: float, width: float) -> tuple[float, float]:
+def _closer(f, target: float, good: float, bad: float) -> tuple[float, float]:
     """One more evaluation once the bracket is as narrow as asked: where log eps, interpolated linearly in
     log x between the ends, meets the target, moved a twentieth of the bracket to the safe side. The bracket
     only shrinks (the point is kept on whichever side it falls), and the answer lands near the crossing

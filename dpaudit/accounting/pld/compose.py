@@ -182,13 +182,16 @@ def composed_pld(mech: Event, grid: float, pessimistic: bool = True, delta: floa
 
 def _composed_part(mech: Mechanism, grid: float, pessimistic: bool, delta: float) -> ComposedPLD:
     mech = _as_composed(mech)
-    # Dense before composing: dp-accounting's sparse self_compose first computes size**T as a Python
-    # integer, which alone takes minutes at T = 1e7.
-    pmfs = kernel.directions(noise(mech.kind).pld(mech, grid, pessimistic, _log_mass_truncation(mech, delta)),
-                             pessimistic)
-    composed = ComposedPLD(pmfs, mech.steps, grid)
+    composed = ComposedPLD(_single_step(mech, grid, pessimistic, delta), mech.steps, grid)
     _require_composition(composed, grid)
     return composed
+
+
+def _single_step(mech: Mechanism, grid: float, pessimistic: bool, delta: float) -> dict:
+    """One step's dense PMFs by direction, its tail truncated for ``mech.steps`` steps. Dense before composing:
+    dp-accounting's sparse self_compose first computes size**T as a Python integer (minutes at T = 1e7)."""
+    return kernel.directions(noise(mech.kind).pld(mech, grid, pessimistic, _log_mass_truncation(mech, delta)),
+                             pessimistic)
 
 
 def _require_composition(composed: ComposedPLD, grid: float) -> None:
@@ -203,11 +206,10 @@ class StepsCurve:
     it), and each direction's transform is shared (``kernel.SelfComposition``)."""
 
     def __init__(self, template: Mechanism, grid: float, delta: float, pessimistic: bool = True) -> None:
-        self.template, self.grid = template, grid
+        self.grid = grid
         widest = template.with_steps(CURVE_STEPS)
         budgets.current().require(_step_bytes(widest, grid, delta), f"one step's PLD at grid {grid:.3g}")
-        self.single = kernel.directions(
-            noise(template.kind).pld(widest, grid, pessimistic, _log_mass_truncation(widest, delta)), pessimistic)
+        self.single = _single_step(widest, grid, pessimistic, delta)
         self.compositions = {d: kernel.SelfComposition(pmf) for d, pmf in self.single.items()}
 
     def at(self, steps: int) -> ComposedPLD:
