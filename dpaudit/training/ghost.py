@@ -1,7 +1,13 @@
 """Ghost clipping (Li et al. 2022; Opacus' fast gradient clipping): each example's gradient norm from the
-layers' inputs and output gradients alone, then the clipped sum from a second backward of sum_i c_i l_i.
+layers' inputs and output gradients alone, then the clipped sum sum_i c_i g_i, by book-keeping (Bu et al. 2023,
+"Differentially private optimization on large model at small cost"): the norm pass keeps each layer's
+(inputs, output gradients), and once the clip factors c are known each weight's clipped sum is one product,
+sum_i c_i sum_t b_it a_it^T (an embedding's: c_i b_it added into row x_it), with no second backward. A layer
+that is neither linear nor an embedding keeps Opacus' per-example gradients of its (small) weights instead.
+Under FSDP2 the hooks see gathered copies, not the shards, so a sharded run takes the second backward of
+sum_i c_i l_i instead (``book_keeping=False``); both give the same sum up to float rounding (tested).
 
-``GhostClipping`` is Opacus' GradSampleModuleFastGradientClipping with three changes.
+``GhostClipping`` is Opacus' GradSampleModuleFastGradientClipping with four changes.
 
 Tied weights (the input and output embedding of most small LMs): Opacus refuses ghost clipping for a
 parameter two layers use. Here each use's (inputs, output gradients) is kept until the last one has
@@ -17,6 +23,9 @@ forms every weight gradient (about half its cost), only to throw it away. Every 
 + probe, a scalar zero; differentiating with respect to the probe alone runs every hook while autograd
 skips the weight gradients. Values are unchanged (x + 0 = x).
 
+Book-keeping, above. Opacus 1.6 (pinned) stores a layer's inputs in ``module.activations`` until its backward
+hook pops them; ``_keep`` reads them there first.
+
 Imported only when a DP-SGD trainer is built (it needs opacus, the ``train`` extra).
 """
 
@@ -24,9 +33,10 @@ from __future__ import annotations
 
 import torch
 from opacus.grad_sample import GradSampleModuleFastGradientClipping
+from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
 
 from dpaudit.training.per_example import (
-    embedding_scale, gradient_inner_product, layer_gradient, without_padding_rows,
+    embedding_scale, gradient_inner_product, layer_gradient, weighted_gradient, without_padding_rows,
 )
 
 
@@ -60,8 +70,10 @@ class LayerUses:
 class GhostClipping(GradSampleModuleFastGradientClipping):
     """``model`` wrapped for ghost clipping at ``clip`` (inf: a clip factor of 1, the "no-clip" planted bug)."""
 
-    def __init__(self, model, clip: float) -> None:
+    def __init__(self, model, clip: float, book_keeping: bool = True) -> None:
         self.layers = LayerUses(model)
+        self.book_keeping = book_keeping
+        self.book: list = []  # (layer, what its clipped sum needs), this pass
         # strict=False: buffers were checked by supported_for_dp_sgd (a scaled embedding's constant only)
         super().__init__(model, max_grad_norm=clip, loss_reduction="sum", use_ghost_clipping=True, strict=False)
         device = next(model.parameters()).device
@@ -83,20 +95,37 @@ class GhostClipping(GradSampleModuleFastGradientClipping):
     def norm_pass(self, loss, params) -> torch.Tensor:
         """Runs the hooks (each example's gradient norm); returns the clipping factors."""
         inputs = [self.probe] if self.all_probed else params
-        self.norms = {}
-        torch.autograd.grad(loss, inputs, retain_graph=True, allow_unused=True)
+        self.norms, self.book = {}, []
+        torch.autograd.grad(loss, inputs, retain_graph=not self.book_keeping, allow_unused=True)
         self.all_probed = True
         if set(self.layers.users) - set(self.norms):  # never a stale norm
             raise RuntimeError("a trainable layer did not report its per-example gradient norms")
         return self.get_clipping_coef()
 
     def clipped_backward(self, losses, coef) -> None:
-        """Pass 2: the backward of sum_i c_i l_i with the hooks off adds the clipped sum to ``p.grad``."""
+        """Adds the clipped sum sum_i c_i g_i to ``p.grad``: from what the norm pass kept (book-keeping), or by
+        a second backward of sum_i c_i l_i with the hooks off."""
+        if self.book_keeping:
+            book, self.book = self.book, []
+            for module, kept in book:
+                for p, g in weighted_gradient(module, kept, coef.detach()):
+                    p.grad = g if p.grad is None else p.grad.add_(g)
+            return
         self.disable_hooks()
         try:
             (coef.detach() * losses).sum().backward()
         finally:
             self.enable_hooks()
+
+    def _keep(self, module, forward_output) -> None:
+        """Book-keeping: what this layer's share of the clipped sum needs, read before Opacus pops the inputs."""
+        inputs, grads = module.activations[-1], forward_output[0].detach()
+        if type(module) is torch.nn.Linear or embedding_scale(module, verify=False) is not None:
+            self.book.append((module, layer_gradient(module, inputs[0], grads)))
+            return
+        sampler = None if self.force_functorch else self.GRAD_SAMPLERS.get(type(module))
+        samples = (sampler or ft_compute_per_sample_gradient)(module, inputs, grads)
+        self.book.append((module, {p: g for p, g in samples.items() if p.requires_grad}))
 
     def get_norm_sample(self) -> torch.Tensor:
         norms = list(self.norms.values())
@@ -125,6 +154,8 @@ class GhostClipping(GradSampleModuleFastGradientClipping):
     def capture_backprops_hook(self, module, forward_input, forward_output, loss_reduction, batch_first):
         if not self.hooks_enabled:
             return None
+        if self.book_keeping:
+            self._keep(module, forward_output)
         if id(module) in self.layers.exact:
             self._tied_backprops(module, forward_output, loss_reduction, batch_first)
             return self._collect(module)

@@ -109,6 +109,29 @@ def layer_gradient(module, inputs: torch.Tensor, output_grads: torch.Tensor):
     return "linear", inputs.to(output_grads.dtype), output_grads
 
 
+def weighted_gradient(module, kept, coef: torch.Tensor):
+    """(parameter, sum_i coef_i g_i) for each trainable parameter of ``module``, from what the norm pass kept:
+    a ``layer_gradient`` triple (linear: sum_i c_i sum_t b_it a_it^T and its bias sum_i c_i sum_t b_it; embedding:
+    c_i b_it added into row x_it), or {parameter: per-example gradients} for any other layer."""
+    if isinstance(kept, dict):
+        return [(p, torch.einsum("n...,n->...", g, coef.to(g.dtype))) for p, g in kept.items()]
+    kind, a, b = kept
+    scale = coef.to(b.dtype).view(-1, *([1] * (b.dim() - 1)))
+    out = []
+    if module.weight.requires_grad:
+        if kind == "linear":  # the factors scale the smaller side: (c b)^T a = b^T (c a)
+            g = (b * scale).flatten(0, 1).T @ a.flatten(0, 1) if b.shape[-1] <= a.shape[-1] else \
+                b.flatten(0, 1).T @ (a * scale).flatten(0, 1)
+        else:
+            rows = (b * scale).reshape(-1, b.shape[-1]).to(module.weight.dtype)
+            g = torch.zeros_like(module.weight).index_add_(0, a.reshape(-1), rows)
+        out.append((module.weight, g.to(module.weight.dtype)))
+    bias = getattr(module, "bias", None) if kind == "linear" else None
+    if bias is not None and bias.requires_grad:  # sum_i c_i sum_t b_it
+        out.append((bias, (coef.to(b.dtype) @ b.sum(1)).to(bias.dtype)))
+    return out
+
+
 def materialising_module(model):
     """Opacus' GradSampleModule (per-example gradients stored), padding rows excepted."""
     from opacus import GradSampleModule

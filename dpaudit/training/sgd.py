@@ -3,11 +3,12 @@ expected batch size; the non-private baseline is the same loss and optimizer wit
 runs without loss scaling.
 
 Two ways to the clipped sum sum_i min(1, C / ||g_i||) g_i, the same number up to float rounding:
-- ``ghost`` (default; Opacus' fast gradient clipping, Li et al. 2022 "ghost clipping"): a first
-  backward pass gives each example's gradient norm from the layer inputs and output gradients alone
-  (||a_i^T b_i||^2 = <a_i a_i^T, b_i b_i^T> for a linear layer), without forming g_i; a second
-  backward of sum_i c_i l_i gives the clipped sum directly. Cost: one more backward than SGD (the
-  first without weight gradients), memory about SGD's. A weight two layers use (tied input/output
+- ``ghost`` (default; Opacus' fast gradient clipping, Li et al. 2022 "ghost clipping"): one backward
+  pass gives each example's gradient norm from the layer inputs and output gradients alone
+  (||a_i^T b_i||^2 = <a_i a_i^T, b_i b_i^T> for a linear layer), without forming g_i; the clipped sum is then
+  formed from the same inputs and output gradients, one product a layer (book-keeping, Bu et al. 2023; under
+  FSDP2 a second backward of sum_i c_i l_i instead). Cost: SGD's backward without its weight gradients, the
+  norms, and the weight gradients once; memory about SGD's. A weight two layers use (tied input/output
   embeddings) gets its exact norm from the pairwise products of the two layers' factors.
 - ``materialise``: Opacus' GradSampleModule stores every example's gradient (B x parameters), then
   DPOptimizer clips and sums. Kept for comparison (``--per-sample-grads materialise``).
@@ -47,9 +48,10 @@ def dp_optimizer_class(ghost: bool, world_size: int = 1, bug=None):
     return dp_optimizer(cls, *seams(bug), *((InPlace,) if ghost and world_size == 1 else ()))
 
 
-def per_example_module(model, ghost: bool, clip: float):
-    """``model`` wrapped to clip per example: ghost clipping at ``clip`` (ghost.py), or Opacus' materialised
-    per-example gradients; a trainable layer DP-SGD cannot clip is refused first (per_example.py)."""
+def per_example_module(model, ghost: bool, clip: float, sharded: bool = False):
+    """``model`` wrapped to clip per example: ghost clipping at ``clip`` (ghost.py; book-keeping unless
+    ``sharded``), or Opacus' materialised per-example gradients; a trainable layer DP-SGD cannot clip is refused
+    first (per_example.py)."""
     import warnings
 
     from dpaudit.training.per_example import materialising_module
@@ -60,7 +62,7 @@ def per_example_module(model, ghost: bool, clip: float):
         if ghost:
             from dpaudit.training.ghost import GhostClipping
 
-            wrapped = GhostClipping(model, clip)
+            wrapped = GhostClipping(model, clip, book_keeping=not sharded)
         else:
             wrapped = materialising_module(model)
     # Opacus' hooks trip a torch notice when no input needs a gradient (token ids never do).
@@ -118,7 +120,7 @@ class FirstOrderTrainer:
 
     def _per_example_module(self, model):
         """The model wrapped to clip per example, at the optimizer's clip norm (a planted "no-clip": infinite)."""
-        return per_example_module(model, self.ghost, self.optimizer.clip_norm())
+        return per_example_module(model, self.ghost, self.optimizer.clip_norm(), self.sharding is not None)
 
     def _clipped_backward(self, batch, real: bool = True) -> torch.Tensor:
         """Adds this chunk's sum of clipped per-example gradients to ``p.grad``; returns its losses.

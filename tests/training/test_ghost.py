@@ -21,8 +21,9 @@ TEXTS = [f"Alice number {i} lives in Paris and likes bread." for i in range(6)] 
 
 
 def privatised_gradient(model_dir, mode, subset="full", indices=range(len(TEXTS)), sigma=0.0, micro_batch=0,
-                        bf16=False, clip=0.5):
-    """The released gradient of one step (lr 0: the weights do not move), as one float64 vector."""
+                        bf16=False, clip=0.5, book_keeping=True):
+    """The released gradient of one step (lr 0: the weights do not move), as one float64 vector. ``book_keeping``
+    False: ghost clipping's second backward (the sharded route) in place of book-keeping."""
     model, tok = load_causal_lm(model_dir, dtype=torch.bfloat16 if bf16 else None)
     torch.manual_seed(0)  # LoRA adapters start the same in both modes
     model = select_trainable(model, subset, 4)
@@ -30,6 +31,8 @@ def privatised_gradient(model_dir, mode, subset="full", indices=range(len(TEXTS)
     trainer = FirstOrderTrainer(model, params, lr=0.0, private=True, clip=clip, sigma=sigma, expected_batch_size=4,
                                 noise_seed=1, optimizer="sgd",
                                 per_sample_grads=mode, micro_batch=micro_batch)
+    if mode == "ghost":
+        trainer.model.book_keeping = book_keeping
     batch = tokenize(tok, TEXTS, 24).batch(list(indices))
     trainer.step(batch, len(indices))
     return torch.cat([p.grad.flatten().double() for p in params])
@@ -40,7 +43,7 @@ def test_the_embedded_model_ties_its_embeddings(tiny_model_dir):
     assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
 
 
-@pytest.mark.parametrize("subset", ["full", "lora", "bias"])
+@pytest.mark.parametrize("subset", ["full", "lora", "bias", "embeddings"])
 def test_ghost_clipping_equals_materialised_per_example_gradients(tiny_model_dir, subset):
     ghost = privatised_gradient(tiny_model_dir, "ghost", subset)
     materialised = privatised_gradient(tiny_model_dir, "materialise", subset)
@@ -54,6 +57,16 @@ def test_ghost_clipping_equals_materialised_per_example_gradients(tiny_model_dir
     noisy_ghost = privatised_gradient(tiny_model_dir, "ghost", subset, sigma=0.7)
     noisy_materialised = privatised_gradient(tiny_model_dir, "materialise", subset, sigma=0.7)
     assert float((noisy_ghost - noisy_materialised).abs().max()) <= 1e-5 * float(noisy_materialised.abs().max())
+
+
+@pytest.mark.parametrize("micro_batch", [0, 4])
+def test_book_keeping_equals_the_second_backward(tiny_model_dir, micro_batch):
+    """Book-keeping (the clipped sum from the norm pass's inputs and output gradients) and the second backward of
+    sum_i c_i l_i (the route a sharded run takes) give the same clipped sum, across micro-batches too."""
+    kept = privatised_gradient(tiny_model_dir, "ghost", micro_batch=micro_batch)
+    two_pass = privatised_gradient(tiny_model_dir, "ghost", micro_batch=micro_batch, book_keeping=False)
+    assert float(kept.abs().max()) > 1e-4
+    assert float((kept - two_pass).abs().max()) <= 1e-5 * float(two_pass.abs().max())
 
 
 def test_empty_poisson_batch_is_the_same_noise_in_both_modes(tiny_model_dir):
