@@ -8,6 +8,7 @@ each secret), run beside each lever, so every ratio compares runs made on the sa
     .venv/bin/python benchmarks/audit_power.py --seeds 3 --only levers,dp-sgd   # ~20 min on 2 cores
     .venv/bin/python benchmarks/audit_power.py --seeds 3 --only dp-zo           # ~40 min (3000 steps a run)
     .venv/bin/python benchmarks/audit_power.py --optimal    # what any attack could show on DP-SGD's schedule (1 min)
+    .venv/bin/python benchmarks/audit_power.py --optimal --old-schedule   # the same on the schedule before
 
 Each run is `dpaudit audit run --method M --eps E --secret-seed S --json` in a fresh folder (`--threads 2`);
 results are appended to --results as JSON lines, so an interrupted sweep keeps what it measured.
@@ -25,14 +26,19 @@ import time
 from pathlib import Path
 
 DPAUDIT = str(Path(sys.executable).with_name("dpaudit"))
-BEFORE = ["--trainable", "full", "--prefix-length", "8"]  # the recipe before issue 39
+OLD_SCHEDULE = ["-B", "64", "-T", "300", "--optimizer", "adamw"]  # Poisson p = 64/1555, T = 300, AdamW 5e-3
+BEFORE = ["--trainable", "full", "--prefix-length", "8", *OLD_SCHEDULE]  # the recipe before issue 39
 # (name, method, eps, extra arguments): the levers one at a time at eps = 4, then the defaults across eps
 RUNS = {
-    "levers": [("before: full, prefix 8", "dp-sgd", 4, BEFORE),
-               ("prefix 1", "dp-sgd", 4, ["--trainable", "full", "--prefix-length", "1"]),
-               ("after: embeddings, prefix 1 (defaults)", "dp-sgd", 4, [])],
+    "levers": [("first: full, prefix 8", "dp-sgd", 4, BEFORE),
+               ("embeddings, prefix 1 (the recipe before)", "dp-sgd", 4, ["--trainable", "embeddings",
+                                                                          *OLD_SCHEDULE]),
+               ("after: new-tokens, full batches, T = 3, SGD 5 (defaults)", "dp-sgd", 4, [])],
+    "ablations": [("prefix 1", "dp-sgd", 4, ["--trainable", "full", *OLD_SCHEDULE]),
+                  ("new-tokens (loss-vs-base), old schedule", "dp-sgd", 4, ["--trainable", "new-tokens",
+                                                                             *OLD_SCHEDULE])],
     "dp-sgd": [("defaults", "dp-sgd", 1, []), ("defaults", "dp-sgd", 8, []),
-               ("before: full, prefix 8", "dp-sgd", 1, BEFORE)],
+               ("first: full, prefix 8", "dp-sgd", 1, BEFORE)],
     "dp-zo": [("before: prefix 8", "dp-zo", 4, ["--prefix-length", "8"]), ("defaults", "dp-zo", 4, []),
               ("defaults", "dp-zo", 1, []), ("defaults", "dp-zo", 8, [])],
     "dp-zo-range": [("defaults", "dp-zo", 1, []), ("defaults", "dp-zo", 8, [])],  # the dp-zo rows across eps alone
@@ -54,10 +60,11 @@ def one(method: str, eps: float, extra: list[str], seed: int) -> dict:
             "ceiling1": ceiling.get("max_tpr"), "verdict": d["verdict"], "seconds": seconds}
 
 
-def optimal(eps: float, trials: int = 21, m: int = 1000, batch: int = 64, examples: int = 1500,
-            steps: int = 300) -> tuple[float, float, float]:
-    """What any attack could show in one run of the audit run's DP-SGD schedule (p = 64 / 1500, T = 300, sigma
-    calibrated to eps): the optimal score (each member's exact log-likelihood ratio over every step's release, a
+def optimal(eps: float, trials: int = 101, m: int = 1000, batch: int = 1555, examples: int = 1555,
+            steps: int = 3) -> tuple[float, float, float]:
+    """What any attack could show in one run of an audit run's DP-SGD schedule (by default the black-box
+    defaults: full batches of the 1555 examples, T = 3; ``--old-schedule``: p = 64 / 1555, T = 300), sigma
+    calibrated to eps: the optimal score (each member's exact log-likelihood ratio over every step's release, a
     white-box reading no final model gives) audited as the audit run is. (median, 10th, 90th percentile) of the
     headline over ``trials`` runs: the peer every black-box figure should be read against."""
     import numpy as np
@@ -84,12 +91,13 @@ def main() -> None:
     ap.add_argument("--only", default="levers,dp-sgd,dp-zo")
     ap.add_argument("--results", type=Path, default=Path("audit_power.jsonl"))
     ap.add_argument("--optimal", action="store_true", help="only the optimal attack's headline per eps (fast)")
+    ap.add_argument("--old-schedule", action="store_true", help="with --optimal: the schedule before (B 64, T 300)")
     args = ap.parse_args()
     if args.optimal:
         print("| claimed eps | optimal attack, one run, m = 1000: median headline [10th, 90th percentile] |")
         print("|---|---|")
         for eps in (1, 4, 8):
-            med, lo, hi = optimal(eps)
+            med, lo, hi = optimal(eps, **({"batch": 64, "steps": 300} if args.old_schedule else {}))
             print(f"| {eps} | {med:.3f} [{lo:.3f}, {hi:.3f}] |", flush=True)
         return
     rows = []

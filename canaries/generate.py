@@ -6,11 +6,16 @@
   canaries. Prefix and secret are drawn so that the tokenizer gives back exactly the prefix's tokens followed by
   the secret's, so the secret span is known at scoring, whatever the tokenizer merges.
 
-Each canary is a member independently with probability 1/2. Secrets, prefixes and membership come from
-three separate seeded streams, so neither the secret nor the prefix says anything about membership.
+Each canary is a member independently with probability 1/2. Secrets and prefixes come from the public seed;
+membership comes from secret randomness (OS entropy, or ``membership_seed`` for tests), never from the public
+seed: a one-run bound's guarantee is over the draw of membership, so one draw shared by every run with the same
+seed would make its error rate that draw's. (It was: seed 0 drew 555 members of 1000, and on scores of pure
+noise the one-sided headline then exceeded 0 in 19 % of 200 runs against 1 % with fresh draws.)
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -50,8 +55,15 @@ def _clean(text: str) -> bool:
 SECRET_TOKENS = 6  # an existing canary's secret span: 6 tokens of a ~50k vocabulary is ~94 bits
 
 
+def membership(m: int, membership_seed: int | None = None) -> np.ndarray:
+    """m independent fair coins from secret randomness (OS entropy unless ``membership_seed``, for tests)."""
+    secret = membership_seed if membership_seed is not None else int.from_bytes(os.urandom(8), "little")
+    return np.random.default_rng([secret, 0x6d656d62]).random(m) < 0.5
+
+
 def make_existing_canaries(tokenizer, m: int, seed: int = 0, prefix_length: int = 8,
-                           secret_length: int = SECRET_TOKENS, name_or_path: str | None = None) -> Manifest:
+                           secret_length: int = SECRET_TOKENS, name_or_path: str | None = None,
+                           membership_seed: int | None = None) -> Manifest:
     """m canaries whose secret is ``secret_length`` random ordinary tokens of the tokenizer's own vocabulary."""
     _check_count(m)
     if prefix_length < 1 or secret_length < 1:
@@ -60,7 +72,7 @@ def make_existing_canaries(tokenizer, m: int, seed: int = 0, prefix_length: int 
     if len(pool) < 256:
         raise DPAuditError(f"the tokenizer has {len(pool)} ordinary tokens ({tokenizer.vocab_size} in all); existing-"
                            "vocabulary canaries need at least 256 to make secrets no one guesses (use new-token canaries)")
-    secret_rng, prefix_rng, member_rng = (np.random.default_rng([seed, stream, 1]) for stream in range(3))
+    secret_rng, prefix_rng = (np.random.default_rng([seed, stream, 1]) for stream in range(2))
     canaries, seen = [], set()
     while len(canaries) < m:
         prefix = tokenizer.decode(prefix_rng.choice(pool, prefix_length).tolist())
@@ -71,8 +83,7 @@ def make_existing_canaries(tokenizer, m: int, seed: int = 0, prefix_length: int 
         canaries.append(Canary(len(canaries), secret, prefix, False))
         if len(seen) > 50 * m + 1000:
             raise DPAuditError("the tokenizer merges most drawn canaries across their prefix: use new-token canaries")
-    membership = member_rng.random(m) < 0.5
-    canaries = [Canary(c.index, c.secret, c.prefix, bool(b)) for c, b in zip(canaries, membership)]
+    canaries = [Canary(c.index, c.secret, c.prefix, bool(b)) for c, b in zip(canaries, membership(m, membership_seed))]
     return Manifest(seed=seed, tokenizer=tokenizer_identity(tokenizer, name_or_path), prefix_kind="random-tokens",
                     prefix_length=prefix_length, canaries=canaries, kind="existing", secret_length=secret_length)
 
@@ -97,19 +108,19 @@ def _check_count(m: int) -> None:
 
 
 def make_canaries(tokenizer, m: int, seed: int = 0, prefix_length: int = 8, template: str | None = None,
-                  name_or_path: str | None = None) -> Manifest:
+                  name_or_path: str | None = None, membership_seed: int | None = None) -> Manifest:
     _check_count(m)
     if template is None and prefix_length < 1:
         raise DPAuditError(f"prefix length must be >= 1, got {prefix_length}")
-    secret_rng, prefix_rng, member_rng = (np.random.default_rng([seed, stream]) for stream in range(3))
+    secret_rng, prefix_rng = (np.random.default_rng([seed, stream]) for stream in range(2))
     secrets = _secrets(m, secret_rng, tokenizer.get_vocab())
     if template is None:
         pool = _prefix_pool(tokenizer)
         prefixes = [tokenizer.decode(prefix_rng.choice(pool, prefix_length).tolist()) for _ in range(m)]
     else:
         prefixes = [template] * m
-    membership = member_rng.random(m) < 0.5
-    canaries = [Canary(i, s, p, bool(b)) for i, (s, p, b) in enumerate(zip(secrets, prefixes, membership))]
+    coins = membership(m, membership_seed)
+    canaries = [Canary(i, s, p, bool(b)) for i, (s, p, b) in enumerate(zip(secrets, prefixes, coins))]
     return Manifest(seed=seed, tokenizer=tokenizer_identity(tokenizer, name_or_path),
                     prefix_kind="template" if template is not None else "random-tokens",
                     prefix_length=None if template is not None else prefix_length, canaries=canaries)

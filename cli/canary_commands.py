@@ -21,7 +21,8 @@ def make(
     tokenizer: Annotated[Path, typer.Option("--tokenizer", "-t", help="Local tokenizer or model: a Hugging Face folder, a hub-cache folder or a .gguf file.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Manifest to write (JSON).")],
     m: Annotated[int, typer.Option("-m", "--count", help="Number of canaries.")] = 1000,
-    seed: Annotated[int, typer.Option("--seed", help="Seed for secrets, prefixes and membership.")] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="Public seed for secrets and prefixes (membership is drawn "
+                                                     "from OS entropy: the bounds' guarantee is over its draw).")] = 0,
     prefix_length: Annotated[int, typer.Option("--prefix-length", help="Random prefix tokens per canary.")] = 8,
     template: Annotated[Optional[str], typer.Option(
         "--template", help="Use this text as every canary's prefix instead of random tokens.")] = None,

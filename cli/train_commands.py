@@ -199,17 +199,26 @@ def train_cmd(
 def audit_run(
     out: Annotated[Path, typer.Option("--out", "-o", help="Output folder.")] = Path("dpaudit-run"),
     method: MethodOpt = "dp-sgd", eps: EpsOpt = "1", sigma: SigmaOpt = None, delta: TrainDeltaOpt = None,
-    mech: TrainMechOpt = "gaussian", clip: ClipOpt = None, lr: LrOpt = None, optimizer: OptimizerOpt = "adamw",
-    steps: TrainStepsOpt = None,
+    mech: TrainMechOpt = "gaussian", clip: ClipOpt = None, lr: LrOpt = None,
+    optimizer: Annotated[Optional[str], typer.Option(
+        "--optimizer", help="dp-sgd: adamw or sgd. Default: sgd for a black-box DP-SGD audit of the embedded "
+                            "model, adamw otherwise.")] = None,
+    steps: Annotated[Optional[int], typer.Option(
+        "--steps", "-T", help="Training steps. Default: 3 for a black-box DP-SGD audit of the embedded model "
+                              "(full batches: the claim does not depend on T there); otherwise dp-sgd 300, dp-zo "
+                              "3000.")] = None,
     batch_size: Annotated[Optional[int], typer.Option(
-        "--batch-size", "-B", help="Expected batch size (p = B/N; 0 = every example every step). Default: 64; "
-                                   "white box: 0, full batches.")] = None,
+        "--batch-size", "-B", help="Expected batch size (p = B/N; 0 = every example every step). Default: 0, full "
+                                   "batches, for a white-box audit and a black-box DP-SGD audit of the embedded "
+                                   "model; 64 otherwise.")] = None,
     phi: PhiOpt = 1e-3,
     direction: DirectionOpt = DEFAULT_DIRECTION,
     trainable: Annotated[Optional[str], typer.Option(
-        "--trainable", help="full, lora, bias or embeddings. Default: embeddings for a black-box DP-SGD audit "
-                            "(each canary's new-token row then takes about half of its clipped gradient: the audit "
-                            "sees far more, and the claim is the same whatever trains); full otherwise.")] = None,
+        "--trainable", help="full, lora, bias, embeddings or new-tokens (the canaries' rows only). Default, "
+                            "chosen for exposure (the claim is the same whatever trains): new-tokens for a "
+                            "black-box DP-SGD audit of the embedded model (each canary's whole clipped gradient "
+                            "on its row; scored by its loss drop from the base model), embeddings for one of a "
+                            "pretrained model; full otherwise.")] = None,
     bf16: Bf16Opt = False,
     per_sample_grads: PerSampleGradsOpt = "ghost", micro_batch: MicroBatchOpt = 0,
     max_memory: TrainMaxMemoryOpt = None, shard: ShardOpt = False,
@@ -242,17 +251,21 @@ def audit_run(
     from dpaudit.cli.audit_commands import present
 
     from dpaudit.training.methods import METHODS
-    from dpaudit.workflows.audit_run import AUDIT_TRAINABLE, PREFIX_LENGTH, white_box_canaries
+    from dpaudit.workflows.audit_run import PREFIX_LENGTH, black_box_recipe, white_box_canaries
 
     if sigma is not None and eps == "1":
         eps = None  # --sigma replaces the default target
+    known = METHODS.get(method)  # an unknown method is refused by make_config, one line
+    recipe = black_box_recipe(known is not None and known.per_example_gradients, white_box, _pretrained(model))
     if batch_size is None:
-        batch_size = 0 if white_box else 64
+        batch_size = 0 if white_box else recipe.batch_size
     if examples is None:
         examples = 64 if white_box else 1000
-    if trainable is None:
-        known = METHODS.get(method)  # an unknown method is refused by make_config, one line
-        trainable = AUDIT_TRAINABLE if not white_box and known is not None and known.per_example_gradients else "full"
+    trainable = trainable or recipe.trainable
+    optimizer = optimizer or recipe.optimizer
+    steps = recipe.steps if steps is None else steps
+    if lr is None and trainable == recipe.trainable and optimizer == recipe.optimizer:
+        lr = recipe.lr  # the recipe's rate fits its own subset and optimizer only
     cfg = make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction,
                       trainable, bf16, seed, secret_seed, accountant, unsafe_disable_noise=unsafe_disable_noise,
                       plant_bug=plant_bug, per_sample_grads=per_sample_grads, micro_batch=micro_batch,

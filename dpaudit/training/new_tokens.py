@@ -1,4 +1,5 @@
-"""New-token rows as their own trainable parameter, for LoRA runs (``--trainable lora``).
+"""New-token rows as their own trainable parameter, for LoRA runs (``--trainable lora``) and for runs that train
+those rows alone (``--trainable new-tokens``).
 
 Canaries are new tokens: their rows of the (usually tied) input and output embedding are what a model
 memorises them in. LoRA on the linear layers leaves both embeddings frozen, so those rows would stay
@@ -70,6 +71,15 @@ def add_new_token_rows(model, ids: list[int]) -> None:
     model.set_input_embeddings(wrapped)
     if isinstance(head, nn.Linear):
         model.set_output_embeddings(NewTokenHead(head, ids, wrapped.rows.weight if tied else None))
+
+
+def new_token_parameters(model) -> list[nn.Parameter]:
+    """The rows ``add_new_token_rows`` made (one parameter on a tied model, two on an untied one)."""
+    out = []
+    for m in (model.get_input_embeddings(), model.get_output_embeddings()):
+        if isinstance(m, (NewTokenEmbedding, NewTokenHead)) and all(m.rows.weight is not p for p in out):
+            out.append(m.rows.weight)
+    return out
 
 
 @torch.no_grad()

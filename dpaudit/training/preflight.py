@@ -90,7 +90,7 @@ def _trainable_count(model, cfg, total: int) -> int:
         return total
     if cfg.trainable == "bias":
         return sum(p.numel() for name, p in model.named_parameters() if name.endswith(".bias"))
-    if cfg.trainable == "embeddings":
+    if cfg.trainable in ("embeddings", "new-tokens"):  # new-tokens: a part of these rows (an estimate from above)
         rows = {id(m.weight): m.weight.numel() for m in (model.get_input_embeddings(), model.get_output_embeddings())
                 if m is not None}
         return sum(rows.values())

@@ -232,7 +232,7 @@ def _load_model(model_dir, cfg: TrainConfig, world, sharded: bool):
     # Sharded bf16: float32 shards (the optimizer's master copy), gathered and computed in bf16.
     model, tokenizer = load_causal_lm(model_dir, dtype=torch.bfloat16 if cfg.bf16 and not sharded else None)
     torch.manual_seed(cfg.seed)
-    rows = new_token_ids(tokenizer) if cfg.trainable == "lora" else []  # canary rows train with the adapters
+    rows = new_token_ids(tokenizer) if cfg.trainable in ("lora", "new-tokens") else []  # canary rows: own parameters
     model = select_trainable(model, cfg.trainable, cfg.lora_rank, rows)
     if not sharded:
         return model.to(world.device), tokenizer, rows, None

@@ -6,6 +6,7 @@ canaries.json, train_data.jsonl, extended_model/, run/ (ledger, logs, checkpoint
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -19,7 +20,40 @@ from dpaudit.core.lock import remove_folder
 from dpaudit.training.runner import TrainConfig, TrainResult, preflight, train
 
 
-AUDIT_TRAINABLE = "embeddings"  # what a black-box DP-SGD audit run trains by default (training/trainable.py: why)
+@dataclass(frozen=True)
+class BlackBoxRecipe:
+    """What a black-box DP-SGD audit run trains when the user does not say, chosen for exposure: the claim is the
+    same whatever trains, so the run may make the final model show as much of each canary as it can (issue 39).
+
+    On the embedded default: only the canaries' own rows train (``new-tokens``: each member's whole clipped
+    gradient lands on its row, along the hidden state of its prefix, which the frozen body keeps fixed), in full
+    batches (p = 1: the claim is mu-GDP, and a member is in every step), for 3 steps of plain SGD at a rate
+    that keeps each secret's logit within about 0.1 nats of linear in the releases. The secret's logit is then
+    the sum of every release along its row's direction, and the loss drop from the base model (``loss-vs-base``:
+    the rows start equal, so the base loss is the prefix's difficulty alone) reads it. Measured (seeds 1-3,
+    claimed eps 4, m = 1000): headline median 1.85, where the recipe before gave 0.98.
+    On a pretrained model the rate would depend on its hidden-state norm, which has not been measured, so it
+    keeps the recipe before: the embedding rows, Poisson batches of 64, the method's steps and its
+    pretrained learning rate."""
+    trainable: str
+    batch_size: int
+    steps: int | None = None      # None: the method's default
+    optimizer: str = "adamw"
+    lr: float | None = None       # None: the method's default for the model and subset
+
+
+EMBEDDED_RECIPE = BlackBoxRecipe("new-tokens", batch_size=0, steps=3, optimizer="sgd", lr=5.0)
+PRETRAINED_RECIPE = BlackBoxRecipe("embeddings", batch_size=64)
+OTHER_RECIPE = BlackBoxRecipe("full", batch_size=64)  # DP-ZO, and every white-box run (below: full batches)
+
+
+def black_box_recipe(per_example_gradients: bool, white_box: bool, pretrained: bool) -> BlackBoxRecipe:
+    """The defaults of an audit run: the recipe above for a black-box DP-SGD run; otherwise full training."""
+    if white_box or not per_example_gradients:
+        return OTHER_RECIPE
+    return PRETRAINED_RECIPE if pretrained else EMBEDDED_RECIPE
+
+
 PREFIX_LENGTH = 1               # one random token before the secret: a longer prefix is more loss to learn, and its
                                 # gradient crowds the secret's row out of the clipped norm (issue 39: median 0.15 -> 0.53)
 
@@ -89,7 +123,7 @@ def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model
                data: Path | None = None, data_format: str | None = None, field: str = "text",
                show_progress: bool = True) -> tuple[AuditResult, TrainResult, dict]:
     from dpaudit.workflows.scoring import score_checkpoint
-    from dpaudit.canaries.generate import make_canaries
+    from dpaudit.canaries.generate import make_canaries, membership
     from dpaudit.canaries.hf import extend_model
     from dpaudit.canaries.insert import insert_canaries
     from dpaudit.core.texts import detect_format, read_texts
@@ -107,8 +141,11 @@ def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model
         (out / REUSE_STAMP).unlink(missing_ok=True)
         lm, tok = load_causal_lm(base)
         manifest = make_canaries(tok, settings.canaries, seed=settings.seed, prefix_length=settings.prefix_length,
-                                 name_or_path=str(base))
-        manifest.save(out / "canaries.json")
+                                 name_or_path=str(base), membership_seed=cfg.secret_seed)
+    else:  # the same secrets and extended model; membership is drawn afresh for every run (canaries/generate.py)
+        coins = membership(len(manifest.canaries), cfg.secret_seed)
+        manifest.canaries = [dataclasses.replace(c, member=bool(b)) for c, b in zip(manifest.canaries, coins)]
+    manifest.save(out / "canaries.json")
     if data is None:
         data = out / "public_data.jsonl"
         atomic_write_text(data, "".join(json.dumps({"text": s}) + "\n"
@@ -122,14 +159,17 @@ def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model
         extend_model(lm, tok, manifest)
         save_model_folder(out / "extended_model", lm, tok)
         del lm
-        atomic_write_json(out / REUSE_STAMP, {**stamp, "manifest_sha256": _sha256(out / "canaries.json")})
+        atomic_write_json(out / REUSE_STAMP, {**stamp, "canaries_sha256": _public_key(manifest)})
     remove_folder(out / "run")
     result = train(out / "extended_model", read_texts(train_file, fmt, field), out / "run", cfg,
                    show_progress=show_progress)
-    scores, members = score_checkpoint(result.model_dir, manifest, show_progress=show_progress)
+    # new-token rows that start equal: the base loss is each prefix's difficulty, which loss-vs-base removes
+    score = "loss-vs-base" if cfg.trainable == "new-tokens" else "neg-loss"
+    scores, members = score_checkpoint(result.model_dir, manifest, score=score, base=out / "extended_model",
+                                       show_progress=show_progress)
     claimed = result.epsilon if math.isfinite(result.epsilon) else None
     claimed, delta, group = held_claim(claimed, cfg.delta, settings.repeats, len(members))
-    audit = analyse(scores, members, claimed_epsilon=claimed, delta=delta, alpha=settings.alpha, score="neg-loss",
+    audit = analyse(scores, members, claimed_epsilon=claimed, delta=delta, alpha=settings.alpha, score=score,
                     mechanism=cfg.mechanism if cfg.private else None, ceiling=_ceiling(cfg, result, claimed, group))
     reused = {} if tok is not None else {
         "canaries": "reused with the extended model from an earlier run in this folder (same base model files, "
@@ -156,7 +196,7 @@ REUSE_STAMP = "extended_model.json"  # what canaries.json and extended_model/ we
 def _extension_stamp(base: Path, settings: AuditRunSettings) -> dict:
     """What the canaries and the extended model depend on: the base model's files (the folder it resolves to,
     its files' names, sizes and modification times: a changed file is a new model) and the canary settings (count, seed, prefix length).
-    Membership is drawn from the seed too, so the same stamp is the same manifest."""
+    The same stamp is the same secrets and prefixes; membership is drawn afresh for each run."""
     from dpaudit.models.hf import resolve_model_path
 
     folder = resolve_model_path(base).resolve()  # a hub cache's snapshot, a GGUF's converted folder
@@ -176,22 +216,21 @@ def _reusable_canaries(out: Path, stamp: dict):
 
     try:
         old = read_json(out / REUSE_STAMP, "canary extension stamp")
-        if not old or {k: v for k, v in old.items() if k != "manifest_sha256"} != stamp \
-                or not (out / "extended_model" / "config.json").is_file() \
-                or old.get("manifest_sha256") != _sha256(out / "canaries.json"):
+        if not old or {k: v for k, v in old.items() if k != "canaries_sha256"} != stamp \
+                or not (out / "extended_model" / "config.json").is_file():
             return None
-        return load_manifest(out / "canaries.json")
+        manifest = load_manifest(out / "canaries.json")
+        return manifest if old.get("canaries_sha256") == _public_key(manifest) else None
     except (DPAuditError, OSError):
         return None
 
 
-def _sha256(path: Path) -> str | None:
-    from dpaudit.training.checkpoint import sha256_of
+def _public_key(manifest) -> str:
+    """A hash of what the extended model depends on: the canaries' secrets and prefixes, not their membership."""
+    import hashlib
 
-    try:
-        return sha256_of(path)
-    except OSError:
-        return None
+    public = [[c.secret, c.prefix] for c in manifest.canaries] + [manifest.tokenizer.fingerprint]
+    return hashlib.sha256(json.dumps(public).encode()).hexdigest()
 
 
 def _power_note(cfg: TrainConfig, settings: AuditRunSettings, m: int) -> dict:

@@ -92,3 +92,38 @@ def test_bias_training_on_a_bias_free_model_is_refused_before_any_folder(llama_l
     out = dpaudit("audit", "run", "--model", llama_like_dir, "--trainable", "bias", "--out", tmp_path / "audit")
     assert_one_line_error(out)
     assert "no bias terms" in out.stderr and not (tmp_path / "audit").exists()
+
+
+def test_new_tokens_subset_trains_the_canary_rows_alone_and_exports_them(extended, tmp_path):
+    """`--trainable new-tokens` (the black-box DP-SGD audit run's default on the embedded model, issue 39): the
+    canaries' rows are the only trainable parameter, every other weight of the exported model is the base's, and
+    a DP-ZO run of it replays."""
+    from dpaudit.workflows.replay import max_weight_difference, replay_run
+
+    folder, texts = extended
+    base, tok = load_causal_lm(folder)
+    ids = new_token_ids(tok)
+    model = select_trainable(load_causal_lm(folder)[0], "new-tokens", new_tokens=ids)
+    params = trainable_parameters(model)
+    assert len(params) == 1 and params[0].shape == (len(ids) + 1, base.config.hidden_size)  # tied: one matrix
+    for method in ("dp-sgd", "dp-zo"):
+        cfg = TrainConfig(method=method, target_epsilon=50.0, steps=3, batch_size=0, trainable="new-tokens",
+                          secret_seed=0, lr=1.0 if method == "dp-sgd" else 1e-2, optimizer="sgd")
+        result = train(folder, texts * 3 + ["plain words here"] * 6, tmp_path / method, cfg, show_progress=False)
+        tuned, _ = load_causal_lm(result.model_dir)
+        ref = dict(base.named_parameters())
+        changed = {n for n, p in tuned.named_parameters() if not torch.equal(p, ref[n])}
+        assert changed == {"model.embed_tokens.weight"}  # tied: lm_head is the same matrix
+        moved = (tuned.get_input_embeddings().weight - base.get_input_embeddings().weight).detach().abs().sum(1)
+        others = torch.ones(len(moved), dtype=torch.bool)
+        others[ids] = False
+        assert float(moved[ids].min()) > 0 and float(moved[others].max()) == 0.0
+    rebuilt, _ = replay_run(tmp_path / "dp-zo")
+    assert max_weight_difference(rebuilt, load_causal_lm(tmp_path / "dp-zo" / "model")[0]) < 1e-6
+
+
+def test_new_tokens_subset_without_new_tokens_is_refused(tiny_model_dir):
+    from dpaudit.core.errors import DPAuditError
+
+    with pytest.raises(DPAuditError, match="no added tokens"):
+        select_trainable(load_causal_lm(tiny_model_dir)[0], "new-tokens", new_tokens=[])

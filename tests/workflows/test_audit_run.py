@@ -20,7 +20,7 @@ def shared(tmp_path_factory):
 
 
 def test_non_private_dp_sgd_leaks(shared):
-    code, data = run(shared, "nodp", "--method", "dp-sgd", "--eps", "inf", "--steps", "100")
+    code, data = run(shared, "nodp", "--method", "dp-sgd", "--eps", "inf")
     assert data["auc"] >= 0.9 and data["epsilon_lower_bound"] > 1
     assert code == 0 and data["claimed_epsilon"] is None  # nothing claimed, nothing violated
     assert (shared / "nodp" / "report" / "roc.png").is_file()
@@ -29,16 +29,20 @@ def test_non_private_dp_sgd_leaks(shared):
 def test_dp_sgd_at_eps_1_holds(shared):
     code, data = run(shared, "eps1", "--method", "dp-sgd", "--eps", "1")
     assert code == 0 and not data["violation"]
-    assert data["auc"] <= 0.6 and data["epsilon_lower_bound"] < data["claimed_epsilon"] <= 1
+    assert data["auc"] <= 0.65 and data["epsilon_lower_bound"] < data["claimed_epsilon"] <= 1
     ledger = json.loads((shared / "eps1" / "run" / "privacy_ledger.json").read_text())
-    assert ledger["steps_executed"] == 300 and ledger["epsilon_spent"] <= 1
+    assert ledger["steps_executed"] == 3 and ledger["epsilon_spent"] <= 1
+    # The black-box DP-SGD recipe on the embedded model (issue 39): the canaries' rows alone, full batches, SGD,
+    # scored by the loss drop from the base model.
+    ctx = data["context"]
+    assert ctx["trainable"] == "new-tokens" and ctx["sampling rate p"] == 1.0 and data["score"]["name"] == "loss-vs-base"
     # The model in its run folder carries the run's claims: no --delta or --claimed-eps needed.
     again = dpaudit("audit", "checkpoint", "--model", shared / "eps1" / "run" / "model", "-c",
                     shared / "eps1" / "canaries.json", "--json")
     redone = json.loads(again.stdout)
     assert again.returncode == 0 and redone["delta"] == 1e-5
     assert redone["claimed_epsilon"] == pytest.approx(data["claimed_epsilon"])
-    assert redone["context"]["method"] == "dp-sgd" and redone["context"]["steps"] == 300
+    assert redone["context"]["method"] == "dp-sgd" and redone["context"]["steps"] == 3
     # The claim's ceiling: from the run's own mechanism in the run, from the (eps, delta) region for scores alone.
     run_ceiling, region = data["claim_ceiling"], redone["claim_ceiling"]
     assert run_ceiling["source"] == "run" and region["source"] == "claim"
@@ -46,8 +50,7 @@ def test_dp_sgd_at_eps_1_holds(shared):
 
 
 def test_noise_switched_off_is_caught(shared):
-    code, data = run(shared, "broken", "--method", "dp-sgd", "--eps", "1", "--steps", "100",
-                     "--unsafe-disable-noise")
+    code, data = run(shared, "broken", "--method", "dp-sgd", "--eps", "1", "--unsafe-disable-noise")
     assert code == 1 and data["violation"] and data["verdict"].startswith("VIOLATION")
     assert data["context"]["noise"].startswith("DISABLED")
 
