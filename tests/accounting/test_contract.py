@@ -11,7 +11,8 @@ covers (``Accountant.supports``, the sampler it accounts, the noises it lists) a
 - it is monotone: eps falls as sigma grows, grows with T and with p;
 - where it reports both directions, its answer is their max;
 - where it answers delta(eps) too, the two agree: delta(eps(delta)) <= delta;
-- its time budget holds: a query too large for a small budget is refused in about that time (or answered).
+- its time budget holds: a query too large for a small budget is refused in about that time (or answered);
+- its memory budget holds: under a small one a query is refused, or answered within it (allocations traced).
 """
 
 from __future__ import annotations
@@ -209,6 +210,26 @@ class AccountantContract:
         else:
             assert result.epsilon > 0
         assert time.perf_counter() - began < 2.0 + 8.0, f"{self.name} ran {time.perf_counter() - began:.1f} s"
+
+    def test_memory_budget_holds(self):
+        """Under a small memory budget a query is refused in one line, or answered with the allocations it made
+        (numpy's included: tracemalloc traces them) at most the budget at their peak."""
+        import tracemalloc
+
+        mech = self.event(0.9, 0.3, 2000)
+        budget = 300 * 2**20
+        tracemalloc.start()
+        try:
+            with budgets.limits(max_memory=budget, timeout=60.0):
+                result = self.accountant.epsilon(mech, DELTA)
+        except (budgets.OverBudget, DPAuditError) as exc:
+            assert "\n" not in str(exc)
+        else:
+            assert result.epsilon > 0
+        finally:
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+        assert peak <= budget, f"{self.name} allocated {peak / 2**20:.0f} MiB under a {budget / 2**20:.0f} MiB budget"
 
 
 SLOW_ACCOUNTANTS = {"mc"}  # Monte-Carlo: ~5 s an answer; its class runs in the slow tier (CI runs both)
