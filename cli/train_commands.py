@@ -31,8 +31,9 @@ TrainStepsOpt = Annotated[Optional[int], typer.Option("--steps", "-T", help="Tra
 TrainBatchOpt = Annotated[int, typer.Option("--batch-size", "-B", help="Expected batch size (p = B/N).")]
 PhiOpt = Annotated[float, typer.Option("--phi", help="dp-zo perturbation scale.")]
 DirectionOpt = Annotated[str, typer.Option("--direction", help="dp-zo direction: rademacher (+-1, SPSA; a third of a Gaussian pass's cost on CPU), gaussian (the DP-ZO paper's) or sphere (DPZero).")]
-TrainableOpt = Annotated[str, typer.Option("--trainable", help="full, lora, bias (DP-BiTFiT) or embeddings (the "
-                                                               "token embedding rows only).")]
+TrainableOpt = Annotated[str, typer.Option("--trainable", help="full, lora, bias (DP-BiTFiT), embeddings (the "
+                                                               "token embedding rows only) or new-tokens (only the "
+                                                               "rows of tokens added to the base vocabulary).")]
 Bf16Opt = Annotated[bool, typer.Option("--bf16", help="bf16 weights and activations, no loss scaling.")]
 PerSampleGradsOpt = Annotated[str, typer.Option(
     "--per-sample-grads", help="dp-sgd: ghost (clipped sums without per-example gradients, about SGD's memory) "
