@@ -42,6 +42,7 @@ RUNS = {
     "dp-zo": [("before: prefix 8", "dp-zo", 4, ["--prefix-length", "8"]), ("defaults", "dp-zo", 4, []),
               ("defaults", "dp-zo", 1, []), ("defaults", "dp-zo", 8, [])],
     "dp-zo-range": [("defaults", "dp-zo", 1, []), ("defaults", "dp-zo", 8, [])],  # the dp-zo rows across eps alone
+    "dp-zo-defaults": [("defaults", "dp-zo", 4, []), ("defaults", "dp-zo", 1, []), ("defaults", "dp-zo", 8, [])],
 }
 
 
