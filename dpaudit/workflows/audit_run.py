@@ -31,7 +31,7 @@ class BlackBoxRecipe:
     that keeps each secret's logit within about 0.1 nats of linear in the releases. The secret's logit is then
     the sum of every release along its row's direction, and the loss drop from the base model (``loss-vs-base``:
     the rows start equal, so the base loss is the prefix's difficulty alone) reads it. Measured (seeds 1-3,
-    claimed eps 4, m = 1000): headline median 1.85, where the recipe before gave 0.98.
+    claimed eps 4, m = 1000, secret membership): headline median 1.750, where the recipe before gave 0.400.
     On a pretrained model the rate would depend on its hidden-state norm, which has not been measured, so it
     keeps the recipe before: the embedding rows, Poisson batches of 64, the method's steps and its
     pretrained learning rate."""
