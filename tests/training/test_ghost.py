@@ -196,3 +196,40 @@ def test_an_unsupported_layer_is_refused_at_preflight_before_any_work(tiny_model
                                                                              torch.nn.BatchNorm1d(4)))
     with pytest.raises(DPAuditError, match="BatchNorm1d"):
         preflight(tiny_model_dir, TrainConfig(method="dp-sgd", target_epsilon=1.0), 100, warn=False)
+
+
+class _ScaleOnly(torch.nn.Module):
+    """An RMS norm look-alike (a weight and an eps) that does not normalise."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.weight, self.eps = torch.nn.Parameter(torch.ones(width)), 1e-6
+
+    def forward(self, x):
+        return self.weight * x
+
+
+def test_rms_norm_layers_get_exact_per_example_gradients_without_functorch(tiny_model_dir):
+    """Issue 41: the Hugging Face RMS norms (w x x_hat in Llama, (1 + w) x x_hat in Gemma) went through
+    functorch; ``rms_norm_grad_sample`` gives the same per-example gradients, and a look-alike is not taken."""
+    from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from dpaudit.training.per_example import is_rms_norm, rms_norm_grad_sample, rms_norm_layers
+
+    g = torch.Generator().manual_seed(0)
+    for layer in (LlamaRMSNorm(16, eps=1e-5), Gemma3RMSNorm(16)):
+        with torch.no_grad():
+            layer.weight.add_(torch.randn(16, generator=g))
+        assert is_rms_norm(layer)
+        for shape in ((5, 16), (5, 7, 16)):
+            x, b = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+            want = ft_compute_per_sample_gradient(layer, [x], b)[layer.weight]
+            torch.testing.assert_close(rms_norm_grad_sample(layer, [x], b)[layer.weight], want)
+    assert not is_rms_norm(_ScaleOnly(16)) and not is_rms_norm(torch.nn.LayerNorm(16))
+    assert not is_rms_norm(torch.nn.RMSNorm(16))  # Opacus samples torch's own
+    frozen = LlamaRMSNorm(16).requires_grad_(False)
+    assert not is_rms_norm(frozen)
+    model, _ = load_causal_lm(tiny_model_dir)
+    assert {kind.__name__ for kind in rms_norm_layers(model)} == {"LlamaRMSNorm"}
