@@ -16,6 +16,7 @@ noise the one-sided headline then exceeded 0 in 19 % of 200 runs against 1 % wit
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import numpy as np
 
@@ -59,6 +60,17 @@ def membership(m: int, membership_seed: int | None = None) -> np.ndarray:
     """m independent fair coins from secret randomness (OS entropy unless ``membership_seed``, for tests)."""
     secret = membership_seed if membership_seed is not None else int.from_bytes(os.urandom(8), "little")
     return np.random.default_rng([secret, 0x6d656d62]).random(m) < 0.5
+
+
+def redraw_membership(manifest: Manifest, membership_seed: int | None = None, *, mixed: bool = False) -> Manifest:
+    """``manifest`` with every canary's membership drawn afresh (``membership``), secrets and prefixes kept: a
+    rerun that reuses canaries (and the model extended for them) must not reuse their coins. ``mixed``: coins that
+    came up all members or all non-members turn the first canary's, since an audit needs both (small m only; at
+    m = 1000 that has probability 2^-999)."""
+    coins = membership(len(manifest.canaries), membership_seed)
+    if mixed and len(coins) > 1 and (coins.all() or not coins.any()):
+        coins[0] = not coins[0]
+    return replace(manifest, canaries=[replace(c, member=bool(b)) for c, b in zip(manifest.canaries, coins)])
 
 
 def make_existing_canaries(tokenizer, m: int, seed: int = 0, prefix_length: int = 8,

@@ -315,7 +315,7 @@ def _make(tokenizer, m: int, kind: str, seed: int, secret_seed: int | None, secr
     ``secret_seed``); controls drawn with them (distinct secrets, the same distribution), never members."""
     from dataclasses import replace
 
-    from dpaudit.canaries.generate import make_canaries, make_existing_canaries, membership
+    from dpaudit.canaries.generate import make_canaries, make_existing_canaries, redraw_membership
 
     manifest = (make_existing_canaries(tokenizer, m + controls, seed=seed, secret_length=secret_length)
                 if kind == "existing" else make_canaries(tokenizer, m, seed=seed))
@@ -323,11 +323,7 @@ def _make(tokenizer, m: int, kind: str, seed: int, secret_seed: int | None, secr
     if controls:
         control = replace(manifest, canaries=[replace(c, member=False) for c in manifest.canaries[m:]])
         manifest = replace(manifest, canaries=manifest.canaries[:m])
-    coins = membership(m, secret_seed)
-    if coins.all() or not coins.any():
-        coins[0] = not coins[0]  # an audit needs a member and a non-member; the coin of one canary is moved
-    manifest.canaries = [replace(c, member=bool(b)) for c, b in zip(manifest.canaries, coins)]
-    return manifest, control
+    return redraw_membership(manifest, secret_seed, mixed=True), control
 
 
 def _new_folder(out: Path) -> None:

@@ -6,7 +6,6 @@ canaries.json, train_data.jsonl, extended_model/, run/ (ledger, logs, checkpoint
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -123,7 +122,7 @@ def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model
                data: Path | None = None, data_format: str | None = None, field: str = "text",
                show_progress: bool = True) -> tuple[AuditResult, TrainResult, dict]:
     from dpaudit.workflows.scoring import score_checkpoint
-    from dpaudit.canaries.generate import make_canaries, membership
+    from dpaudit.canaries.generate import make_canaries, redraw_membership
     from dpaudit.canaries.hf import extend_model
     from dpaudit.canaries.insert import insert_canaries
     from dpaudit.core.texts import detect_format, read_texts
@@ -143,8 +142,7 @@ def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model
         manifest = make_canaries(tok, settings.canaries, seed=settings.seed, prefix_length=settings.prefix_length,
                                  name_or_path=str(base), membership_seed=cfg.secret_seed)
     else:  # the same secrets and extended model; membership is drawn afresh for every run (canaries/generate.py)
-        coins = membership(len(manifest.canaries), cfg.secret_seed)
-        manifest.canaries = [dataclasses.replace(c, member=bool(b)) for c, b in zip(manifest.canaries, coins)]
+        manifest = redraw_membership(manifest, cfg.secret_seed)
     manifest.save(out / "canaries.json")
     if data is None:
         data = out / "public_data.jsonl"

@@ -113,3 +113,15 @@ def test_fresh_membership_keeps_a_one_run_bound_valid_on_noise_scores():
     above = sum(analyse(rng.normal(size=1000), membership(1000), claimed_epsilon=1.0, delta=1e-5,
                         mechanism="gaussian", score="loss-vs-base").epsilon_lower_bound > 0.08 for _ in range(60))
     assert above <= 6  # alpha = 0.05 of 60 is 3; Binomial(60, 0.05) exceeds 6 with probability 0.03
+
+
+def test_redrawn_membership_keeps_the_canaries_and_draws_new_coins(tokenizer):
+    from dpaudit.canaries.generate import redraw_membership
+
+    manifest = make_canaries(tokenizer, 64, seed=0, membership_seed=1)
+    again = redraw_membership(manifest, 2)
+    assert [(c.secret, c.prefix) for c in again.canaries] == [(c.secret, c.prefix) for c in manifest.canaries]
+    assert [c.member for c in again.canaries] != [c.member for c in manifest.canaries]
+    assert [c.member for c in redraw_membership(manifest, 2).canaries] == [c.member for c in again.canaries]
+    two = make_canaries(tokenizer, 2, seed=0)
+    assert all({c.member for c in redraw_membership(two, s, mixed=True).canaries} == {True, False} for s in range(16))
