@@ -164,9 +164,10 @@ def audit_checkpoint(
     delta: AuditDeltaOpt = None,
     alpha: AlphaOpt = 0.05,
     guesses: GuessesOpt = None,
-    score: Annotated[str, typer.Option(
+    score: Annotated[Optional[str], typer.Option(
         "--score", help="neg-loss (-loss of the secret), or loss-vs-base (needs --base: the loss drop from the "
-                        "base model).")] = "neg-loss",
+                        "base model). Default: loss-vs-base with --base, or for the model of an `audit run` that "
+                        "trained new-token rows only (against its extended model); otherwise neg-loss.")] = None,
     base: Annotated[Optional[Path], typer.Option(
         "--base", help="The model before training (the extended model), for --score loss-vs-base.")] = None,
     headline: HeadlineOpt = "auto",
@@ -204,6 +205,14 @@ def audit_checkpoint(
     claimed_eps, delta, group = group_claim(claimed_eps, delta, repeat)
     if group:
         context["claim audited"] = group
+    if score is None and base is not None:
+        score = "loss-vs-base"
+    elif score is None:
+        from dpaudit.workflows.scoring import run_score
+
+        score, base, why = run_score(model)
+        if why:
+            context["score chosen"] = why
     if score not in ("neg-loss", "loss-vs-base"):
         raise DPAuditError(f"a checkpoint is scored with neg-loss or loss-vs-base, not {score!r}")
     if (score == "loss-vs-base") != (base is not None):

@@ -94,3 +94,24 @@ def score_checkpoint(model_dir, manifest: Manifest, *, score: str = "neg-loss", 
     if score == "loss-vs-base":
         return losses(base) - losses(model_dir), members
     raise DPAuditError(f"unknown checkpoint score {score!r}; use neg-loss or loss-vs-base")
+
+
+def run_score(model_dir) -> tuple[str, object, str | None]:
+    """(score, base, why) for ``audit checkpoint`` without --score: the score ``audit run`` gave the model it trained.
+    A run that trained only the canaries' new-token rows (``--trainable new-tokens``) scored ``loss-vs-base``
+    against the extended model beside it (the rows start equal, so the base loss is each prefix's own difficulty,
+    which neg-loss would keep); every other model ``neg-loss``."""
+    from pathlib import Path
+
+    from dpaudit.core import run_folder
+
+    run = Path(model_dir).parent
+    try:
+        meta = run_folder.run_config(run, required=False) if Path(model_dir).is_dir() else None
+    except DPAuditError:  # not a run dpaudit wrote: nothing to follow
+        meta = None
+    base = run.parent / "extended_model"
+    if meta and meta["config"].get("trainable") == "new-tokens" and (base / "config.json").is_file():
+        return "loss-vs-base", base, (f"loss-vs-base against {base}: the run trained only the canaries' new-token "
+                                      "rows, and its own report scored them so")
+    return "neg-loss", None, None

@@ -43,6 +43,9 @@ def test_dp_sgd_at_eps_1_holds(shared):
     assert again.returncode == 0 and redone["delta"] == 1e-5
     assert redone["claimed_epsilon"] == pytest.approx(data["claimed_epsilon"])
     assert redone["context"]["method"] == "dp-sgd" and redone["context"]["steps"] == 3
+    # ... and is scored as the run scored it: the loss drop from the extended model beside it.
+    assert redone["score"]["name"] == "loss-vs-base" and "new-token rows" in redone["context"]["score chosen"]
+    assert redone["auc"] == pytest.approx(data["auc"], abs=2e-3)
     # The claim's ceiling: from the run's own mechanism in the run, from the (eps, delta) region for scores alone.
     run_ceiling, region = data["claim_ceiling"], redone["claim_ceiling"]
     assert run_ceiling["source"] == "run" and region["source"] == "claim"
