@@ -70,7 +70,9 @@ def is_rms_norm(module) -> bool:
     if isinstance(module, torch.nn.RMSNorm) or set(params) != {"weight"} or not params["weight"].requires_grad:
         return False
     w, eps = params["weight"], _rms_eps(module)
-    if type(w).__name__ == "DTensor" or w.dim() != 1 or w.is_meta or eps is None or list(module.buffers(recurse=False)) or list(module.children()):
+    if type(w).__name__ == "DTensor" or w.dim() != 1 or w.is_meta or eps is None:
+        return False
+    if list(module.buffers(recurse=False)) or list(module.children()):
         return False
     x = torch.randn(2, 3, w.shape[0], generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
     with torch.no_grad():
