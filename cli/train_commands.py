@@ -202,24 +202,22 @@ def audit_run(
     method: MethodOpt = "dp-sgd", eps: EpsOpt = "1", sigma: SigmaOpt = None, delta: TrainDeltaOpt = None,
     mech: TrainMechOpt = "gaussian", clip: ClipOpt = None, lr: LrOpt = None,
     optimizer: Annotated[Optional[str], typer.Option(
-        "--optimizer", help="dp-sgd: adamw or sgd. Default: sgd for a black-box DP-SGD audit of the embedded "
-                            "model, adamw otherwise.")] = None,
+        "--optimizer", help="dp-sgd: adamw or sgd. Default: sgd for a black-box DP-SGD audit, adamw "
+                            "otherwise.")] = None,
     steps: Annotated[Optional[int], typer.Option(
-        "--steps", "-T", help="Training steps. Default: 3 for a black-box DP-SGD audit of the embedded model "
-                              "(full batches: the claim does not depend on T there); otherwise dp-sgd 300, dp-zo "
-                              "3000.")] = None,
+        "--steps", "-T", help="Training steps. Default: 3 for a black-box DP-SGD audit (full batches: the claim "
+                              "does not depend on T there); otherwise dp-sgd 300, dp-zo 3000.")] = None,
     batch_size: Annotated[Optional[int], typer.Option(
         "--batch-size", "-B", help="Expected batch size (p = B/N; 0 = every example every step). Default: 0, full "
-                                   "batches, for a white-box audit and a black-box DP-SGD audit of the embedded "
-                                   "model; 64 otherwise.")] = None,
+                                   "batches, for a white-box audit and a black-box DP-SGD audit; 64 otherwise.")] = None,
     phi: PhiOpt = 1e-3,
     direction: DirectionOpt = DEFAULT_DIRECTION,
     trainable: Annotated[Optional[str], typer.Option(
         "--trainable", help="full, lora, bias, embeddings or new-tokens (the canaries' rows only). Default, "
                             "chosen for exposure (the claim is the same whatever trains): new-tokens for a "
-                            "black-box DP-SGD audit of the embedded model (each canary's whole clipped gradient "
-                            "on its row; scored by its loss drop from the base model), embeddings for one of a "
-                            "pretrained model; full otherwise.")] = None,
+                            "black-box DP-SGD audit (each canary's whole clipped gradient on its row; scored by "
+                            "its loss drop from the base model; on a pretrained model at a rate set from its "
+                            "hidden-state norm, micro-batched to fit the memory); full otherwise.")] = None,
     bf16: Bf16Opt = False,
     per_sample_grads: PerSampleGradsOpt = "ghost", micro_batch: MicroBatchOpt = 0,
     max_memory: TrainMaxMemoryOpt = None, shard: ShardOpt = False,
@@ -265,8 +263,9 @@ def audit_run(
     trainable = trainable or recipe.trainable
     optimizer = optimizer or recipe.optimizer
     steps = recipe.steps if steps is None else steps
+    logit_step = None
     if lr is None and trainable == recipe.trainable and optimizer == recipe.optimizer:
-        lr = recipe.lr  # the recipe's rate fits its own subset and optimizer only
+        lr, logit_step = recipe.lr, recipe.logit_step  # the recipe's rate fits its own subset and optimizer only
     cfg = make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction,
                       trainable, bf16, seed, secret_seed, accountant, unsafe_disable_noise=unsafe_disable_noise,
                       plant_bug=plant_bug, per_sample_grads=per_sample_grads, micro_batch=micro_batch,
@@ -281,7 +280,7 @@ def audit_run(
     if prefix_length is not None and not 1 <= prefix_length <= 64:
         raise DPAuditError(f"--prefix-length must be in [1, 64], got {prefix_length}")
     settings = AuditRunSettings(canaries=canaries or 1000, repeats=repeat, examples=examples, seed=seed,
-                                prefix_length=prefix_length or PREFIX_LENGTH)
+                                prefix_length=prefix_length or PREFIX_LENGTH, logit_step=logit_step)
     audit, result, summary = run_audit(out, cfg, settings, model=model, data=data, data_format=data_format,
                                        field=field, force=force, show_progress=not as_json)
     if not as_json:

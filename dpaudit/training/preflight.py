@@ -42,13 +42,7 @@ def preflight(model_dir: Path, cfg, examples: int, warn: bool = True,
     if cfg.trainable == "bias" and not any(name.endswith(".bias") for name in names):
         raise DPAuditError(f"the model in {model_dir} has no bias terms (Llama-family models have none), so "
                            "--trainable bias (DP-BiTFiT) has nothing to train; use --trainable lora or full")
-    total = sum(p.numel() for p in model.parameters())
-    trainable = _trainable_count(model, cfg, total)
-    shards = int(os.environ.get("WORLD_SIZE", "1")) if cfg.shard else 1
-    tokens = cfg.max_length if texts is None else longest_tokens(folder, texts, cfg.max_length)
-    settings = dict(shape=memory.ModelShape.of(model.config, total), trainable=trainable, method=cfg.method,
-                    tokens=tokens, bf16=cfg.bf16, optimizer=cfg.optimizer,
-                    per_sample_grads=cfg.per_sample_grads, private=cfg.private, shards=shards)
+    settings, tokens, shards = _step_settings(folder, model, cfg, texts)
     share = math.ceil(memory.largest_batch(cfg.batch_size or examples) / shards)  # this rank's
     at_once = min(cfg.micro_batch, share) if cfg.micro_batch else share
     estimate = memory.process_peak_bytes(examples=at_once, **settings)
@@ -68,6 +62,36 @@ def preflight(model_dir: Path, cfg, examples: int, warn: bool = True,
               + (f"--micro-batch {fits} would fit" if fits else "not even one example would fit"),
               file=sys.stderr, flush=True)
     return estimate
+
+
+def _step_settings(folder: Path, model, cfg, texts: list[str] | None) -> tuple[dict, int, int]:
+    """(memory.peak_bytes' settings but the example count, tokens per example, shards) of a step of ``cfg``."""
+    from dpaudit.training import memory
+
+    total = sum(p.numel() for p in model.parameters())
+    shards = int(os.environ.get("WORLD_SIZE", "1")) if cfg.shard else 1
+    tokens = cfg.max_length if texts is None else longest_tokens(folder, texts, cfg.max_length)
+    return dict(shape=memory.ModelShape.of(model.config, total), trainable=_trainable_count(model, cfg, total),
+                method=cfg.method, tokens=tokens, bf16=cfg.bf16, optimizer=cfg.optimizer,
+                per_sample_grads=cfg.per_sample_grads, private=cfg.private, shards=shards), tokens, shards
+
+
+def micro_batch_that_fits(model_dir: Path, cfg, texts: list[str], share: float = 0.7) -> int:
+    """For a run whose own recipe sets the batch (``audit run``'s full batches on a pretrained model): 0 (the whole
+    batch at once) when a step is estimated within ``share`` of the available memory, else the most examples a
+    forward/backward may take to stay within it (at least 1; the same batches, noise and accounting)."""
+    from dpaudit.models.hf import meta_model, resolve_model_path
+    from dpaudit.training import memory
+
+    folder = resolve_model_path(model_dir)
+    available = memory.available_bytes()
+    if not (folder / "config.json").is_file() or available is None:
+        return cfg.micro_batch
+    settings, _, shards = _step_settings(folder, meta_model(folder), cfg, texts)
+    at_once = math.ceil(memory.largest_batch(cfg.batch_size or len(texts)) / shards)
+    if memory.process_peak_bytes(examples=at_once, **settings) <= share * available:
+        return 0
+    return max(1, memory.examples_that_fit(int(share * available), **settings))
 
 
 def longest_tokens(folder: Path, texts: list[str], max_length: int) -> int:

@@ -6,6 +6,7 @@ canaries.json, train_data.jsonl, extended_model/, run/ (ledger, logs, checkpoint
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -31,18 +32,22 @@ class BlackBoxRecipe:
     the sum of every release along its row's direction, and the loss drop from the base model (``loss-vs-base``:
     the rows start equal, so the base loss is the prefix's difficulty alone) reads it. Measured (seeds 1-3,
     claimed eps 4, m = 1000, secret membership): headline median 1.750, where the recipe before gave 0.400.
-    On a pretrained model the rate would depend on its hidden-state norm, which has not been measured, so it
-    keeps the recipe before: the embedding rows, Poisson batches of 64, the method's steps and its
-    pretrained learning rate."""
+    A pretrained model takes the same recipe at the rate that moves each secret's logit as far a step as lr 5 does
+    on the embedded default (``exposure_rate``: its hidden states are longer, 46 against 10.3 on
+    SmolLM2-135M), micro-batched to fit the memory. Measured on SmolLM2-135M-Instruct (claimed eps 4, m = 1000):
+    headline 0.880 and AUC 0.712, where its recipe before (the embedding rows, Poisson batches of 64, AdamW at
+    the pretrained rate, T = 300) gave 0.079 and 0.491 in 46 minutes; this takes about 4 minutes."""
     trainable: str
     batch_size: int
     steps: int | None = None      # None: the method's default
     optimizer: str = "adamw"
-    lr: float | None = None       # None: the method's default for the model and subset
+    lr: float | None = None       # None: the method's default for the model and subset, or from ``logit_step``
+    logit_step: float | None = None  # the rate from the model: one member raises its secret's logit this much a step
 
 
 EMBEDDED_RECIPE = BlackBoxRecipe("new-tokens", batch_size=0, steps=3, optimizer="sgd", lr=5.0)
-PRETRAINED_RECIPE = BlackBoxRecipe("embeddings", batch_size=64)
+# lr 5 on the embedded default is a logit step of 5 x C x |h| / N = 5 x 1 x 10.3 / ~1500 = 0.034 nats (exposure_rate)
+PRETRAINED_RECIPE = BlackBoxRecipe("new-tokens", batch_size=0, steps=3, optimizer="sgd", logit_step=0.034)
 OTHER_RECIPE = BlackBoxRecipe("full", batch_size=64)  # DP-ZO, and every white-box run (below: full batches)
 
 
@@ -65,6 +70,29 @@ class AuditRunSettings:
     seed: int = 0
     prefix_length: int = PREFIX_LENGTH
     alpha: float = 0.05
+    logit_step: float | None = None  # set: the rate comes from the extended model (``exposure_rate``)
+
+
+def exposure_rate(model, tokenizer, manifest, examples: int, clip: float, logit_step: float) -> tuple[float, float]:
+    """(lr, |h|): the plain-SGD rate at which one member's clipped gradient raises its secret's logit by
+    ``logit_step`` nats a step, for new-token canaries in full batches. The member's gradient lies on its own new
+    row, along h, the final hidden state at its prefix, so clipped it is C h / |h|; DP-SGD divides the noisy sum by
+    the expected batch, N at p = 1; the logit h . w then moves by lr C |h| / N. So lr = logit_step N / (C |h|),
+    with |h| the median over (up to) 64 canaries' prefixes. Any rate keeps the claim; this one keeps the logit
+    near linear in the releases (issue 39: 5 on the embedded default, whose |h| is 10.3)."""
+    import statistics
+
+    import torch
+
+    norms = []
+    model.eval()
+    with torch.no_grad():
+        for c in manifest.canaries[:64]:
+            ids = tokenizer(c.prefix, return_tensors="pt")["input_ids"].to(model.device)
+            hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+            norms.append(float(hidden[0, -1].float().norm()))
+    h = statistics.median(norms)
+    return logit_step * examples / (clip * h), h
 
 
 def white_box_canaries(cfg: TrainConfig, alpha: float = 0.05) -> int:
@@ -158,9 +186,12 @@ def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model
         save_model_folder(out / "extended_model", lm, tok)
         del lm
         atomic_write_json(out / REUSE_STAMP, {**stamp, "canaries_sha256": _public_key(manifest)})
+    texts = read_texts(train_file, fmt, field)
+    if settings.logit_step is not None:
+        cfg, why = _fitted_to_the_model(out / "extended_model", cfg, settings.logit_step, manifest, texts)
+        power = {**power, "learning rate": why}
     remove_folder(out / "run")
-    result = train(out / "extended_model", read_texts(train_file, fmt, field), out / "run", cfg,
-                   show_progress=show_progress)
+    result = train(out / "extended_model", texts, out / "run", cfg, show_progress=show_progress)
     # new-token rows that start equal: the base loss is each prefix's difficulty, which loss-vs-base removes
     score = "loss-vs-base" if cfg.trainable == "new-tokens" else "neg-loss"
     scores, members = score_checkpoint(result.model_dir, manifest, score=score, base=out / "extended_model",
@@ -175,6 +206,22 @@ def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model
     if group:
         reused["claim audited"] = group
     return _finish(out, cfg, base, audit, result, scores, members, {**reused, **power})
+
+
+def _fitted_to_the_model(extended: Path, cfg: TrainConfig, logit_step: float, manifest, texts) -> tuple[TrainConfig, str]:
+    """``cfg`` at the recipe's rate for this model (``exposure_rate``) and, unless the user set one, at a micro batch
+    that fits the memory (full batches of a pretrained model: 1500 examples of a 135M model are ~45 GB at once)."""
+    from dpaudit.models.loading import load_causal_lm
+    from dpaudit.training.preflight import micro_batch_that_fits
+
+    lm, tok = load_causal_lm(extended)
+    lr, h = exposure_rate(lm, tok, manifest, len(texts), cfg.clip, logit_step)
+    del lm
+    cfg = dataclasses.replace(cfg, lr=lr)
+    if not cfg.micro_batch:
+        cfg = dataclasses.replace(cfg, micro_batch=micro_batch_that_fits(extended, cfg, texts))
+    return cfg, (f"{lr:.4g}, from the model: a member raises its secret's logit by {logit_step:g} nats a step "
+                 f"(|h| = {h:.3g} at the canaries' prefixes, N = {len(texts)}, C = {cfg.clip:g})")
 
 
 def _ceiling(cfg, result, claimed, group):

@@ -94,3 +94,30 @@ def test_a_rerun_reuses_its_canaries_and_extended_model(tiny_model_dir, tmp_path
     assert (tmp_path / "a" / "canaries.json").read_text() == manifest
     other = run("--seed", "3")
     assert "canaries" not in other and (tmp_path / "a" / "canaries.json").read_text() != manifest
+
+
+def test_the_pretrained_recipe_rate_moves_a_logit_as_far_as_the_embedded_recipe_does(tmp_path, monkeypatch):
+    """Issue 39: the black-box recipe on a pretrained model sets its SGD rate from the model (``exposure_rate``):
+    on the embedded default, with its N of ~1500, that rate is the embedded recipe's own lr 5. A step that does
+    not fit the memory is micro-batched (same batches, noise and accounting)."""
+    from dpaudit.canaries.generate import make_canaries
+    from dpaudit.canaries.hf import extend_model
+    from dpaudit.core.atomic import save_model_folder
+    from dpaudit.models.loading import load_causal_lm
+    from dpaudit.training import memory
+    from dpaudit.training.preflight import micro_batch_that_fits
+    from dpaudit.training.runner import TrainConfig
+    from dpaudit.workflows.audit_run import EMBEDDED_RECIPE, PRETRAINED_RECIPE, embedded_default, exposure_rate
+
+    lm, tok = load_causal_lm(embedded_default(tmp_path / "base", 0))
+    manifest = make_canaries(tok, 64, seed=0)
+    extend_model(lm, tok, manifest)
+    lr, h = exposure_rate(lm, tok, manifest, 1500, 1.0, PRETRAINED_RECIPE.logit_step)
+    assert 9 < h < 12 and lr == pytest.approx(EMBEDDED_RECIPE.lr, rel=0.05)
+    assert exposure_rate(lm, tok, manifest, 3000, 2.0, 0.034)[0] == pytest.approx(lr)  # N / C
+    save_model_folder(tmp_path / "extended", lm, tok)
+    cfg = TrainConfig(method="dp-sgd", target_epsilon=4.0, trainable="new-tokens", batch_size=0, optimizer="sgd")
+    texts = ["a b c d e f g h"] * 1500
+    assert micro_batch_that_fits(tmp_path / "extended", cfg, texts) == 0  # a small model fits at once
+    monkeypatch.setattr(memory, "available_bytes", lambda: memory.IMPORTS + 2**25)
+    assert 1 <= micro_batch_that_fits(tmp_path / "extended", cfg, texts) < 1500
