@@ -9,6 +9,10 @@ each secret), run beside each lever, so every ratio compares runs made on the sa
     .venv/bin/python benchmarks/audit_power.py --seeds 3 --only dp-zo           # ~40 min (3000 steps a run)
     .venv/bin/python benchmarks/audit_power.py --optimal    # what any attack could show on DP-SGD's schedule (1 min)
     .venv/bin/python benchmarks/audit_power.py --optimal --old-schedule   # the same on the schedule before
+    .venv/bin/python benchmarks/audit_power.py --model M.gguf --only pretrained   # a real model (~6 min a run)
+
+The real pretrained walk-through model (docs/auditing.md; never fetched at run time, see benchmarks/walkthrough.py):
+--model runs every row on it (`audit run --model`); "pretrained-before" is its recipe before (~46 min a run).
 
 Each run is `dpaudit audit run --method M --eps E --secret-seed S --json` in a fresh folder (`--threads 2`);
 results are appended to --results as JSON lines, so an interrupted sweep keeps what it measured.
@@ -43,14 +47,20 @@ RUNS = {
               ("defaults", "dp-zo", 1, []), ("defaults", "dp-zo", 8, [])],
     "dp-zo-range": [("defaults", "dp-zo", 1, []), ("defaults", "dp-zo", 8, [])],  # the dp-zo rows across eps alone
     "dp-zo-defaults": [("defaults", "dp-zo", 4, []), ("defaults", "dp-zo", 1, []), ("defaults", "dp-zo", 8, [])],
+    # with --model: the pretrained recipe (new-tokens at the rate from the model) and the one before it
+    "pretrained": [("defaults: new-tokens, rate from the model", "dp-sgd", 4, []),
+                   ("defaults", "dp-sgd", 1, []), ("defaults", "dp-sgd", 8, [])],
+    "pretrained-before": [("embeddings, B 64, T 300, AdamW 5e-5 (the recipe before)", "dp-sgd", 4,
+                           ["--trainable", "embeddings", "-B", "64", "-T", "300", "--optimizer", "adamw"])],
 }
+MODEL: list[str] = []  # --model PATH, passed to every run
 
 
 def one(method: str, eps: float, extra: list[str], seed: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         began = time.perf_counter()
         proc = subprocess.run([DPAUDIT, "audit", "run", "--method", method, "--eps", str(eps), "--out", tmp + "/run",
-                               "--secret-seed", str(seed), "--threads", "2", "--json", *extra],
+                               "--secret-seed", str(seed), "--threads", "2", "--json", *MODEL, *extra],
                               capture_output=True, text=True)
         seconds = time.perf_counter() - began
     if proc.returncode not in (0, 1):
@@ -93,7 +103,10 @@ def main() -> None:
     ap.add_argument("--results", type=Path, default=Path("audit_power.jsonl"))
     ap.add_argument("--optimal", action="store_true", help="only the optimal attack's headline per eps (fast)")
     ap.add_argument("--old-schedule", action="store_true", help="with --optimal: the schedule before (B 64, T 300)")
+    ap.add_argument("--model", type=Path, help="audit this model (a folder or .gguf) instead of the embedded default")
     args = ap.parse_args()
+    if args.model:
+        MODEL[:] = ["--model", str(args.model)]
     if args.optimal:
         print("| claimed eps | optimal attack, one run, m = 1000: median headline [10th, 90th percentile] |")
         print("|---|---|")
