@@ -74,6 +74,7 @@ class GhostClipping(GradSampleModuleFastGradientClipping):
         self.layers = LayerUses(model)
         self.book_keeping = book_keeping
         self.book: list = []  # (layer, what its clipped sum needs), this pass
+        self.grams: dict = {}  # an input tensor's key -> (the tensor, its per-example Gram matrix), this pass
         # strict=False: buffers were checked by supported_for_dp_sgd (a scaled embedding's constant only)
         super().__init__(model, max_grad_norm=clip, loss_reduction="sum", use_ghost_clipping=True, strict=False)
         device = next(model.parameters()).device
@@ -95,8 +96,11 @@ class GhostClipping(GradSampleModuleFastGradientClipping):
     def norm_pass(self, loss, params) -> torch.Tensor:
         """Runs the hooks (each example's gradient norm); returns the clipping factors."""
         inputs = [self.probe] if self.all_probed else params
-        self.norms, self.book = {}, []
-        torch.autograd.grad(loss, inputs, retain_graph=not self.book_keeping, allow_unused=True)
+        self.norms, self.book, self.grams = {}, [], {}
+        try:
+            torch.autograd.grad(loss, inputs, retain_graph=not self.book_keeping, allow_unused=True)
+        finally:
+            self.grams = {}
         self.all_probed = True
         if set(self.layers.users) - set(self.norms):  # never a stale norm
             raise RuntimeError("a trainable layer did not report its per-example gradient norms")
@@ -156,6 +160,9 @@ class GhostClipping(GradSampleModuleFastGradientClipping):
             return None
         if self.book_keeping:
             self._keep(module, forward_output)
+            if type(module) is torch.nn.Linear and id(module) not in self.layers.tied and self.book[-1][1][1].dim() == 3:
+                self._linear_norms(module, forward_output, loss_reduction, batch_first)
+                return self._collect(module)
         if id(module) in self.layers.exact:
             self._tied_backprops(module, forward_output, loss_reduction, batch_first)
             return self._collect(module)
@@ -167,6 +174,29 @@ class GhostClipping(GradSampleModuleFastGradientClipping):
         finally:
             self.use_ghost_clipping = ghost
         return self._collect(module)
+
+    def _linear_norms(self, module, forward_output, loss_reduction, batch_first) -> None:
+        """A linear layer's per-example gradient norms from the (inputs, output gradients) ``_keep`` just kept:
+        ||sum_t b_t a_t^T||^2 = sum_{t,s} <b_t, b_s> <a_t, a_s>, as Opacus' norm sampler has it, with batched
+        matmuls, and the inputs' Gram matrix computed once for the layers that read one tensor (q, k and v; gate
+        and up). The Gram is held with its tensor, so a freed tensor's address is never taken for another's.
+        Opacus' own bookkeeping (the popped inputs, the use counters) is its ``rearrange_grad_samples``."""
+        self.rearrange_grad_samples(module=module, backprops=forward_output[0], loss_reduction=loss_reduction,
+                                    batch_first=batch_first)  # pops the inputs (``_keep`` holds them)
+        _, a, b = self.book[-1][1]
+        key = (a.data_ptr(), tuple(a.shape), a.stride(), a.dtype)
+        held = self.grams.get(key)
+        if held is None:
+            held = self.grams[key] = (a, torch.bmm(a, a.transpose(1, 2)))
+        ghost = torch.bmm(b, b.transpose(1, 2)).mul_(held[1]).sum((1, 2))
+        if module.weight.requires_grad:
+            module.weight._norm_sample = ghost.clamp(min=0).sqrt()
+            module.weight._forward_counter -= 1
+        if module.bias is not None and module.bias.requires_grad:
+            module.bias._norm_sample = b.sum(1).norm(dim=-1)
+            module.bias._forward_counter -= 1
+        if not module.activations and hasattr(module, "max_batch_len"):
+            del module.max_batch_len
 
     def _tied_backprops(self, module, forward_output, loss_reduction, batch_first) -> None:
         activations, backprops = self.rearrange_grad_samples(
