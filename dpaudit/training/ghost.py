@@ -7,7 +7,7 @@ that is neither linear nor an embedding keeps Opacus' per-example gradients of i
 Under FSDP2 the hooks see gathered copies, not the shards, so a sharded run takes the second backward of
 sum_i c_i l_i instead (``book_keeping=False``); both give the same sum up to float rounding (tested).
 
-``GhostClipping`` is Opacus' GradSampleModuleFastGradientClipping with four changes.
+``GhostClipping`` is Opacus' GradSampleModuleFastGradientClipping with the changes below.
 
 Tied weights (the input and output embedding of most small LMs): Opacus refuses ghost clipping for a
 parameter two layers use. Here each use's (inputs, output gradients) is kept until the last one has
@@ -25,6 +25,10 @@ skips the weight gradients. Values are unchanged (x + 0 = x).
 
 Book-keeping, above. Opacus 1.6 (pinned) stores a layer's inputs in ``module.activations`` until its backward
 hook pops them; ``_keep`` reads them there first.
+
+Linear layers' norms (with book-keeping): from the kept (inputs, output gradients), by batched matmuls, the inputs'
+Gram matrix computed once for the layers that read one tensor (q, k and v; gate and up): ``_linear_norms``
+(issue 41: DP-SGD / SGD 1.32-1.35x -> 1.24-1.29x at B = 64, benchmarks/dp_sgd_paired.py).
 
 Imported only when a DP-SGD trainer is built (it needs opacus, the ``train`` extra).
 """
@@ -160,7 +164,8 @@ class GhostClipping(GradSampleModuleFastGradientClipping):
             return None
         if self.book_keeping:
             self._keep(module, forward_output)
-            if type(module) is torch.nn.Linear and id(module) not in self.layers.tied and self.book[-1][1][1].dim() == 3:
+            linear = type(module) is torch.nn.Linear and id(module) not in self.layers.tied
+            if linear and self.book[-1][1][1].dim() == 3:
                 self._linear_norms(module, forward_output, loss_reduction, batch_first)
                 return self._collect(module)
         if id(module) in self.layers.exact:
@@ -184,13 +189,13 @@ class GhostClipping(GradSampleModuleFastGradientClipping):
         self.rearrange_grad_samples(module=module, backprops=forward_output[0], loss_reduction=loss_reduction,
                                     batch_first=batch_first)  # pops the inputs (``_keep`` holds them)
         _, a, b = self.book[-1][1]
-        key = (a.data_ptr(), tuple(a.shape), a.stride(), a.dtype)
-        held = self.grams.get(key)
-        if held is None:
-            held = self.grams[key] = (a, torch.bmm(a, a.transpose(1, 2)))
-        ghost = torch.bmm(b, b.transpose(1, 2)).mul_(held[1]).sum((1, 2))
         if module.weight.requires_grad:
-            module.weight._norm_sample = ghost.clamp(min=0).sqrt()
+            key = (a.data_ptr(), tuple(a.shape), a.stride(), a.dtype)
+            held = self.grams.get(key)
+            if held is None:
+                held = self.grams[key] = (a, torch.bmm(a, a.transpose(1, 2)))
+            square = torch.bmm(b, b.transpose(1, 2)).mul_(held[1]).sum((1, 2))
+            module.weight._norm_sample = square.clamp(min=0).sqrt()
             module.weight._forward_counter -= 1
         if module.bias is not None and module.bias.requires_grad:
             module.bias._norm_sample = b.sum(1).norm(dim=-1)
