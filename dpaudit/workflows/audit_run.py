@@ -149,7 +149,7 @@ def run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, force:
 def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model: Path | None = None,
                data: Path | None = None, data_format: str | None = None, field: str = "text",
                show_progress: bool = True) -> tuple[AuditResult, TrainResult, dict]:
-    from dpaudit.workflows.scoring import score_checkpoint
+    from dpaudit.workflows.scoring import score_checkpoint, score_for
     from dpaudit.canaries.generate import make_canaries, redraw_membership
     from dpaudit.canaries.hf import extend_model
     from dpaudit.canaries.insert import insert_canaries
@@ -192,8 +192,7 @@ def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model
         power = {**power, "learning rate": why}
     remove_folder(out / "run")
     result = train(out / "extended_model", texts, out / "run", cfg, show_progress=show_progress)
-    # new-token rows that start equal: the base loss is each prefix's difficulty, which loss-vs-base removes
-    score = "loss-vs-base" if cfg.trainable == "new-tokens" else "neg-loss"
+    score = score_for(cfg.trainable)
     scores, members = score_checkpoint(result.model_dir, manifest, score=score, base=out / "extended_model",
                                        show_progress=show_progress)
     claimed = result.epsilon if math.isfinite(result.epsilon) else None

@@ -96,11 +96,16 @@ def score_checkpoint(model_dir, manifest: Manifest, *, score: str = "neg-loss", 
     raise DPAuditError(f"unknown checkpoint score {score!r}; use neg-loss or loss-vs-base")
 
 
+def score_for(trainable: str | None) -> str:
+    """The score of a model that trained ``trainable``: new-token rows start equal, so the base loss is each
+    prefix's own difficulty, which ``loss-vs-base`` removes and ``neg-loss`` would keep."""
+    return "loss-vs-base" if trainable == "new-tokens" else "neg-loss"
+
+
 def run_score(model_dir) -> tuple[str, object, str | None]:
     """(score, base, why) for ``audit checkpoint`` without --score: the score ``audit run`` gave the model it trained.
-    A run that trained only the canaries' new-token rows (``--trainable new-tokens``) scored ``loss-vs-base``
-    against the extended model beside it (the rows start equal, so the base loss is each prefix's own difficulty,
-    which neg-loss would keep); every other model ``neg-loss``."""
+    ``score_for`` the run's trainable subset; ``loss-vs-base`` (new-token rows) against the extended model beside
+    the run."""
     from pathlib import Path
 
     from dpaudit.core import run_folder
@@ -111,7 +116,7 @@ def run_score(model_dir) -> tuple[str, object, str | None]:
     except DPAuditError:  # not a run dpaudit wrote: nothing to follow
         meta = None
     base = run.parent / "extended_model"
-    if meta and meta["config"].get("trainable") == "new-tokens" and (base / "config.json").is_file():
+    if meta and score_for(meta["config"].get("trainable")) == "loss-vs-base" and (base / "config.json").is_file():
         return "loss-vs-base", base, (f"loss-vs-base against {base}: the run trained only the canaries' new-token "
                                       "rows, and its own report scored them so")
     return "neg-loss", None, None
