@@ -233,3 +233,24 @@ def test_rms_norm_layers_get_exact_per_example_gradients_without_functorch(tiny_
     assert not is_rms_norm(frozen)
     model, _ = load_causal_lm(tiny_model_dir)
     assert {kind.__name__ for kind in rms_norm_layers(model)} == {"LlamaRMSNorm"}
+
+
+def test_the_norm_pass_refuses_a_layer_that_no_probe_reaches():
+    """Only layers none of whose inputs requires a gradient get the probe; a layer fed by a leaf of the user's own
+    (not a trainable layer's output) lies on no path to a probe, and the norm pass refuses, never a stale norm.
+    The same model fed plain inputs reports every layer's norms, and they are the per-example gradient norms."""
+    from dpaudit.training.ghost import GhostClipping
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    x = torch.randn(5, 3)
+    expected = []
+    for i in range(5):
+        grads = torch.autograd.grad(model(x[i:i + 1]).sum(), list(model.parameters()))
+        expected.append(torch.cat([g.flatten() for g in grads]).norm())
+    ghost = GhostClipping(model, clip=1.0)
+    ghost.norm_pass(ghost(x).sum(), list(model.parameters()))
+    assert torch.allclose(ghost.get_norm_sample(), torch.stack(expected), atol=1e-5)
+    leaf = torch.randn(5, 3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="did not report"):
+        ghost.norm_pass(ghost(leaf * 2).sum(), list(model.parameters()))
