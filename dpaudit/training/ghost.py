@@ -171,9 +171,12 @@ class GhostClipping(GradSampleModuleFastGradientClipping):
             return None
         if self.book_keeping:
             self._keep(module, forward_output)
-            linear = type(module) is torch.nn.Linear and id(module) not in self.layers.tied
-            if linear and self.book[-1][1][1].dim() == 3:
+            kept, untied = self.book[-1][1], id(module) not in self.layers.tied
+            if untied and type(module) is torch.nn.Linear and kept[1].dim() == 3:
                 self._linear_norms(module, forward_output, loss_reduction, batch_first)
+                return self._collect(module)
+            if untied and isinstance(kept, dict) and all(p._forward_counter == 1 for p in kept):
+                self._sampled_norms(module, kept, forward_output, loss_reduction, batch_first)
                 return self._collect(module)
         if id(module) in self.layers.exact:
             self._tied_backprops(module, forward_output, loss_reduction, batch_first)
@@ -207,8 +210,17 @@ class GhostClipping(GradSampleModuleFastGradientClipping):
         if module.bias is not None and module.bias.requires_grad:
             module.bias._norm_sample = b.sum(1).norm(dim=-1)
             module.bias._forward_counter -= 1
-        if not module.activations and hasattr(module, "max_batch_len"):
-            del module.max_batch_len
+        _drop_batch_len(module)
+
+    def _sampled_norms(self, module, samples, forward_output, loss_reduction, batch_first) -> None:
+        """The norms of a layer called once, whose per-example gradients ``_keep`` just formed (an RMS norm's
+        weight): read from those, where Opacus' hook would form them a second time."""
+        self.rearrange_grad_samples(module=module, backprops=forward_output[0], loss_reduction=loss_reduction,
+                                    batch_first=batch_first)  # pops the inputs
+        for p, g in samples.items():
+            p._norm_sample = g.reshape(len(g), -1).norm(dim=-1) if g.numel() else g.new_zeros(len(g))
+            p._forward_counter -= 1
+        _drop_batch_len(module)
 
     def _tied_backprops(self, module, forward_output, loss_reduction, batch_first) -> None:
         activations, backprops = self.rearrange_grad_samples(
@@ -229,5 +241,10 @@ class GhostClipping(GradSampleModuleFastGradientClipping):
                 square = sum(gradient_inner_product(u, v) * (1 if i == j else 2)
                              for i, u in enumerate(parts) for j, v in enumerate(parts) if j >= i)
                 p._norm_sample = square.clamp(min=0).sqrt()
-        if not module.activations and hasattr(module, "max_batch_len"):
-            del module.max_batch_len
+        _drop_batch_len(module)
+
+
+def _drop_batch_len(module) -> None:
+    """What Opacus' own hook does once a layer's last call has reported."""
+    if not module.activations and hasattr(module, "max_batch_len"):
+        del module.max_batch_len
