@@ -127,3 +127,23 @@ def test_new_tokens_subset_without_new_tokens_is_refused(tiny_model_dir):
 
     with pytest.raises(DPAuditError, match="no added tokens"):
         select_trainable(load_causal_lm(tiny_model_dir)[0], "new-tokens", new_tokens=[])
+
+
+def test_row_zero_moves_no_old_token(extended):
+    """DP-ZO perturbs whole parameters, row 0 (every old token's slot) included: whatever row 0 holds, old tokens'
+    inputs and every example's loss but the canaries' stay the base model's, and a canary's input gets only its own
+    row. (Before: a perturbed row 0 shifted every input alike, a loss change common to every example.)"""
+    folder, texts = extended
+    model, tok = load_causal_lm(folder)
+    ids = new_token_ids(tok)
+    model = select_trainable(model, "new-tokens", 4, ids)
+    emb = model.get_input_embeddings()
+    old = torch.tensor([[1, 2, 3]])
+    new = torch.tensor([ids[:2]])
+    with torch.no_grad():
+        before_old, before_new = emb(old).clone(), emb(new).clone()
+        emb.rows.weight[0] = torch.randn_like(emb.rows.weight[0])
+        assert torch.equal(emb(old), before_old)
+        assert torch.equal(emb(new), before_new)
+        emb.rows.weight[1] += 1.0  # the first new token's own row does move its input
+        assert not torch.equal(emb(new)[0, 0], before_new[0, 0]) and torch.equal(emb(new)[0, 1], before_new[0, 1])
