@@ -6,7 +6,8 @@ The peer measured in the same run is the audit run's old recipe (full fine-tune,
 each secret), run beside each lever, so every ratio compares runs made on the same loaded machine:
 
     .venv/bin/python benchmarks/audit_power.py --seeds 3 --only levers,dp-sgd   # ~20 min on 2 cores
-    .venv/bin/python benchmarks/audit_power.py --seeds 3 --only dp-zo           # ~40 min (3000 steps a run)
+    .venv/bin/python benchmarks/audit_power.py --seeds 3 --only dp-zo-defaults  # ~25 min (300 full batches a run)
+    .venv/bin/python benchmarks/audit_power.py --seeds 3 --only dp-zo           # ~65 min (with the 3000-step before)
     .venv/bin/python benchmarks/audit_power.py --optimal    # what any attack could show on DP-SGD's schedule (1 min)
     .venv/bin/python benchmarks/audit_power.py --optimal --old-schedule   # the same on the schedule before
     .venv/bin/python benchmarks/audit_power.py --model M.gguf --only pretrained   # a real model (~6 min a run)
@@ -32,6 +33,7 @@ from pathlib import Path
 DPAUDIT = str(Path(sys.executable).with_name("dpaudit"))
 OLD_SCHEDULE = ["-B", "64", "-T", "300", "--optimizer", "adamw"]  # Poisson p = 64/1555, T = 300, AdamW 5e-3
 BEFORE = ["--trainable", "full", "--prefix-length", "8", *OLD_SCHEDULE]  # the recipe before issue 39
+ZO_BEFORE = ["--trainable", "full", "-B", "64", "-T", "3000", "--phi", "1e-3", "--examples", "1000"]  # DP-ZO's before
 # (name, method, eps, extra arguments): the levers one at a time at eps = 4, then the defaults across eps
 RUNS = {
     "levers": [("first: full, prefix 8", "dp-sgd", 4, BEFORE),
@@ -43,9 +45,9 @@ RUNS = {
                                                                              *OLD_SCHEDULE])],
     "dp-sgd": [("defaults", "dp-sgd", 1, []), ("defaults", "dp-sgd", 8, []),
                ("first: full, prefix 8", "dp-sgd", 1, BEFORE)],
-    "dp-zo": [("before: prefix 8", "dp-zo", 4, ["--prefix-length", "8"]), ("defaults", "dp-zo", 4, []),
+    "dp-zo": [("before: full, B 64, T 3000 (the recipe before)", "dp-zo", 4, ZO_BEFORE),
+              ("after: new-tokens, full batches, T 300, phi and rate from the model (defaults)", "dp-zo", 4, []),
               ("defaults", "dp-zo", 1, []), ("defaults", "dp-zo", 8, [])],
-    "dp-zo-range": [("defaults", "dp-zo", 1, []), ("defaults", "dp-zo", 8, [])],  # the dp-zo rows across eps alone
     "dp-zo-defaults": [("defaults", "dp-zo", 4, []), ("defaults", "dp-zo", 1, []), ("defaults", "dp-zo", 8, [])],
     # with --model: the pretrained recipe (new-tokens at the rate from the model) and the one before it
     "pretrained": [("defaults: new-tokens, rate from the model", "dp-sgd", 4, []),

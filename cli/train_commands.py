@@ -206,18 +206,24 @@ def audit_run(
                             "otherwise.")] = None,
     steps: Annotated[Optional[int], typer.Option(
         "--steps", "-T", help="Training steps. Default: 3 for a black-box DP-SGD audit (full batches: the claim "
-                              "does not depend on T there); otherwise dp-sgd 300, dp-zo 3000.")] = None,
+                              "does not depend on T there); 300 for a black-box DP-ZO audit (its members share "
+                              "one scalar a step: more steps drown each other's share out); otherwise dp-sgd 300, "
+                              "dp-zo 3000.")] = None,
     batch_size: Annotated[Optional[int], typer.Option(
         "--batch-size", "-B", help="Expected batch size (p = B/N; 0 = every example every step). Default: 0, full "
-                                   "batches, for a white-box audit and a black-box DP-SGD audit; 64 otherwise.")] = None,
-    phi: PhiOpt = 1e-3,
+                                   "batches, for a white-box audit and a black-box audit; 64 otherwise.")] = None,
+    phi: Annotated[Optional[float], typer.Option(
+        "--phi", help="dp-zo perturbation scale. Default: 2 C / |h| for a black-box DP-ZO audit (|h|: the hidden "
+                      "state's norm at the canaries' prefixes, so a member's loss difference reaches the clip); "
+                      "1e-3 otherwise.")] = None,
     direction: DirectionOpt = DEFAULT_DIRECTION,
     trainable: Annotated[Optional[str], typer.Option(
         "--trainable", help="full, lora, bias, embeddings or new-tokens (the canaries' rows only). Default, "
                             "chosen for exposure (the claim is the same whatever trains): new-tokens for a "
-                            "black-box DP-SGD audit (each canary's whole clipped gradient on its row; scored by "
-                            "its loss drop from the base model; on a pretrained model at a rate set from its "
-                            "hidden-state norm, micro-batched to fit the memory); full otherwise.")] = None,
+                            "black-box audit (DP-SGD: each canary's whole clipped gradient on its row; DP-ZO: each "
+                            "canary's difference moves its own row alone; scored by its loss drop from the base "
+                            "model, at a rate set from the model's hidden-state norm, micro-batched to fit the "
+                            "memory); full otherwise.")] = None,
     bf16: Bf16Opt = False,
     per_sample_grads: PerSampleGradsOpt = "ghost", micro_batch: MicroBatchOpt = 0,
     max_memory: TrainMaxMemoryOpt = None, shard: ShardOpt = False,
@@ -229,7 +235,8 @@ def audit_run(
         "--canaries", "-m", help="Number of canaries (default 1000; white-box DP-ZO: chosen to maximise the "
                                  "expected bound).")] = None,
     examples: Annotated[Optional[int], typer.Option(
-        "--examples", help="Synthetic sentences when no --data (default 1000; white box 64).")] = None,
+        "--examples", help="Synthetic sentences when no --data (default 1000; white box 64; black-box DP-ZO 100: "
+                           "only the canaries' rows train, so the others only cost forwards).")] = None,
     white_box: Annotated[bool, typer.Option(
         "--white-box", help="Audit what DP protects: canaries planted in every privatised release "
                             "(DP-SGD gradients, DP-ZO scalars), scored from the run's transcript.")] = False,
@@ -259,13 +266,16 @@ def audit_run(
     if batch_size is None:
         batch_size = 0 if white_box else recipe.batch_size
     if examples is None:
-        examples = 64 if white_box else 1000
+        examples = 64 if white_box else recipe.examples
     trainable = trainable or recipe.trainable
     optimizer = optimizer or recipe.optimizer
     steps = recipe.steps if steps is None else steps
-    logit_step = None
+    logit_step = logit_noise = None
     if lr is None and trainable == recipe.trainable and optimizer == recipe.optimizer:
-        lr, logit_step = recipe.lr, recipe.logit_step  # the recipe's rate fits its own subset and optimizer only
+        # the recipe's rate fits its own subset and optimizer only
+        lr, logit_step, logit_noise = recipe.lr, recipe.logit_step, recipe.logit_noise
+    phi_from_model = phi is None and logit_noise is not None
+    phi = 1e-3 if phi is None else phi  # from the model: set once the model is extended (audit_run.zo_exposure)
     cfg = make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction,
                       trainable, bf16, seed, secret_seed, accountant, unsafe_disable_noise=unsafe_disable_noise,
                       plant_bug=plant_bug, per_sample_grads=per_sample_grads, micro_batch=micro_batch,
@@ -280,7 +290,8 @@ def audit_run(
     if prefix_length is not None and not 1 <= prefix_length <= 64:
         raise DPAuditError(f"--prefix-length must be in [1, 64], got {prefix_length}")
     settings = AuditRunSettings(canaries=canaries or 1000, repeats=repeat, examples=examples, seed=seed,
-                                prefix_length=prefix_length or PREFIX_LENGTH, logit_step=logit_step)
+                                prefix_length=prefix_length or PREFIX_LENGTH, logit_step=logit_step,
+                                logit_noise=logit_noise, phi_from_model=phi_from_model)
     audit, result, summary = run_audit(out, cfg, settings, model=model, data=data, data_format=data_format,
                                        field=field, force=force, show_progress=not as_json)
     if not as_json:

@@ -33,7 +33,7 @@ class BlackBoxRecipe:
     the rows start equal, so the base loss is the prefix's difficulty alone) reads it. Measured (seeds 1-3,
     claimed eps 4, m = 1000, secret membership): headline median 1.750, where the recipe before gave 0.400.
     A pretrained model takes the same recipe at the rate that moves each secret's logit as far a step as lr 5 does
-    on the embedded default (``exposure_rate``: its hidden states are longer, 46 against 10.3 on
+    on the embedded default (``sgd_exposure``: its hidden states are longer, 46 against 10.3 on
     SmolLM2-135M), micro-batched to fit the memory. Measured on SmolLM2-135M-Instruct (claimed eps 4, m = 1000,
     seeds 1-3): headline median 1.252 and AUC 0.716 in 6 minutes a run, where its recipe before (the embedding
     rows, Poisson batches of 64, AdamW at the pretrained rate, T = 300) gave 0.079 and 0.491 in 46 minutes."""
@@ -41,20 +41,29 @@ class BlackBoxRecipe:
     batch_size: int
     steps: int | None = None      # None: the method's default
     optimizer: str = "adamw"
-    lr: float | None = None       # None: the method's default for the model and subset, or from ``logit_step``
-    logit_step: float | None = None  # the rate from the model: one member raises its secret's logit this much a step
+    lr: float | None = None       # None: the method's default for the model and subset, or from the model (below)
+    logit_step: float | None = None  # DP-SGD, the rate from the model: one member raises its secret's logit this much a step
+    logit_noise: float | None = None  # DP-ZO, the rate and phi from the model (``zo_exposure``)
+    examples: int = 1000          # synthetic examples when no data is given
 
 
 EMBEDDED_RECIPE = BlackBoxRecipe("new-tokens", batch_size=0, steps=3, optimizer="sgd", lr=5.0)
-# lr 5 on the embedded default is a logit step of 5 x C x |h| / N = 5 x 1 x 10.3 / ~1500 = 0.034 nats (exposure_rate)
+# lr 5 on the embedded default is a logit step of 5 x C x |h| / N = 5 x 1 x 10.3 / ~1500 = 0.034 nats (sgd_exposure)
 PRETRAINED_RECIPE = BlackBoxRecipe("new-tokens", batch_size=0, steps=3, optimizer="sgd", logit_step=0.034)
-OTHER_RECIPE = BlackBoxRecipe("full", batch_size=64)  # DP-ZO, and every white-box run (below: full batches)
+# DP-ZO: all members share one released scalar a step, so each step adds the other members' clipped differences to a
+# member's noise (white_box_canaries, below): a member's logit separates by about sqrt(2/pi) mu / sqrt(1 + M mu^2 / T)
+# with M members. Steps drown them out (T 300 at eps 4: 0.48 predicted, d 0.54 measured); only the canaries' rows
+# train, so the other examples only cost forwards (100 of them).
+ZERO_ORDER_RECIPE = BlackBoxRecipe("new-tokens", batch_size=0, steps=300, logit_noise=1.5, examples=100)
+OTHER_RECIPE = BlackBoxRecipe("full", batch_size=64)  # every white-box run (below: full batches)
 
 
 def black_box_recipe(per_example_gradients: bool, white_box: bool, pretrained: bool) -> BlackBoxRecipe:
-    """The defaults of an audit run: the recipe above for a black-box DP-SGD run; otherwise full training."""
-    if white_box or not per_example_gradients:
+    """The defaults of an audit run: the recipes above for a black-box run; full training for a white-box one."""
+    if white_box:
         return OTHER_RECIPE
+    if not per_example_gradients:
+        return ZERO_ORDER_RECIPE
     return PRETRAINED_RECIPE if pretrained else EMBEDDED_RECIPE
 
 
@@ -70,16 +79,38 @@ class AuditRunSettings:
     seed: int = 0
     prefix_length: int = PREFIX_LENGTH
     alpha: float = 0.05
-    logit_step: float | None = None  # set: the rate comes from the extended model (``exposure_rate``)
+    logit_step: float | None = None  # set: the DP-SGD rate comes from the extended model (``sgd_exposure``)
+    logit_noise: float | None = None  # set: the DP-ZO rate and phi come from the extended model (``zo_exposure``)
+    phi_from_model: bool = False      # DP-ZO's phi too (the user did not set one)
 
 
-def exposure_rate(model, tokenizer, manifest, examples: int, clip: float, logit_step: float) -> tuple[float, float]:
-    """(lr, |h|): the plain-SGD rate at which one member's clipped gradient raises its secret's logit by
-    ``logit_step`` nats a step, for new-token canaries in full batches. The member's gradient lies on its own new
-    row, along h, the final hidden state at its prefix, so clipped it is C h / |h|; DP-SGD divides the noisy sum by
-    the expected batch, N at p = 1; the logit h . w then moves by lr C |h| / N. So lr = logit_step N / (C |h|),
-    with |h| the median over (up to) 64 canaries' prefixes. Any rate keeps the claim; this one keeps the logit
-    near linear in the releases (issue 39: 5 on the embedded default, whose |h| is 10.3)."""
+def sgd_exposure(h: float, examples: int, clip: float, logit_step: float) -> float:
+    """The plain-SGD rate at which one member's clipped gradient raises its secret's logit by ``logit_step`` nats a
+    step, for new-token canaries in full batches. The member's gradient lies on its own new row, along h, the final
+    hidden state at its prefix (|h|: ``prefix_hidden_norm``), so clipped it is C h / |h|; DP-SGD divides the noisy
+    sum by the expected batch, N at p = 1; the logit h . w then moves by lr C |h| / N. So lr = logit_step N / (C |h|).
+    Any rate keeps the claim; this one keeps the logit near linear in the releases (issue 39: 5 on the embedded
+    default, whose |h| is 10.3)."""
+    return logit_step * examples / (clip * h)
+
+
+def zo_exposure(h: float, examples: int, rate: float, members: float, clip: float, noise_std: float, steps: int,
+                logit_noise: float, phi: float | None = None) -> tuple[float, float]:
+    """(lr, phi) of a DP-ZO run on new-token rows. A step moves row i by -lr s z_i, s = (clipped sum + noise) / (2 phi
+    B), so the secret's logit h . w_i moves by -lr s (z_i . h), z_i . h ~ N(0, |h|^2). phi = 2 C / |h| (unless
+    given): a member's own difference, 2 phi (1 - q) z_i . h (q: the secret's probability), then reaches the clip C unless |N(0, 1)| < 1/4, and
+    the other new rows' logits move by about 0.2 nats. The clipped sum has the noise's variance and about C^2 for
+    each member in the batch (p M of them; each difference is +-C, independent of row i's), so over T steps the
+    logit's spread is lr |h| C sqrt(T (sigma_noise^2 + p M)) / (2 phi p N); lr sets it to ``logit_noise`` nats,
+    where the loss of a rare secret stays linear in its logit. ``noise_std``: the noise's standard deviation over
+    C. On the embedded default (|h| 10.3, N 597, C 0.05, T 300, sigma 18.7 at eps 4, M 497): phi 0.0097, lr 0.067."""
+    phi = 2 * clip / h if phi is None else phi
+    spread = h * clip * math.sqrt(steps * (noise_std ** 2 + rate * members))
+    return logit_noise * 2 * phi * rate * examples / spread, phi
+
+
+def prefix_hidden_norm(model, tokenizer, manifest) -> float:
+    """|h|: the median norm of the final hidden state at (up to) 64 canaries' prefixes."""
     import statistics
 
     import torch
@@ -91,8 +122,7 @@ def exposure_rate(model, tokenizer, manifest, examples: int, clip: float, logit_
             ids = tokenizer(c.prefix, return_tensors="pt")["input_ids"].to(model.device)
             hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[-1]
             norms.append(float(hidden[0, -1].float().norm()))
-    h = statistics.median(norms)
-    return logit_step * examples / (clip * h), h
+    return statistics.median(norms)
 
 
 def white_box_canaries(cfg: TrainConfig, alpha: float = 0.05) -> int:
@@ -187,9 +217,9 @@ def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model
         del lm
         atomic_write_json(out / REUSE_STAMP, {**stamp, "canaries_sha256": _public_key(manifest)})
     texts = read_texts(train_file, fmt, field)
-    if settings.logit_step is not None:
-        cfg, why = _fitted_to_the_model(out / "extended_model", cfg, settings.logit_step, manifest, texts)
-        power = {**power, "learning rate": why}
+    if settings.logit_step is not None or settings.logit_noise is not None:
+        cfg, why = _fitted_to_the_model(out / "extended_model", cfg, settings, manifest, texts)
+        power = {**power, **why}
     remove_folder(out / "run")
     result = train(out / "extended_model", texts, out / "run", cfg, show_progress=show_progress)
     score = score_for(cfg.trainable)
@@ -207,20 +237,50 @@ def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model
     return _finish(out, cfg, base, audit, result, scores, members, {**reused, **power})
 
 
-def _fitted_to_the_model(extended: Path, cfg: TrainConfig, logit_step: float, manifest, texts) -> tuple[TrainConfig, str]:
-    """``cfg`` at the recipe's rate for this model (``exposure_rate``) and, unless the user set one, at a micro batch
-    that fits the memory (full batches of a pretrained model: 1500 examples of a 135M model are ~45 GB at once)."""
+def _fitted_to_the_model(extended: Path, cfg: TrainConfig, settings: AuditRunSettings, manifest,
+                         texts) -> tuple[TrainConfig, dict]:
+    """``cfg`` at the recipe's rate for this model (DP-SGD: ``sgd_exposure``; DP-ZO: ``zo_exposure``, phi too
+    unless the user set it) and, unless the user set one, at a micro batch that fits the memory (full batches of a
+    pretrained model: 1500 examples of a 135M model are ~45 GB at once). Returns the report's lines on it."""
     from dpaudit.models.loading import load_causal_lm
     from dpaudit.training.preflight import micro_batch_that_fits
 
     lm, tok = load_causal_lm(extended)
-    lr, h = exposure_rate(lm, tok, manifest, len(texts), cfg.clip, logit_step)
+    h = prefix_hidden_norm(lm, tok, manifest)
     del lm
-    cfg = dataclasses.replace(cfg, lr=lr)
+    n, where = len(texts), f"|h| = {h:.3g} at the canaries' prefixes, N = {len(texts)}, C = {cfg.clip:g}"
+    if settings.logit_step is not None:
+        lr = sgd_exposure(h, n, cfg.clip, settings.logit_step)
+        why = {"learning rate": f"{lr:.4g}, from the model: a member raises its secret's logit by "
+                                f"{settings.logit_step:g} nats a step ({where})"}
+        cfg = dataclasses.replace(cfg, lr=lr)
+    else:
+        rate = (cfg.batch_size or n) / n
+        noise = _noise_std(cfg, rate, n)
+        members = len(manifest.canaries) * manifest.inclusion_probability * settings.repeats
+        lr, phi = zo_exposure(h, n, rate, members, cfg.clip, noise, cfg.steps, settings.logit_noise,
+                              None if settings.phi_from_model else cfg.phi)
+        why = {"learning rate": f"{lr:.4g}, from the model: the noise and the other members move a secret's logit "
+                                f"by {settings.logit_noise:g} nats (standard deviation) over the run ({where}, "
+                                f"noise {noise:.3g} C, {members:g} members expected)",
+               "phi": f"{phi:.4g}" + (", from the model: 2 C / |h|, so a member's own loss difference reaches the "
+                                      "clip" if settings.phi_from_model else " (given)")}
+        cfg = dataclasses.replace(cfg, lr=lr, phi=phi)
     if not cfg.micro_batch:
         cfg = dataclasses.replace(cfg, micro_batch=micro_batch_that_fits(extended, cfg, texts))
-    return cfg, (f"{lr:.4g}, from the model: a member raises its secret's logit by {logit_step:g} nats a step "
-                 f"(|h| = {h:.3g} at the canaries' prefixes, N = {len(texts)}, C = {cfg.clip:g})")
+    return cfg, why
+
+
+def _noise_std(cfg: TrainConfig, rate: float, n: int) -> float:
+    """The standard deviation of a step's noise over C: sigma for Gaussian noise (calibrated here as train() will,
+    when a target eps is given), sqrt(2) sigma for Laplace; 0 for the non-private baseline."""
+    from dpaudit.training.plan import PrivacyPlan
+
+    plan = PrivacyPlan.build(kind=cfg.mechanism, rate=rate, steps=cfg.steps, delta=cfg.delta,
+                             target_epsilon=cfg.target_epsilon, sigma=cfg.sigma, accountant=cfg.accountant,
+                             bug=cfg.bug, sampling=cfg.sampling, examples=n)
+    sigma = plan.noise_sigma(cfg.bug)
+    return sigma * math.sqrt(2) if cfg.mechanism == "laplace" else sigma
 
 
 def _ceiling(cfg, result, claimed, group):

@@ -97,7 +97,7 @@ def test_a_rerun_reuses_its_canaries_and_extended_model(tiny_model_dir, tmp_path
 
 
 def test_the_pretrained_recipe_rate_moves_a_logit_as_far_as_the_embedded_recipe_does(tmp_path, monkeypatch):
-    """Issue 39: the black-box recipe on a pretrained model sets its SGD rate from the model (``exposure_rate``):
+    """Issue 39: the black-box recipe on a pretrained model sets its SGD rate from the model (``sgd_exposure``):
     on the embedded default, with its N of ~1500, that rate is the embedded recipe's own lr 5. A step that does
     not fit the memory is micro-batched (same batches, noise and accounting)."""
     from dpaudit.canaries.generate import make_canaries
@@ -107,14 +107,17 @@ def test_the_pretrained_recipe_rate_moves_a_logit_as_far_as_the_embedded_recipe_
     from dpaudit.training import memory
     from dpaudit.training.preflight import micro_batch_that_fits
     from dpaudit.training.runner import TrainConfig
-    from dpaudit.workflows.audit_run import EMBEDDED_RECIPE, PRETRAINED_RECIPE, embedded_default, exposure_rate
+    from dpaudit.workflows.audit_run import (
+        EMBEDDED_RECIPE, PRETRAINED_RECIPE, embedded_default, prefix_hidden_norm, sgd_exposure,
+    )
 
     lm, tok = load_causal_lm(embedded_default(tmp_path / "base", 0))
     manifest = make_canaries(tok, 64, seed=0)
     extend_model(lm, tok, manifest)
-    lr, h = exposure_rate(lm, tok, manifest, 1500, 1.0, PRETRAINED_RECIPE.logit_step)
+    h = prefix_hidden_norm(lm, tok, manifest)
+    lr = sgd_exposure(h, 1500, 1.0, PRETRAINED_RECIPE.logit_step)
     assert 9 < h < 12 and lr == pytest.approx(EMBEDDED_RECIPE.lr, rel=0.05)
-    assert exposure_rate(lm, tok, manifest, 3000, 2.0, 0.034)[0] == pytest.approx(lr)  # N / C
+    assert sgd_exposure(h, 3000, 2.0, 0.034) == pytest.approx(lr)  # N / C
     save_model_folder(tmp_path / "extended", lm, tok)
     cfg = TrainConfig(method="dp-sgd", target_epsilon=4.0, trainable="new-tokens", batch_size=0, optimizer="sgd")
     texts = ["a b c d e f g h"] * 1500
