@@ -124,3 +124,31 @@ def test_the_pretrained_recipe_rate_moves_a_logit_as_far_as_the_embedded_recipe_
     assert micro_batch_that_fits(tmp_path / "extended", cfg, texts) == 0  # a small model fits at once
     monkeypatch.setattr(memory, "available_bytes", lambda: memory.IMPORTS + 2**25)
     assert 1 <= micro_batch_that_fits(tmp_path / "extended", cfg, texts) < 1500
+
+
+def test_the_dp_zo_black_box_recipe_takes_phi_and_rate_from_the_model(tmp_path):
+    """Issue 39: a black-box DP-ZO audit trains the canaries' new-token rows in full batches, with phi = 2 C / |h| (a
+    member's loss difference reaches the clip) and the rate at which the noise and the other members spread a
+    secret's logit by 1.5 nats over the run (``zo_exposure``); a phi the user gives is kept, the rate follows it."""
+    from dpaudit.workflows.audit_run import ZERO_ORDER_RECIPE, zo_exposure
+
+    # The measured run of the docstring: |h| 10.3, N 597, C 0.05, T 300, sigma 18.7, 497 members.
+    lr, phi = zo_exposure(10.3, 597, 1.0, 497, 0.05, 18.7, 300, ZERO_ORDER_RECIPE.logit_noise)
+    assert phi == pytest.approx(0.0097, abs=1e-4) and lr == pytest.approx(0.067, abs=2e-3)
+    assert zo_exposure(10.3, 597, 1.0, 497, 0.05, 18.7, 300, 1.5, phi=2 * phi)[0] == pytest.approx(2 * lr)
+
+    def context(*extra):
+        out = dpaudit("audit", "run", "--out", tmp_path / "zo", "--method", "dp-zo", "--eps", "4", "-m", "20",
+                      "-T", "4", "--secret-seed", "1", "--threads", "1", "--force", "--json", *extra, timeout=600)
+        assert out.returncode in (0, 1), out.stderr
+        return json.loads(out.stdout)["context"]
+
+    ctx = context()
+    assert ctx["trainable"] == "new-tokens" and ctx["sampling rate p"] == 1.0 and ctx["steps"] == 4
+    assert "2 C / |h|" in ctx["phi"] and "1.5 nats" in ctx["learning rate"]
+    assert ctx["examples"] == 100 + sum(json.loads((tmp_path / "zo" / "canaries.json").read_text())["canaries"][i]
+                                        ["member"] for i in range(20))
+    phi, lr = float(ctx["phi"].split(",")[0]), float(ctx["learning rate"].split(",")[0])
+    given = context("--phi", str(2 * phi))
+    assert given["phi"].endswith("(given)")
+    assert float(given["learning rate"].split(",")[0]) == pytest.approx(2 * lr, rel=1e-3)
