@@ -42,7 +42,7 @@ class BlackBoxRecipe:
     steps: int | None = None      # None: the method's default
     optimizer: str = "adamw"
     lr: float | None = None       # None: the method's default for the model and subset, or from the model (below)
-    logit_step: float | None = None  # DP-SGD, the rate from the model: one member raises its secret's logit this much a step
+    logit_step: float | None = None  # DP-SGD, the rate from the model: a member raises its secret's logit this much
     logit_noise: float | None = None  # DP-ZO, the rate and phi from the model (``zo_exposure``)
     examples: int = 1000          # synthetic examples when no data is given
 
@@ -98,14 +98,15 @@ def zo_exposure(h: float, examples: int, rate: float, members: float, clip: floa
                 logit_noise: float, phi: float | None = None) -> tuple[float, float]:
     """(lr, phi) of a DP-ZO run on new-token rows. A step moves row i by -lr s z_i, s = (clipped sum + noise) / (2 phi
     B), so the secret's logit h . w_i moves by -lr s (z_i . h), z_i . h ~ N(0, |h|^2). phi = 2 C / |h| (unless
-    given): a member's own difference, 2 phi (1 - q) z_i . h (q: the secret's probability), then reaches the clip C unless |N(0, 1)| < 1/4, and
-    the other new rows' logits move by about 0.2 nats. The clipped sum has the noise's variance and about C^2 for
+    given): a member's own difference, 2 phi (1 - q) z_i . h (q: the secret's probability), then reaches the clip C
+    unless |N(0, 1)| < 1/4, and the other new rows' logits move by about 2 C nats (0.1 at DP-ZO's default C).
+    The clipped sum has the noise's variance and about C^2 for
     each member in the batch (p M of them; each difference is +-C, independent of row i's), so over T steps the
     logit's spread is lr |h| C sqrt(T (sigma_noise^2 + p M)) / (2 phi p N); lr sets it to ``logit_noise`` nats,
     where the loss of a rare secret stays linear in its logit. ``noise_std``: the noise's standard deviation over
     C. On the embedded default (|h| 10.3, N 597, C 0.05, T 300, sigma 18.7 at eps 4, M 497): phi 0.0097, lr 0.067."""
     phi = 2 * clip / h if phi is None else phi
-    spread = h * clip * math.sqrt(steps * (noise_std ** 2 + rate * members))
+    spread = h * clip * math.sqrt(steps * max(noise_std ** 2 + rate * members, 1.0))  # at least one C^2 a step
     return logit_noise * 2 * phi * rate * examples / spread, phi
 
 
