@@ -286,15 +286,20 @@ def _assemble(opening, texts: list[str], run_dir: Path, cfg: TrainConfig, world,
                 discarded=discarded, trainer=trainer, rng=rng, sharded=sharded, secret=int(secret))
 
 
+def privacy_plan(cfg: TrainConfig, rate: float, n: int) -> PrivacyPlan:
+    """The run's privacy plan: sigma calibrated to the target (or the one given) for its rate, steps and sampler."""
+    return PrivacyPlan.build(kind=cfg.mechanism, rate=rate, steps=cfg.steps, delta=cfg.delta,
+                             target_epsilon=cfg.target_epsilon, sigma=cfg.sigma, accountant=cfg.accountant,
+                             bug=cfg.bug, sampling=cfg.sampling, examples=n)
+
+
 def _privacy(opening, texts: list[str], run_dir: Path, cfg: TrainConfig, world, n: int, rate: float):
     """(plan, ledger, discarded): sigma calibrated (or given) for the run, the ledger that records every step
     before it runs, and, on a resume, the phases and refusals of the resume policy (resume.py)."""
     from dpaudit.training.ledger import PrivacyLedger
     from dpaudit.training.resume import check_spending, fingerprint, resume_phases
 
-    plan = PrivacyPlan.build(kind=cfg.mechanism, rate=rate, steps=cfg.steps, delta=cfg.delta,
-                             target_epsilon=cfg.target_epsilon, sigma=cfg.sigma, accountant=cfg.accountant,
-                             bug=cfg.bug, sampling=cfg.sampling, examples=n)
+    plan = privacy_plan(cfg, rate, n)
     header = {"method": cfg.method, "private": plan.private, "mechanism": cfg.mechanism if plan.private else None,
               "sigma": plan.sigma, "clip": cfg.clip, "sampling_rate": rate, "steps_planned": cfg.steps,
               "delta": cfg.delta, "target_epsilon": cfg.target_epsilon if math.isfinite(cfg.target_epsilon)

@@ -99,12 +99,12 @@ def zo_exposure(h: float, examples: int, rate: float, members: float, clip: floa
     """(lr, phi) of a DP-ZO run on new-token rows. A step moves row i by -lr s z_i, s = (clipped sum + noise) / (2 phi
     B), so the secret's logit h . w_i moves by -lr s (z_i . h), z_i . h ~ N(0, |h|^2). phi = 2 C / |h| (unless
     given): a member's own difference, 2 phi (1 - q) z_i . h (q: the secret's probability), then reaches the clip C
-    unless |N(0, 1)| < 1/4, and the other new rows' logits move by about 2 C nats (0.1 at DP-ZO's default C).
-    The clipped sum has the noise's variance and about C^2 for
-    each member in the batch (p M of them; each difference is +-C, independent of row i's), so over T steps the
-    logit's spread is lr |h| C sqrt(T (sigma_noise^2 + p M)) / (2 phi p N); lr sets it to ``logit_noise`` nats,
-    where the loss of a rare secret stays linear in its logit. ``noise_std``: the noise's standard deviation over
-    C. On the embedded default (|h| 10.3, N 597, C 0.05, T 300, sigma 18.7 at eps 4, M 497): phi 0.0097, lr 0.067."""
+    unless |N(0, 1)| < 1/4, and the other new rows' logits move by about 2 C nats (0.1 at DP-ZO's default C). The
+    clipped sum has the noise's variance and about C^2 for each member in the batch (p M of them; each difference
+    is +-C, independent of row i's), so over T steps the logit's spread is lr |h| C sqrt(T (sigma_noise^2 + p M)) /
+    (2 phi p N); lr sets it to ``logit_noise`` nats, where the loss of a rare secret stays linear in its logit.
+    ``noise_std``: the noise's standard deviation over C. On the embedded default (|h| 10.3, N 597, C 0.05, T 300,
+    sigma 18.7 at eps 4, M 497): phi 0.0097, lr 0.067."""
     phi = 2 * clip / h if phi is None else phi
     spread = h * clip * math.sqrt(steps * max(noise_std ** 2 + rate * members, 1.0))  # at least one C^2 a step
     return logit_noise * 2 * phi * rate * examples / spread, phi
@@ -249,7 +249,8 @@ def _fitted_to_the_model(extended: Path, cfg: TrainConfig, settings: AuditRunSet
     lm, tok = load_causal_lm(extended)
     h = prefix_hidden_norm(lm, tok, manifest)
     del lm
-    n, where = len(texts), f"|h| = {h:.3g} at the canaries' prefixes, N = {len(texts)}, C = {cfg.clip:g}"
+    n = len(texts)
+    where = f"|h| = {h:.3g} at the canaries' prefixes, N = {n}, C = {cfg.clip:g}"
     if settings.logit_step is not None:
         lr = sgd_exposure(h, n, cfg.clip, settings.logit_step)
         why = {"learning rate": f"{lr:.4g}, from the model: a member raises its secret's logit by "
@@ -273,15 +274,12 @@ def _fitted_to_the_model(extended: Path, cfg: TrainConfig, settings: AuditRunSet
 
 
 def _noise_std(cfg: TrainConfig, rate: float, n: int) -> float:
-    """The standard deviation of a step's noise over C: sigma for Gaussian noise (calibrated here as train() will,
-    when a target eps is given), sqrt(2) sigma for Laplace; 0 for the non-private baseline."""
-    from dpaudit.training.plan import PrivacyPlan
+    """The standard deviation of a step's noise over C, from the sigma train() will use (calibrated the same way;
+    at p = 1 a closed form) and the noise's own std_per_sigma; 0 for the non-private baseline."""
+    from dpaudit.accounting.noises import noise
+    from dpaudit.training.runner import privacy_plan
 
-    plan = PrivacyPlan.build(kind=cfg.mechanism, rate=rate, steps=cfg.steps, delta=cfg.delta,
-                             target_epsilon=cfg.target_epsilon, sigma=cfg.sigma, accountant=cfg.accountant,
-                             bug=cfg.bug, sampling=cfg.sampling, examples=n)
-    sigma = plan.noise_sigma(cfg.bug)
-    return sigma * math.sqrt(2) if cfg.mechanism == "laplace" else sigma
+    return privacy_plan(cfg, rate, n).noise_sigma(cfg.bug) * noise(cfg.mechanism).std_per_sigma
 
 
 def _ceiling(cfg, result, claimed, group):

@@ -26,6 +26,7 @@ class Noise:
     default_delta: float
     pure_dp: bool           # is one step pure eps-DP (finite eps at delta = 0)?
     connect_dots: bool = True  # dp-accounting builds its pessimistic PMF by connect-the-dots (else privacy buckets)
+    std_per_sigma: float = 1.0  # the noise's standard deviation over sigma x C (Laplace: sqrt 2)
     # (sigma, T) -> the sigma of one step equal to T steps without subsampling, where the noise is closed under
     # composition (Gaussian: sigma / sqrt(T)); None where it is not
     composed_sigma: Callable | None = None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dpaudit.accounting.noises import Noise
 
 
@@ -12,6 +14,7 @@ class Laplace(Noise):
     scale_text = "Laplace scale b = sigma x sensitivity"
     default_delta = 0.0
     pure_dp = True
+    std_per_sigma = math.sqrt(2)  # Lap(0, b) has variance 2 b^2
 
     def pld_loss(self, mech, adjacency, log_mass_truncation, pessimistic=True):
         from dpaudit.accounting import vectorised_loss
