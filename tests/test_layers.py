@@ -108,3 +108,14 @@ def test_test_files_mirror_the_packages_they_test():
     assert not loose, f"test files outside a package folder: {loose}"
     folders = {p.parent.name for p in tests.rglob("test_*.py") if p.parent != tests}
     assert folders <= set(LAYERS) - {"__init__"}, f"test folders that are no package: {sorted(folders - set(LAYERS))}"
+
+
+def test_every_package_is_in_the_wheel():
+    """pyproject's explicit package list names every folder with an __init__.py: one left out is missing from a
+    built wheel (`pip install .`) while an editable install, which CI uses, still finds it."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {m for m, f in modules().items() if f.name == "__init__.py"}
+    assert found - listed == set(), "packages missing from pyproject.toml's [tool.setuptools] packages"
+    assert listed - found == set(), "pyproject.toml lists packages that do not exist"
