@@ -2,8 +2,10 @@
 
 Examples are stored right-padded whatever the tokenizer's own ``padding_side``: ``batch`` keeps the first
 columns, so a left-padded store would hand the trainer padding only and mask every target (issue 36: Gemma 3
-and the SentencePiece Llama family pad on the left in transformers 5). ``tokenize`` asks for right padding
-and checks that it got it, and refuses data with no target token at all (nothing would train)."""
+and the SentencePiece Llama family pad on the left in transformers 5). ``tokenize`` pads by itself, on the right,
+so neither the tokenizer's padding side nor its pad token matters (many causal LMs have none: GPT-2, Llama, and
+SmolLM2 as transformers 5.17 reads its GGUF); the attention mask marks the padding, which is never attended or
+trained. It refuses data with no target token at all (nothing would train)."""
 
 from __future__ import annotations
 
@@ -35,22 +37,24 @@ class TokenizedDataset:
 
 
 def tokenize(tokenizer, texts: list[str], max_length: int = 64) -> TokenizedDataset:
-    """``texts`` tokenised, truncated and right-padded to ``max_length`` (the tokenizer's own padding and
-    truncation sides are set for the call and restored)."""
+    """``texts`` tokenised, truncated on the right to ``max_length`` and right-padded to it (the tokenizer's
+    truncation side is set for the call and restored). The padding id is the tokenizer's pad token, else its
+    end of sequence, else 0: any id does, since the mask hides it."""
     from dpaudit.core.errors import DPAuditError
 
-    sides = getattr(tokenizer, "padding_side", None), getattr(tokenizer, "truncation_side", None)
+    side = getattr(tokenizer, "truncation_side", None)
     try:
-        tokenizer.padding_side, tokenizer.truncation_side = "right", "right"
-        enc = tokenizer(texts, return_tensors="pt", padding="max_length", truncation=True, max_length=max_length,
-                        add_special_tokens=False)
+        tokenizer.truncation_side = "right"
+        rows = tokenizer(texts, truncation=True, max_length=max_length, add_special_tokens=False)["input_ids"]
     finally:
-        tokenizer.padding_side, tokenizer.truncation_side = sides
-    data = TokenizedDataset(enc["input_ids"], enc["attention_mask"])
-    mask = data.attention_mask
-    if (mask[:, 1:] > mask[:, :-1]).any():  # a real token after padding: not right-padded
-        raise DPAuditError("the tokenizer padded on the left although right padding was asked for; dpaudit would "
-                           "train on padding: use a tokenizer that honours padding_side='right'")
+        tokenizer.truncation_side = side
+    pad = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if isinstance(i, int)), 0)
+    ids = torch.full((len(rows), max_length), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), max_length), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = torch.as_tensor(row, dtype=torch.long)
+        mask[i, :len(row)] = 1
+    data = TokenizedDataset(ids, mask)
     if len(data) and data.target_tokens() == 0:
         raise DPAuditError(f"none of the {len(data)} training examples has a token to predict (each is at most one "
                            "token long after tokenisation): nothing would train")

@@ -55,3 +55,19 @@ def test_data_with_no_token_to_predict_is_refused(tiny_model_dir):
     assert one_token
     with pytest.raises(DPAuditError, match="none of the .* training examples has a token to predict"):
         tokenize(tok, one_token * 3, 16)
+
+
+def test_a_tokenizer_without_a_pad_token_tokenises_as_one_with(tiny_model_dir):
+    """Many causal LMs have no pad token (GPT-2, Llama; SmolLM2 as transformers 5.17 reads its GGUF): the
+    store pads by itself, so the same texts give the same tokens and mask (it raised "Asking to pad" before)."""
+    from dpaudit.training.data import tokenize
+
+    with_pad = tokenize(_tokenizer(tiny_model_dir, "right"), TEXTS, 32)
+    tok = _tokenizer(tiny_model_dir, "left")
+    tok.pad_token = None
+    assert tok.pad_token_id is None
+    without = tokenize(tok, TEXTS, 32)
+    assert (without.attention_mask == with_pad.attention_mask).all()
+    real = with_pad.attention_mask.bool()
+    assert (without.input_ids[real] == with_pad.input_ids[real]).all()
+    assert without.target_tokens() == with_pad.target_tokens() > 0
