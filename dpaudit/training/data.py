@@ -83,14 +83,19 @@ def padded_chunks(batch: dict[str, torch.Tensor], size: int, passes: int) -> lis
     return chunks + [(placeholder, False)] * (passes - len(chunks))
 
 
+def token_losses(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token cross-entropy at each position from ``logits`` [N, L-1, V] (float32), and the targets
+    [N, L-1] (-100 where there is none: padding)."""
+    target = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+    tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
+    return tok.view(target.shape), target
+
+
 def per_example_loss(model, batch: dict[str, torch.Tensor], micro_batch: int = 0) -> torch.Tensor:
     """Mean next-token cross-entropy of each example (padding ignored), in float32; ``micro_batch``:
     at most that many examples per forward pass."""
     if micro_batch and batch["input_ids"].shape[0] > micro_batch:
         return torch.cat([per_example_loss(model, chunk) for chunk in split(batch, micro_batch)])
     ids, mask = batch["input_ids"], batch["attention_mask"]
-    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-    target = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
-    tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
-    tok = tok.view(target.shape)
+    tok, target = token_losses(model(input_ids=ids, attention_mask=mask).logits[:, :-1].float(), ids, mask)
     return tok.sum(1) / (target != -100).sum(1).clamp(min=1)

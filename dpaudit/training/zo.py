@@ -20,6 +20,7 @@ import torch
 
 from dpaudit.training.data import padded_chunks, per_example_loss
 from dpaudit.training.directions import DEFAULT_DIRECTION, DIRECTIONS, STREAM_KIND
+from dpaudit.training.frozen_trunk import loss_function
 from dpaudit.training.shard import local_slices
 from dpaudit.training.streams import LEGACY, STREAM, add_stream_, square_sum
 
@@ -85,12 +86,16 @@ def add_direction(params, seed: int, factor: float, stream: str = STREAM, direct
 
 @torch.no_grad()
 def perturbed_losses(model, params, batch, seed: int, phi: float, scale: float, micro_batch: int = 0,
-                     stream: str = STREAM, passes: int = 0, direction: str = DEFAULT_DIRECTION) -> tuple[torch.Tensor, torch.Tensor]:
+                     stream: str = STREAM, passes: int = 0, direction: str = DEFAULT_DIRECTION,
+                     loss_fn=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-example l(theta + phi z) and l(theta - phi z). Leaves theta at theta - phi z: the caller's
     update pass restores it (restore and update in one pass over the weights, three passes a step).
     ``passes``: sharded weights are gathered in every forward, so every rank runs exactly this many
-    forwards each way (padded_chunks), whatever its share of the batch."""
+    forwards each way (padded_chunks), whatever its share of the batch. ``loss_fn(batch, micro_batch)``:
+    the losses without a pass through the model where the run allows it (frozen_trunk.py)."""
     def losses():
+        if loss_fn is not None and not passes:
+            return loss_fn(batch, micro_batch)
         if not passes:
             return per_example_loss(model, batch, micro_batch)
         out = [(per_example_loss(model, chunk), real) for chunk, real in padded_chunks(batch, micro_batch, passes)]
@@ -131,7 +136,7 @@ def apply_update(params, seed: int, scalar: float, lr: float, scale: float, stre
 
 def zo_step(model, params, batch, seed: int, settings: ZOSettings, denominator: float,
             rng: np.random.Generator, all_sum=lambda x: x, canary_diffs: torch.Tensor | None = None,
-            shard_sum=None, passes: int = 0) -> tuple[float, float]:
+            shard_sum=None, passes: int = 0, loss_fn=None) -> tuple[float, float]:
     """One step; returns (s, mean loss around theta on this process's examples: NaN if it had none).
 
     ``all_sum`` adds the clipped sums of all data-parallel ranks (a few bytes); every rank draws the
@@ -147,7 +152,7 @@ def zo_step(model, params, batch, seed: int, settings: ZOSettings, denominator: 
         restore = 0.0
     else:
         plus, minus = perturbed_losses(model, params, batch, seed, settings.phi, scale, settings.micro_batch,
-                                       stream, passes, settings.direction)
+                                       stream, passes, settings.direction, loss_fn)
         restore = settings.phi * scale
     total = all_sum(clipped_sum(plus - minus, settings.example_clip))
     if canary_diffs is not None:
@@ -179,6 +184,8 @@ class ZOTrainer:
         # with dropout 0.1; from_pretrained happens to return eval mode, a wrapper may not).
         model.eval()
         self.sharding = sharding  # shard.Sharding when the weights are sharded over the ranks
+        # new-token rows alone: the losses from one forward's trunk outputs (frozen_trunk.py), checked there
+        self.loss_fn = loss_function(model, params) if sharding is None else None
         self.run_seed, self.expected_batch, self.private = run_seed, expected_batch, private
         self.rng, self.canaries, self.clip, self.all_sum = rng, canaries, clip, all_sum
         self.realised_batch = 0
@@ -212,7 +219,8 @@ class ZOTrainer:
         scalar, loss = zo_step(self.model, self.params, batch, seed, self.settings, self.divisor(),
                                self.noise_rng(seed), self.all_sum, canary_diffs=diffs,
                                shard_sum=self.sharding.sum if sharded else None,
-                               passes=self.sharding.passes(n_sampled, self.settings.micro_batch) if sharded else 0)
+                               passes=self.sharding.passes(n_sampled, self.settings.micro_batch) if sharded else 0,
+                               loss_fn=self.loss_fn)
         self.on_release(step, seed, scalar)
         return loss
 
