@@ -206,7 +206,7 @@ def audit_run(
                             "otherwise.")] = None,
     steps: Annotated[Optional[int], typer.Option(
         "--steps", "-T", help="Training steps. Default: 3 for a black-box DP-SGD audit (full batches: the claim "
-                              "does not depend on T there); 300 for a black-box DP-ZO audit (its members share "
+                              "does not depend on T there); 3000 for a black-box DP-ZO audit (its members share "
                               "one scalar a step: more steps drown each other's share out); otherwise dp-sgd 300, "
                               "dp-zo 3000.")] = None,
     batch_size: Annotated[Optional[int], typer.Option(

@@ -52,9 +52,10 @@ EMBEDDED_RECIPE = BlackBoxRecipe("new-tokens", batch_size=0, steps=3, optimizer=
 PRETRAINED_RECIPE = BlackBoxRecipe("new-tokens", batch_size=0, steps=3, optimizer="sgd", logit_step=0.034)
 # DP-ZO: all members share one released scalar a step, so each step adds the other members' clipped differences to a
 # member's noise (white_box_canaries, below): a member's logit separates by about sqrt(2/pi) mu / sqrt(1 + M mu^2 / T)
-# with M members. Steps drown them out (T 300 at eps 4: 0.48 predicted, d 0.54 measured); only the canaries' rows
-# train, so the other examples only cost forwards (100 of them).
-ZERO_ORDER_RECIPE = BlackBoxRecipe("new-tokens", batch_size=0, steps=300, logit_noise=1.5, examples=100)
+# with M members. Steps drown them out (at eps 4: 0.48 predicted at T 300, 0.69 at T 3000); only the canaries' rows
+# train, so the other examples only cost forwards (100 of them), and each step's losses come from one forward's trunk
+# outputs (training/frozen_trunk.py: T 3000 on the embedded default in about 2 minutes on 2 cores).
+ZERO_ORDER_RECIPE = BlackBoxRecipe("new-tokens", batch_size=0, steps=3000, logit_noise=1.5, examples=100)
 OTHER_RECIPE = BlackBoxRecipe("full", batch_size=64)  # every white-box run (below: full batches)
 
 
