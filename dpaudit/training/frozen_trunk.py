@@ -31,6 +31,7 @@ from dpaudit.training.new_tokens import NewTokenEmbedding, NewTokenHead
 
 AGREE = 1e-4       # the first evaluation must match the model's own losses within this (relative and absolute)
 POSITIONS = 2048   # predicted positions per slice when the base logits are formed (a slice x vocabulary floats)
+MAX_BYTES = 1 << 30  # the cache and one evaluation's logits; a batch that would need more runs the model
 
 
 class FrozenTrunk:
@@ -54,7 +55,7 @@ class FrozenTrunk:
 
     def losses(self, batch: dict[str, torch.Tensor], micro_batch: int = 0) -> torch.Tensor:
         ids, mask = batch["input_ids"], batch["attention_mask"]
-        if self.disagreed or self._new_token_feeds_a_prediction(ids, mask):
+        if self.disagreed or self._new_token_feeds_a_prediction(ids, mask) or self._bytes(mask) > MAX_BYTES:
             return per_example_loss(self.model, batch, micro_batch)
         key = hashlib.blake2b(ids.cpu().numpy().tobytes() + mask.cpu().numpy().tobytes(), digest_size=16).digest()
         if key == self.key:
@@ -65,6 +66,12 @@ class FrozenTrunk:
         else:
             self.key, self.cache = key, cache
         return own
+
+    def _bytes(self, mask) -> int:
+        """The cache's size, estimated before anything is allocated: per predicted position h, the new columns'
+        logits (twice: cached, and one evaluation's) and four scalars, in float32."""
+        positions = int((mask[:, 1:] != 0).sum())
+        return 4 * positions * (self.head.base.in_features + 2 * len(self.head.ids) + 4)
 
     def _new_token_feeds_a_prediction(self, ids, mask) -> bool:
         new = self.emb.slot[ids] != 0

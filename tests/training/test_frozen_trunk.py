@@ -75,6 +75,19 @@ def test_a_new_token_before_a_predicted_one_runs_the_model(extended):
     assert trunk.key is None  # never cached: the rows reach the trunk through the secret's input row
 
 
+def test_a_batch_over_the_memory_budget_runs_the_model(extended, monkeypatch):
+    from dpaudit.training import frozen_trunk
+
+    folder, canaries, _ = extended
+    model, tok, params = _rows_model(folder)
+    trunk = FrozenTrunk.for_run(model, params)
+    batch = tokenize(tok, canaries + PLAIN, 24).batch(range(len(canaries) + len(PLAIN)))
+    monkeypatch.setattr(frozen_trunk, "MAX_BYTES", trunk._bytes(batch["attention_mask"]) - 1)
+    _set_rows(params, 7)
+    torch.testing.assert_close(trunk.losses(batch), per_example_loss(model, batch))
+    assert trunk.key is None
+
+
 def test_logits_that_are_not_the_heads_output_fail_the_check(extended):
     folder, canaries, _ = extended
     model, tok, params = _rows_model(folder)
