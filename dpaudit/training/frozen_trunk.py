@@ -45,6 +45,8 @@ class FrozenTrunk:
 
     @classmethod
     def for_run(cls, model, params) -> FrozenTrunk | None:
+        if not (hasattr(model, "get_input_embeddings") and hasattr(model, "get_output_embeddings")):
+            return None  # not a transformers model (a user's own module through the API)
         emb, head = model.get_input_embeddings(), model.get_output_embeddings()
         if not (isinstance(emb, NewTokenEmbedding) and isinstance(head, NewTokenHead)):
             return None

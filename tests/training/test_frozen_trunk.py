@@ -113,6 +113,8 @@ def test_only_a_run_of_the_rows_alone_takes_it(extended):
     assert FrozenTrunk.for_run(model, params) is None
     model, _, params = _rows_model(folder, "full")
     assert FrozenTrunk.for_run(model, params) is None
+    plain = torch.nn.Linear(2, 2)
+    assert FrozenTrunk.for_run(plain, list(plain.parameters())) is None
 
 
 def test_a_dp_zo_run_is_the_same_with_and_without_it(extended, tmp_path, monkeypatch):
