@@ -11,8 +11,7 @@ each secret), run beside each lever, so every ratio compares runs made on the sa
     .venv/bin/python benchmarks/audit_power.py --optimal    # what any attack could show on DP-SGD's schedule (1 min)
     .venv/bin/python benchmarks/audit_power.py --optimal --old-schedule   # the same on the schedule before
     .venv/bin/python benchmarks/audit_power.py --model M.gguf --only pretrained   # a real model (~6 min a run)
-    .venv/bin/python benchmarks/audit_power.py --model M.gguf --only pretrained-zo  # DP-ZO on it (a GPU: ~2 min a run;
-                                                                                      # 2 CPU cores: ~4 h, 46 s a step)
+    .venv/bin/python benchmarks/audit_power.py --model M.gguf --only pretrained-zo  # DP-ZO on it (~2.5-4.5 min a run)
 
 The real pretrained walk-through model (docs/auditing.md; never fetched at run time, see benchmarks/walkthrough.py):
 --model runs every row on it (`audit run --model`); "pretrained-before" is its recipe before (~46 min a run).
@@ -54,7 +53,7 @@ RUNS = {
     # with --model: the pretrained recipe (new-tokens at the rate from the model) and the one before it
     "pretrained": [("defaults: new-tokens, rate from the model", "dp-sgd", 4, []),
                    ("defaults", "dp-sgd", 1, []), ("defaults", "dp-sgd", 8, [])],
-    "pretrained-zo": [("defaults: new-tokens, T 300, phi and rate from the model", "dp-zo", 4, []),
+    "pretrained-zo": [("defaults: new-tokens, T 3000, phi and rate from the model", "dp-zo", 4, []),
                       ("defaults", "dp-zo", 1, []), ("defaults", "dp-zo", 8, [])],
     "pretrained-before": [("embeddings, B 64, T 300, AdamW 5e-5 (the recipe before)", "dp-sgd", 4,
                            ["--trainable", "embeddings", "-B", "64", "-T", "300", "--optimizer", "adamw"])],
