@@ -213,14 +213,19 @@ def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model
     train_file = out / f"train_data.{fmt}"
     insert_canaries(manifest, data, train_file, fmt=fmt, field=field, repeats=settings.repeats,
                     seed=settings.seed, force=True)
+    fitted = settings.logit_step is not None or settings.logit_noise is not None  # the recipe reads |h|
     if lm is not None:
         extend_model(lm, tok, manifest)
         save_model_folder(out / "extended_model", lm, tok)
+        made = {"canaries_sha256": _public_key(manifest)}
+        if fitted:  # measured while the model is loaded (reloading a 135M model for it took ~4 s, ~60 s on a GPU host)
+            made[HIDDEN_NORM] = prefix_hidden_norm(lm, tok, manifest)
         del lm
-        atomic_write_json(out / REUSE_STAMP, {**stamp, "canaries_sha256": _public_key(manifest)})
+        atomic_write_json(out / REUSE_STAMP, {**stamp, **made})
     texts = read_texts(train_file, fmt, field)
-    if settings.logit_step is not None or settings.logit_noise is not None:
-        cfg, why = _fitted_to_the_model(out / "extended_model", cfg, settings, manifest, texts)
+    if fitted:
+        cfg, why = _fitted_to_the_model(out / "extended_model", cfg, settings, manifest, texts,
+                                        _stamped(out, HIDDEN_NORM))
         power = {**power, **why}
     remove_folder(out / "run")
     result = train(out / "extended_model", texts, out / "run", cfg, show_progress=show_progress)
@@ -240,16 +245,19 @@ def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model
 
 
 def _fitted_to_the_model(extended: Path, cfg: TrainConfig, settings: AuditRunSettings, manifest,
-                         texts) -> tuple[TrainConfig, dict]:
+                         texts, h: float | None = None) -> tuple[TrainConfig, dict]:
     """``cfg`` at the recipe's rate for this model (DP-SGD: ``sgd_exposure``; DP-ZO: ``zo_exposure``, phi too
     unless the user set it) and, unless the user set one, at a micro batch that fits the memory (full batches of a
-    pretrained model: 1500 examples of a 135M model are ~45 GB at once). Returns the report's lines on it."""
-    from dpaudit.models.loading import load_causal_lm
+    pretrained model: 1500 examples of a 135M model are ~45 GB at once). Returns the report's lines on it.
+    ``h``: |h| (``prefix_hidden_norm``) when already measured; else the extended model is loaded for it."""
     from dpaudit.training.preflight import micro_batch_that_fits
 
-    lm, tok = load_causal_lm(extended)
-    h = prefix_hidden_norm(lm, tok, manifest)
-    del lm
+    if h is None:
+        from dpaudit.models.loading import load_causal_lm
+
+        lm, tok = load_causal_lm(extended)
+        h = prefix_hidden_norm(lm, tok, manifest)
+        del lm
     n = len(texts)
     where = f"|h| = {h:.3g} at the canaries' prefixes, N = {n}, C = {cfg.clip:g}"
     if settings.logit_step is not None:
@@ -295,6 +303,20 @@ def _ceiling(cfg, result, claimed, group):
 
 
 REUSE_STAMP = "extended_model.json"  # what canaries.json and extended_model/ were made from
+HIDDEN_NORM = "prefix_hidden_norm"   # in the stamp: |h| of the extended model at the canaries' prefixes
+_MADE = ("canaries_sha256", HIDDEN_NORM)  # the stamp's entries that were made, not compared
+
+
+def _stamped(out: Path, key: str) -> float | None:
+    """A number the stamp holds (None when absent or unreadable: it is then measured again)."""
+    from dpaudit.core.errors import DPAuditError
+    from dpaudit.core.run_folder import read_json
+
+    try:
+        value = (read_json(out / REUSE_STAMP, "canary extension stamp") or {}).get(key)
+    except (DPAuditError, OSError):
+        return None
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) and value > 0 else None
 
 
 def _extension_stamp(base: Path, settings: AuditRunSettings) -> dict:
@@ -320,7 +342,7 @@ def _reusable_canaries(out: Path, stamp: dict):
 
     try:
         old = read_json(out / REUSE_STAMP, "canary extension stamp")
-        if not old or {k: v for k, v in old.items() if k != "canaries_sha256"} != stamp \
+        if not old or {k: v for k, v in old.items() if k not in _MADE} != stamp \
                 or not (out / "extended_model" / "config.json").is_file():
             return None
         manifest = load_manifest(out / "canaries.json")

@@ -152,3 +152,20 @@ def test_the_dp_zo_black_box_recipe_takes_phi_and_rate_from_the_model(tmp_path):
     given = context("--phi", str(2 * phi))
     assert given["phi"].endswith("(given)")
     assert float(given["learning rate"].split(",")[0]) == pytest.approx(2 * lr, rel=1e-3)
+    # |h| is measured once, on the model in memory when it is extended, and kept in the reuse stamp: the rerun above
+    # (canaries reused) read it from there. It is the extended model's own, as a reload of its folder gives.
+    from dpaudit.canaries.manifest import load_manifest
+    from dpaudit.models.loading import load_causal_lm
+    from dpaudit.workflows.audit_run import HIDDEN_NORM, REUSE_STAMP, _stamped, prefix_hidden_norm
+
+    h = _stamped(tmp_path / "zo", HIDDEN_NORM)
+    assert "reused" in given["canaries"] and f"|h| = {h:.3g} at" in ctx["learning rate"] and \
+        f"|h| = {h:.3g} at" in given["learning rate"]
+    lm, tok = load_causal_lm(tmp_path / "zo" / "extended_model")
+    assert h == pytest.approx(prefix_hidden_norm(lm, tok, load_manifest(tmp_path / "zo" / "canaries.json")), rel=1e-5)
+    stamp = json.loads((tmp_path / "zo" / REUSE_STAMP).read_text())
+    stamp.pop(HIDDEN_NORM)  # a stamp made before it was kept: measured again (None), the canaries still reused
+    (tmp_path / "zo" / REUSE_STAMP).write_text(json.dumps(stamp))
+    assert _stamped(tmp_path / "zo", HIDDEN_NORM) is None
+    again = context()
+    assert "reused" in again["canaries"] and f"|h| = {h:.3g} at" in again["learning rate"]
