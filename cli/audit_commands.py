@@ -97,7 +97,7 @@ def present(result: AuditResult, context: dict, as_json: bool, *, report: Path |
         raise typer.Exit(1)
 
 
-MAX_SCORES = 1_000_000  # rows of a scores CSV (white-box DP-SGD audits use 1000; canary audits up to 1e5)
+MAX_SCORES = 1_000_000  # rows of a scores CSV (white-box DP-SGD audits use up to 5000; canary audits up to 1e5)
 
 
 def read_scores(path: Path):

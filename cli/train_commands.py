@@ -232,7 +232,8 @@ def audit_run(
     data: Annotated[Optional[Path], typer.Option("--data", "-d", help="Training data (default: synthetic).")] = None,
     data_format: FormatOpt = None, field: FieldOpt = "text",
     canaries: Annotated[Optional[int], typer.Option(
-        "--canaries", "-m", help="Number of canaries (default 1000; white-box DP-ZO: chosen to maximise the "
+        "--canaries", "-m", help="Number of canaries (default 1000; white-box DP-SGD 5000, fewer where T is long "
+                                 "(the transcript within 256 MiB); white-box DP-ZO: chosen to maximise the "
                                  "expected bound).")] = None,
     examples: Annotated[Optional[int], typer.Option(
         "--examples", help="Synthetic sentences when no --data (default 1000; white box 64; black-box DP-ZO 100: "

@@ -127,10 +127,17 @@ def prefix_hidden_norm(model, tokenizer, manifest) -> float:
     return statistics.median(norms)
 
 
+GRADIENT_CANARIES = 5000      # white-box DP-SGD's default m (white_box_canaries)
+TRANSCRIPT_BYTES = 256 << 20  # ... held to a transcript of this size where T is long
+
+
 def white_box_canaries(cfg: TrainConfig, alpha: float = 0.05) -> int:
     """How many white-box canaries to plant.
 
-    DP-SGD: 1000 (each on its own coordinate, so canaries never interfere; more only sharpens the bound).
+    DP-SGD: each canary on its own coordinate, so canaries never interfere and more only sharpens the bound (the
+    standard error of mu is about 2 / sqrt(m)): ``GRADIENT_CANARIES`` (5000), fewer where the transcript (m float32 a
+    step) would pass ``TRANSCRIPT_BYTES``, never below 1000. Measured (embedded default, p = 1, T = 300, claimed
+    eps 1, secret seeds 1-6): median headline 0.60 at m = 1000, 0.77 at m = 5000, for a quarter more wall time.
     DP-ZO: all canaries share one released scalar a step. With full batches (p = 1, the white-box
     default) the mechanism is mu-GDP with mu = sqrt(T) / sigma, so the noise adds T / mu^2 C^2 of variance
     over T steps and the other m/2 member canaries m T / 2 C^2 more: a member's score separates by
@@ -140,7 +147,7 @@ def white_box_canaries(cfg: TrainConfig, alpha: float = 0.05) -> int:
     from dpaudit.training.methods import METHODS
 
     if METHODS[cfg.method].canaries == "gradient":
-        return 1000
+        return max(1000, min(GRADIENT_CANARIES, TRANSCRIPT_BYTES // (4 * max(1, cfg.steps))))
     from scipy.stats import norm
 
     from dpaudit.audit.gdp import mu_from_epsilon
