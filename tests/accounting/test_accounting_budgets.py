@@ -402,3 +402,18 @@ def test_the_cli_start_imports_no_numerical_library():
             "'pydantic', 'numpy') if m in sys.modules]\nprint('HEAVY', heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.split("HEAVY")[-1].strip() == "[]"
+
+
+def test_targets_past_e709_are_calibrated_or_refused_never_overflow():
+    """The Gaussian CLT start computed e^eps, which overflows past eps = 709: a target of 1e4 ended in "OverflowError:
+    math range error" (exit 2, as if the input were bad). In log space the start exists; the answer is a valid bound
+    (eps <= target at sigma, by the accountant itself), and a target met at the smallest sigma is refused as such."""
+    from dpaudit import calibrate
+    from dpaudit.accounting.noises import noise
+
+    template = Mechanism("gaussian", 1.0, 0.01, 1000)
+    assert noise("gaussian").estimated_sigma(template, 1e4, 1e-5) > 0
+    plan = calibrate(eps=1e4, delta=1e-5, p=0.01, steps=1000)
+    assert plan.epsilon <= 1e4 and plan.sigma < 0.1
+    with pytest.raises(DPAuditError, match="met even with sigma"):
+        calibrate(eps=1e8, delta=1e-5, p=0.01, steps=1000)

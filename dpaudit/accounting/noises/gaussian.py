@@ -38,10 +38,13 @@ class Gaussian(Noise):
         if not (facts.independent_steps and facts.relation == NeighboringRelation.ADD_OR_REMOVE_ONE) or not 0 < mech.sampling_rate < 1 \
                 or mech.steps < 100 or not 0 < delta < 1:
             return None
-        from scipy.special import ndtr
+        from scipy.special import log_ndtr, ndtr
 
         def excess(mu: float) -> float:  # delta(eps) of mu-GDP less delta: grows with mu
-            return float(ndtr(-eps / mu + mu / 2) - math.exp(eps) * ndtr(-eps / mu - mu / 2)) - delta
+            # e^eps Phi(b) as exp(eps + log Phi(b)): e^eps alone overflows past eps = 709 (a target of 1e4 was
+            # refused as "math range error")
+            tail = eps + float(log_ndtr(-eps / mu - mu / 2))
+            return float(ndtr(-eps / mu + mu / 2)) - (math.exp(tail) if tail < 700 else math.inf) - delta
 
         lo, hi = 1e-6, 1.0
         while excess(hi) < 0 and hi < 1e3:
