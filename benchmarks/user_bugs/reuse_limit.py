@@ -47,6 +47,14 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--reuse", type=int, default=4)
     args = ap.parse_args()
+    if args.reuse < 1 or T % args.reuse:
+        ap.error(f"--reuse must divide T = {T}")
+
+    def read(scores, members, alpha: float, score: str) -> tuple[float, float]:
+        """(eps lower bound, AUC) of one audit."""
+        r = analyse(scores, members, claimed_epsilon=EPS, delta=DELTA, alpha=alpha, score=score, mechanism="gaussian")
+        return r.epsilon_lower_bound, roc_auc_score(members, scores)
+
     print(f"T {T}, p {P}, m {M}, claimed eps {EPS} (sigma {SIGMA}), batch reused for {args.reuse} steps; "
           f"median of {args.seeds} seeds: eps lower bound / AUC")
     print("| mu (noise units) | correct run, probe's sum | bug, probe's sum | bug, its own likelihood ratio |")
@@ -55,15 +63,11 @@ def main() -> None:
         cells = {"correct": [], "sum": [], "ratio": []}
         for seed in range(args.seeds):
             rng = np.random.default_rng(seed)
-            for key, reuse in (("correct", 1), ("sum", args.reuse)):
-                z, members = record(rng, mu, reuse)
-                r = analyse(z.sum(0), members, claimed_epsilon=EPS, delta=DELTA, alpha=ALPHA / 2,
-                            score="white-box-pipeline", mechanism="gaussian")
-                cells[key].append((r.epsilon_lower_bound, roc_auc_score(members, z.sum(0))))
-            s = block_likelihood_ratio(z, mu, args.reuse)
-            r = analyse(s, members, claimed_epsilon=EPS, delta=DELTA, alpha=ALPHA / 3, score="unnamed",
-                        mechanism="gaussian")
-            cells["ratio"].append((r.epsilon_lower_bound, roc_auc_score(members, s)))
+            z, members = record(rng, mu, 1)
+            cells["correct"].append(read(z.sum(0), members, ALPHA / 2, "white-box-pipeline"))
+            z, members = record(rng, mu, args.reuse)  # the bug: both scores read this run
+            cells["sum"].append(read(z.sum(0), members, ALPHA / 2, "white-box-pipeline"))
+            cells["ratio"].append(read(block_likelihood_ratio(z, mu, args.reuse), members, ALPHA / 3, "unnamed"))
         row = [f"{statistics.median(b for b, _ in v):.2f} / {statistics.median(a for _, a in v):.3f}"
                for v in cells.values()]
         print(f"| {mu:.3g}{' (1/sigma)' if abs(mu - 1 / SIGMA) < 1e-9 else ''} | " + " | ".join(row) + " |")
