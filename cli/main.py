@@ -71,9 +71,15 @@ def _usage_errors() -> tuple[type, ...]:
 def run(argv: list[str] | None = None) -> None:
     """Console-script entry: user errors and library refusals print one line and exit 2; numerical
     warnings from the libraries never reach the terminal on their own (folded into an error line)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", RuntimeWarning)
-        _run(argv, caught)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RuntimeWarning)
+            _run(argv, caught)
+    except SystemExit as exc:
+        distributed = sys.modules.get("dpaudit.training.distributed")  # imported only by a training command
+        if distributed is not None and distributed.joined_a_group():  # a torchrun rank: exit without finalizing
+            distributed.exit_process(0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1)
+        raise
 
 
 def _fold(message: str, caught: list) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -190,6 +191,8 @@ def train_cmd(
     set_threads(threads)
     texts = read_texts(data, detect_format(data, data_format), field)
     result = train(model, texts, out, cfg, resume=resume, show_progress=not as_json)
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun rank 0 answers: one --json document, not one a rank
+        return
     privacy = (f"eps <= {fmt(result.epsilon)} at delta = {result.delta:g} (sigma {fmt(result.sigma)}, "
                f"{result.accountant}, {result.relation})" if result.private else "non-private (eps = inf)")
     emit({"command": "train", **result.to_dict()}, as_json,

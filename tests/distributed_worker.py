@@ -1,9 +1,11 @@
 """Launched by tests/training/test_distributed.py under torchrun: one short training run, same seeds on every rank.
 argv: model run method [options: shard, sphere, bf16, micro, save, resume, stop=K (exit at step K)]."""
 
+import os
 import sys
 from pathlib import Path
 
+from dpaudit.training.distributed import exit_process
 from dpaudit.training.runner import TrainConfig, train
 
 TEXTS = [f"Carol number {i} sells {'maps' if i % 2 else 'tea'} in Oslo." for i in range(40)]
@@ -35,4 +37,9 @@ if __name__ == "__main__":
                       bf16="bf16" in options, micro_batch=3 if "micro" in options else 0,
                       save_every=2 if "save" in options else 0, allow_overspend="resume" in options,
                       white_box=64 if "whitebox" in options else 0)
-    train(model, TEXTS, run, cfg, resume="resume" in options, show_progress=False)
+    try:
+        train(model, TEXTS, run, cfg, resume="resume" in options, show_progress=False)
+    except SystemExit as stopped:  # stop=K: the killed run's exit status
+        exit_process(stopped.code)
+    print(f"rank {os.environ.get('RANK')} finished", file=sys.stderr)  # a failure after this line is at exit
+    exit_process(0)  # as the CLI ends a torchrun rank: without the interpreter's finalization (exit_process)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import NoReturn
 
 import numpy as np
 
@@ -49,15 +50,46 @@ class World:
             dist.barrier()
 
     def close(self) -> None:
-        """Leave the process group this run joined (every rank, after its last collective). A process that
-        exits still holding a gloo group can abort in the group's threads at interpreter exit ("terminate
-        called without an active exception", SIGABRT), failing a finished run; a group the caller made is
-        the caller's to close."""
+        """Leave the process group this run joined (every rank, after its last collective); a group the
+        caller made is the caller's to close. This does not end gloo's worker threads: the sharded model's
+        DeviceMesh, cached by DTensor, keeps the group's backend alive until the interpreter exits (measured
+        with torch 2.13: two ``pt_gloo_runloop`` threads remain after ``destroy_process_group`` and
+        ``gc.collect``). See ``exit_process``."""
         if self.owns_group:
             import torch.distributed as dist
 
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+_joined = False  # setup_world joined a process group in this process
+
+
+def joined_a_group() -> bool:
+    return _joined
+
+
+def exit_process(code: int) -> NoReturn:
+    """End a process that joined a process group, skipping the interpreter's finalization.
+
+    A C++ thread of torch (gloo's workers hold tensors that Python owns) that takes the GIL while the
+    interpreter finalizes is ended by CPython with ``pthread_exit``, whose unwinding through a ``noexcept``
+    frame calls ``std::terminate``: "terminate called without an active exception", SIGABRT, and torchrun
+    reports a finished run as failed (pytorch/pytorch#38228, #190489). It failed CI twice, and one of about
+    400 2-process sharded bf16 runs here; ``close`` alone did not stop it. Everything a run writes is
+    already on disk (atomic renames), so once the standard streams and logging are flushed nothing is left
+    for finalization to do but that race. Used by the CLI and by scripts that call ``train`` under torchrun.
+    """
+    import logging
+    import sys
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken pipe: nothing more can be written there
+            pass
+    os._exit(code)
 
 
 def setup_world() -> World:
@@ -75,9 +107,11 @@ def setup_world() -> World:
         return World(0, 1, device)
     import torch.distributed as dist
 
+    global _joined
     owns = not dist.is_initialized()
     if owns:
         if cuda:
             torch.cuda.set_device(local)
         dist.init_process_group(backend="nccl" if cuda else "gloo")
+    _joined = True
     return World(dist.get_rank(), dist.get_world_size(), device, owns)

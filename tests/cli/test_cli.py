@@ -136,3 +136,23 @@ def test_version_and_plain_progress_lines_in_logs(tmp_path, tiny_model_dir):
     # stderr is a pipe here, as in CI or nohup: plain progress lines, with the step, loss and eps spent
     assert "dp-sgd: 3/3 (100%)" in run.stderr and "eps spent" in run.stderr
     assert "FutureWarning" not in run.stderr
+
+
+def test_a_process_in_a_process_group_leaves_without_finalizing_and_keeps_its_output_and_exit_code():
+    """A torchrun rank ends through exit_process (os._exit after flushing): torch's C++ threads that touch
+    Python during finalization can abort a finished run. The atexit line shows whether finalization ran."""
+    import subprocess
+    import sys
+
+    script = ("import atexit, sys; import dpaudit.training.distributed as d; d._joined = True; "
+              "atexit.register(lambda: print('finalized')); from dpaudit.cli.main import run; run(sys.argv[1:])")
+
+    def rank(*args):
+        return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120)
+
+    ok = rank("calibrate", "--mech", "laplace", "--eps", "4", "--json")  # stdout is a pipe: block-buffered
+    assert ok.returncode == 0, ok.stderr
+    assert "finalized" not in ok.stdout and json.loads(ok.stdout)["sigma"] == pytest.approx(0.25)
+    bad = rank("calibrate", "--eps", "0")
+    assert_one_line_error(bad)
+    assert "finalized" not in bad.stdout

@@ -200,3 +200,19 @@ def test_what_shard_does_not_run_with_is_refused_in_one_line(tiny_model_dir, tmp
                   *extra)
     assert_one_line_error(out)
     assert named in out.stderr and not (tmp_path / "run").exists()
+
+
+def test_the_cli_under_torchrun_trains_sharded_and_every_rank_exits_0(tiny_model_dir, tmp_path):
+    """The documented command (docs/distributed.md), run as users run it: both ranks exit 0 and rank 0's
+    --json answer arrives whole (each rank leaves through exit_process, after flushing)."""
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in
+                            (f"Carol number {i} sells maps in Oslo." for i in range(40))))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "dpaudit.cli.main", "train", "--shard", "--method", "dp-sgd", "--eps", "8", "-B", "4", "-T", "2",
+           "--model", str(tiny_model_dir), "--data", str(data), "--out", str(tmp_path / "run"), "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 0, out.stderr[-3000:]
+    answer = json.loads(out.stdout)
+    assert answer["epsilon"] <= 8 and answer["steps"] == 2
