@@ -51,10 +51,10 @@ class World:
 
     def close(self) -> None:
         """Leave the process group this run joined (every rank, after its last collective); a group the
-        caller made is the caller's to close. This does not end gloo's worker threads: the sharded model's
-        DeviceMesh, cached by DTensor, keeps the group's backend alive until the interpreter exits (measured
-        with torch 2.13: two ``pt_gloo_runloop`` threads remain after ``destroy_process_group`` and
-        ``gc.collect``). See ``exit_process``."""
+        caller made is the caller's to close. This does not end gloo's worker threads: torch still holds the
+        group (DTensor's caches still reference the sharded model's DeviceMesh, which keeps its groups), so
+        its backend lives until the interpreter exits (measured with torch 2.13: two ``pt_gloo_runloop``
+        threads remain after ``destroy_process_group`` and ``gc.collect``). See ``exit_process``."""
         if self.owns_group:
             import torch.distributed as dist
 
