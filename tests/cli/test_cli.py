@@ -1,6 +1,8 @@
 """The command line: answers, --json, exit codes, and one-line errors (never a traceback)."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -141,9 +143,6 @@ def test_version_and_plain_progress_lines_in_logs(tmp_path, tiny_model_dir):
 def test_a_process_in_a_process_group_leaves_without_finalizing_and_keeps_its_output_and_exit_code():
     """A torchrun rank ends through exit_process (os._exit after flushing): torch's C++ threads that touch
     Python during finalization can abort a finished run. The atexit line shows whether finalization ran."""
-    import subprocess
-    import sys
-
     script = ("import atexit, sys; import dpaudit.training.distributed as d; d._joined = True; "
               "atexit.register(lambda: print('finalized')); from dpaudit.cli.main import run; run(sys.argv[1:])")
 
