@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -170,6 +169,7 @@ def train_cmd(
 ) -> None:
     """Fine-tune a local causal LM with DP-ZO or DP-SGD (sigma calibrated to --eps) or a non-private baseline."""
     from dpaudit.core.texts import detect_format, read_texts
+    from dpaudit.training.distributed import launch_rank
     from dpaudit.training.runner import train
 
     if resume:  # the run folder knows how it was started: only the flags that change need repeating
@@ -191,7 +191,7 @@ def train_cmd(
     set_threads(threads)
     texts = read_texts(data, detect_format(data, data_format), field)
     result = train(model, texts, out, cfg, resume=resume, show_progress=not as_json)
-    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun rank 0 answers: one --json document, not one a rank
+    if launch_rank() != 0:  # under torchrun rank 0 answers: one --json document, not one a rank
         return
     privacy = (f"eps <= {fmt(result.epsilon)} at delta = {result.delta:g} (sigma {fmt(result.sigma)}, "
                f"{result.accountant}, {result.relation})" if result.private else "non-private (eps = inf)")

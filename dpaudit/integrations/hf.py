@@ -40,6 +40,7 @@ import numpy as np
 from dpaudit.core.errors import DPAuditError
 from dpaudit.integrations.hf_preflight import preflight_problems
 from dpaudit.integrations.hf_rows import canary_row, contexts, row_format as find_format, rows_of
+from dpaudit.training.distributed import launch_rank
 
 try:  # transformers is the `train` extra; the class is defined either way so that the import error is one line
     from transformers import TrainerCallback
@@ -195,7 +196,7 @@ class DPAuditCallback(TrainerCallback):
             print(f"dpaudit: the model is sharded (ZeRO-3 / FSDP): scoring is left to the saved checkpoint; see "
                   f"{self.out / 'SCORE_LATER.txt'}")
             return control
-        if int(os.environ.get("RANK", "0")) != 0:
+        if launch_rank() != 0:
             return control
         steps = int(state.global_step or 0)
         claimed, source = self._claim()

@@ -62,6 +62,11 @@ class World:
                 dist.destroy_process_group()
 
 
+def launch_rank() -> int:
+    """The global rank torchrun gave this process (its RANK); 0 for a process that torchrun did not start."""
+    return int(os.environ.get("RANK", "0"))
+
+
 _joined = False  # setup_world joined a process group in this process
 
 

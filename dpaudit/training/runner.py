@@ -5,7 +5,6 @@ the DP-ZO (seed, scalar) log and checkpoints in the run folder; resume from the 
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -166,8 +165,9 @@ def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *,
     from contextlib import nullcontext
 
     from dpaudit.core.lock import folder_lock
+    from dpaudit.training.distributed import launch_rank
 
-    main_process = int(os.environ.get("RANK", "0")) == 0
+    main_process = launch_rank() == 0
     estimate = preflight(model_dir, cfg, len(texts), texts=texts) if main_process else None
     run_dir = Path(run_dir)
     with folder_lock(run_dir) if main_process else nullcontext():
