@@ -330,7 +330,9 @@ def search_hooks():
     from dpaudit.accounting.search import SearchHooks
 
     def resolution(anchor, delta: float):
-        h = epsilon(anchor, delta).details["lattice"]
+        h = epsilon(anchor, delta).details.get("lattice")
+        if h is None:   # the anchor was answered by the shuffle bound (its lattice over budget): each candidate's own
+            return lambda mech: AllocationOptions()   # ladder decides, and falls back the same valid way
         return lambda mech: AllocationOptions(lattice=h)
 
     def start(template, target: float, delta: float) -> float:

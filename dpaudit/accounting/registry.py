@@ -149,8 +149,9 @@ ACCOUNTANTS: dict[str, Accountant] = {
                    "dpaudit.accounting.analytic:epsilon", delta_fn="dpaudit.accounting.analytic:delta",
                    sigma_fn=analytic.sigma_closed_form, limitation=analytic.limitation),
         Accountant("wor-pld", ("gaussian",), True,
-                   "fixed-size batches: Lebeda et al.'s dominating pair of sampling without replacement as a PLD "
-                   "(dp-accounting connect-the-dots), composed; replace-one and add/remove alike",
+                   "fixed-size batches: the symmetrised dominating pair of sampling without replacement (shift 2C, "
+                   "both directions) as a PLD (dp-accounting connect-the-dots), composed; replace-one and add/remove "
+                   "alike",
                    "dpaudit.accounting.wor:epsilon", samplings=(), phases=True,
                    also_relations=(NeighboringRelation.ADD_OR_REMOVE_ONE,)),
         Accountant("allocation", ("gaussian",), True,

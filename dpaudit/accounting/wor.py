@@ -1,36 +1,59 @@
 """`wor-pld`: fixed-size batches (B of N drawn without replacement, independently each step) with Gaussian
 noise, as a privacy loss distribution: an upper bound under replace-one and under add/remove alike.
 
-Theorem (the dominating pair; Lebeda, Regehr, Kamath & Steinke 2024, "Avoiding pitfalls for privacy accounting
-of subsampled mechanisms under composition", for substitution). Let gamma = B / N. One step of the
-clipped-sum Gaussian mechanism (sensitivity C per example, noise N(0, sigma^2 C^2 I)) on a batch drawn without
-replacement is dominated, for neighbours that replace one example, by the pair on R (C = 1)
-    P = (1 - gamma) N(0, sigma^2) + gamma N(-1, sigma^2),   Q = (1 - gamma) N(0, sigma^2) + gamma N(+1, sigma^2).
-Sketch: with probability 1 - gamma the replaced example is not drawn and both batches are equal; otherwise the
-batches share B - 1 examples and their sums differ by g(x) - g(x'), of norm at most 2C, placed at -1 and +1
-around the shared part (the worst case of the vector mechanism is this scalar one). The pair is its own mirror
-image (Q(y) = P(-y)), so both directions have the same privacy loss distribution. Steps draw independently, so
-T steps are dominated by the T-fold product: one PLD composed T times.
-At B = N (gamma = 1) the pair is N(-1) against N(+1): the full-batch Gaussian with sensitivity 2, exactly.
+Theorem (the dominating pair; derived here, it is Dong, Roth & Su's C_gamma(f) for subsampling without
+replacement, "Gaussian differential privacy", JRSS-B 2022, with f the Gaussian trade-off of
+sensitivity 2C). C = 1 below; gamma = B / N; H_a(P||Q) = sup_E P(E) - a Q(E) the hockey-stick divergence.
+Let
+    R_rem = ((1 - gamma) N(0, s^2) + gamma N(2, s^2),  N(0, s^2))      (Poisson's remove pair, shift 2C)
+    R_add = (N(0, s^2),  (1 - gamma) N(0, s^2) + gamma N(2, s^2))      (its mirror, Poisson's add pair)
+and S the pair whose hockey-stick curve is H_a(R_rem) for a >= 1 and H_a(R_add) for a < 1. Then every
+ordered replace-one pair (D, D'), at every step and whatever the past outputs, has
+H_a(M(D) || M(D')) <= H_a(S) for all a >= 0; T steps are dominated by S composed T times.
+Proof. D and D' differ in x against x'. Couple the draws on the same indices: with probability 1 - gamma the
+slot of x is not drawn and both outputs have the law A (a B-subset of the other N - 1 examples, plus noise);
+otherwise they have B_x and B_x' (g(x) or g(x'), plus a (B-1)-subset of the others, plus noise):
+    M(D) = (1 - gamma) A + gamma B_x,   M(D') = (1 - gamma) A + gamma B_x'.
+For a' >= 1 write a' = 1 + gamma (a - 1), b = a' / a. Advanced joint convexity (Balle, Barthe &
+Gaboardi 2018) gives H_a'(M(D) || M(D')) = gamma H_a(B_x || (1 - b) A + b B_x'); convexity in the second
+argument bounds it by gamma [(1 - b) H_a(B_x || A) + b H_a(B_x || B_x')]. B_x against B_x' shares the (B-1)-subset and
+differs by g(x) - g(x'), norm <= 2; A is B_x with g(x) swapped for g(y), y uniform among the undrawn others
+(draw a B-subset of the others, drop a uniform member), so by joint convexity over that coupling each term is
+at most G_a = H_a(N(2) || N(0)). Hence H_a'(M(D) || M(D')) <= gamma G_a = H_a'(R_rem) (the last equality is
+exact: H_a'((1 - gamma) Q + gamma P || Q) = gamma H_a(P || Q)). For a' < 1, H_a'(U || V) = 1 - a' +
+a' H_{1/a'}(V || U); (D', D) is a replace-one pair too, so H_a'(M(D) || M(D')) <= 1 - a' + a' H_{1/a'}(R_rem)
+= H_a'(R_add). S exists: its curve is convex (each piece is; at a = 1 both equal the total variation and the
+left slope -(1 - P_rem(E)) is <= the right slope -Q_rem(E), E = {y > 1}, since P_rem(E) + Q_rem(E) <= 1 for
+gamma <= 1), starts at 1 and lies above (1 - a)_+. Its privacy loss law is R_rem's on the positive losses,
+R_add's on the negative ones and an atom at 0 with the rest. Adaptive composition of dominating pairs (Zhu,
+Dong & Wang 2022) gives the T-fold product.
+The bound is tight per step: D = {-1, +1, ..., +1} against D' = {+1, ..., +1} (1-D, replace-one; removing the
+-1 gives the same law) is exactly R_rem: the -1 is drawn with probability gamma and then displaces a +1, a shift
+of 2C; not drawn, the batch sums to B. The swapped pair is exactly R_add. At B = N (gamma = 1) S is the
+full-batch Gaussian of sensitivity 2, exactly.
+(The pair used here until 2026-11, P = (1 - gamma) N(0) + gamma N(-1) against (1 - gamma) N(0) + gamma N(+1), is
+Poisson sampling's under replace-one. It is not valid without replacement: when x is not drawn another example
+takes its slot, so the "not drawn" part is not shared. It under-counted eps 4.22 against 8.98 at sigma 1, B 2,
+N 4, T 1; tests/accounting/test_brute_force.py enumerates such mechanisms exactly.)
 
-Add/remove (derived here). Remove x from D (N examples) to get D' (N - 1). Couple the draws: a batch S of D
-without x is also a uniform B-subset of D' (use it); a batch with x becomes S - {x} + {z}, z uniform over D' - S,
-which is a uniform B-subset of D' by symmetry. So the two outputs differ exactly as under replacement (g(x)
-against g(z)) with probability gamma = B / N, and the same pair dominates (adding x: gamma = B / (N + 1),
-smaller, dominated by the same pair). So one bound answers both relations; it is reported under the scheme's
-relation, replace-one.
+Add/remove. Remove x from D (N examples) to get D' (N - 1). Couple the draws: a batch S of D without x is also a
+uniform B-subset of D' (use it); a batch with x becomes S - {x} + {z}, z uniform over D' - S, which is a uniform
+B-subset of D' by symmetry. So M(D) = (1 - gamma) A + gamma B_x and M(D') = (1 - gamma) A + gamma E_z[B_z]
+with the same A, and the proof above goes through with B_x' replaced by the mixture E_z[B_z] (convexity again);
+adding x to D is the swapped case at rate B / (N + 1) < gamma, which S at gamma dominates (C_gamma(f) only
+weakens as gamma grows). So one bound answers both relations; it is reported under the scheme's relation.
 
-Computation: dp-accounting's connect-the-dots discretisation of a monotone privacy loss (pessimistic: an upper
-bound on any grid) needs the loss's range and delta(eps) of one step, both in closed form here:
-L(y) = log P(y) / Q(y) is decreasing in y, so delta(eps) = P(y < y*) - e^eps Q(y < y*) with L(y*) = eps, found by
-bisection; each side is a two-Gaussian mixture CDF (log-space, so small deltas do not cancel). The grid is refined
-until the bound moves by less than ``CONVERGED`` (as pld.py's ladder), within the memory budget. dp-accounting
-has no such class (its MixtureGaussianPrivacyLoss puts a plain Gaussian on one side), hence this one.
+Computation: S's delta(eps) is R_rem's (eps >= 0) or R_add's (eps < 0), each dp-accounting's subsampled
+Gaussian privacy loss (sampling_prob gamma, sensitivity 2, REMOVE and ADD adjacency), so no new formula is
+written here. dp-accounting's connect-the-dots discretisation (Doroshenko et al. 2022; pessimistic: an upper
+bound on any grid) turns those deltas on a loss grid into S's PMF, which is composed by our PLD kernel. The
+grid is refined until the bound moves by less than ``CONVERGED`` (as pld.py's ladder), within the memory budget.
+dp-accounting has no such class (its PLDs are Poisson's, one pair per direction; composing each direction
+alone and taking the max is not an upper bound for S composed), hence this module.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 from dpaudit.accounting.mechanism import Mechanism, Phases
@@ -43,96 +66,59 @@ POINTS_PER_STEP = 200     # first grid: one step's loss range / this
 REFINE = 3.0
 CONVERGED = 1e-3          # stop refining when the bound moves by less than this (relative)
 MAX_RUNGS = 6
-TAIL = 1e-22              # each side's mass left beyond the connect-the-dots range (into the infinite loss)
+SENSITIVITY = 2.0         # replace-one: a clipped sum moves by up to 2C
 
 
 def limitation(mech: Mechanism | Phases) -> str | None:
     return None
 
 
-@functools.cache
-def _loss_class():
-    """dp-accounting's MonotonePrivacyLoss for the pair of the module docstring (built lazily: scipy, dp-accounting)."""
-    import numpy as np
+def _directions(sigma: float, gamma: float):
+    """dp-accounting's subsampled Gaussian losses: R_rem (REMOVE) and R_add (ADD) of the module docstring."""
     from dp_accounting.pld import privacy_loss_mechanism as plm
-    from scipy.special import log_ndtr, logsumexp
-    from scipy.stats import norm
 
-    class WithoutReplacementLoss(plm.MonotonePrivacyLoss):
-        def __init__(self, sigma: float, gamma: float) -> None:
-            super().__init__(is_discrete=False)
-            self.sigma, self.gamma = sigma, gamma
-            self.low = -1 + sigma * norm.ppf(TAIL)      # P(y < low) <= TAIL
-            self.high = 1 + sigma * norm.isf(TAIL)      # P(y > high) <= TAIL
+    return tuple(plm.GaussianPrivacyLoss(sigma, sensitivity=SENSITIVITY, sampling_prob=gamma, adjacency_type=kind)
+                 for kind in (plm.AdjacencyType.REMOVE, plm.AdjacencyType.ADD))
 
-        def _log_mixture(self, y, shift, log_cdf):
-            sigma, gamma = self.sigma, self.gamma
-            parts = [log_cdf((y - shift) / sigma) + math.log(gamma)]
-            if gamma < 1:
-                parts.append(log_cdf(y / sigma) + math.log1p(-gamma))
-            return logsumexp(np.stack(parts), axis=0)
 
-        def privacy_loss(self, x):
-            x = np.asarray(x, dtype=float)
-            s2, gamma = self.sigma ** 2, self.gamma
-            up = (-2 * x - 1) / (2 * s2)   # log phi(x + 1) / phi(x)
-            down = (2 * x - 1) / (2 * s2)  # log phi(x - 1) / phi(x)
-            if gamma == 1:
-                return up - down
-            lg, l1 = math.log(gamma), math.log1p(-gamma)
-            return np.logaddexp(l1, lg + up) - np.logaddexp(l1, lg + down)
+def loss_range(sigma: float, gamma: float) -> tuple[float, float]:
+    """S's loss range for connect-the-dots: R_add's lowest loss to R_rem's highest (each at dp-accounting's
+    tail truncation; the mass beyond goes to +inf (pessimistic) or to the lowest point)."""
+    remove, add = _directions(sigma, gamma)
+    return (min(add.connect_dots_bounds().epsilon_lower, 0.0), max(remove.connect_dots_bounds().epsilon_upper, 0.0))
 
-        def inverse_privacy_loss(self, privacy_loss):
-            target = np.atleast_1d(np.asarray(privacy_loss, dtype=float))
-            lo = np.full(target.shape, self.low - 1.0)
-            hi = np.full(target.shape, self.high + 1.0)
-            for _ in range(200):  # decreasing in x: where the loss is above the target, x is too small
-                mid = (lo + hi) / 2
-                above = self.privacy_loss(mid) > target
-                lo, hi = np.where(above, mid, lo), np.where(above, hi, mid)
-                if float(np.max(hi - lo)) < 1e-13 * (1 + float(np.max(np.abs(hi)))):
-                    break
-            return (lo + hi) / 2
 
-        def mu_upper_cdf(self, x):
-            return np.exp(self._log_mixture(np.asarray(x, dtype=float), -1.0, log_ndtr))
+def delta_curve(sigma: float, gamma: float, epsilons):
+    """H_{e^eps}(S) at each eps: R_rem's delta at eps >= 0, R_add's below (the module docstring's S)."""
+    import numpy as np
 
-        def mu_lower_log_cdf(self, x):
-            return self._log_mixture(np.asarray(x, dtype=float), 1.0, log_ndtr)
-
-        def get_delta_for_epsilon(self, epsilon):
-            eps = np.atleast_1d(np.asarray(epsilon, dtype=float))
-            y = self.inverse_privacy_loss(eps)
-            log_p = self._log_mixture(y, -1.0, log_ndtr)
-            log_q = self._log_mixture(y, 1.0, log_ndtr)
-            with np.errstate(over="ignore"):
-                delta = np.exp(log_p) * -np.expm1(np.minimum(eps + log_q - log_p, 0.0))
-            delta = np.maximum(delta, 0.0)
-            return delta if np.ndim(epsilon) else float(delta[0])
-
-        def privacy_loss_tail(self):
-            return plm.TailPrivacyLossDistribution(self.low, self.high, {
-                math.inf: float(self.mu_upper_cdf(self.low)),
-                float(self.privacy_loss(self.high)): float(1 - self.mu_upper_cdf(self.high))})
-
-        def connect_dots_bounds(self):
-            return plm.ConnectDotsBounds(epsilon_upper=float(self.privacy_loss(self.low)),
-                                         epsilon_lower=float(self.privacy_loss(self.high)))
-
-    return WithoutReplacementLoss
+    remove, add = _directions(sigma, gamma)
+    eps = np.asarray(epsilons, dtype=float)
+    out = np.empty_like(eps)
+    upper = eps >= 0
+    if upper.any():
+        out[upper] = remove.get_delta_for_epsilon(eps[upper])
+    if (~upper).any():
+        out[~upper] = add.get_delta_for_epsilon(eps[~upper])
+    # S's curve is non-increasing; float noise of the two formulas must not break connect-the-dots' check
+    return np.minimum.accumulate(np.clip(out, 0.0, 1.0))
 
 
 def one_step_pmf(sigma: float, gamma: float, grid: float):
-    """One step's pessimistic (connect-the-dots) PMF on ``grid``."""
+    """One step's pessimistic (connect-the-dots) PMF of S on ``grid``."""
+    import numpy as np
+
     from dpaudit.accounting.pld import kernel
 
-    return kernel.monotone_pmf(_loss_class()(sigma, gamma), grid).to_dense_pmf()
+    low, high = loss_range(sigma, gamma)
+    lower, upper = math.floor(low / grid), math.ceil(high / grid)
+    deltas = delta_curve(sigma, gamma, np.arange(lower, upper + 1) * grid)
+    return kernel.connect_dots_pmf(grid, lower, upper, deltas)
 
 
 def _step_range(m: Mechanism) -> float:
-    loss = _loss_class()(m.sigma, m.sampling_rate)
-    bounds = loss.connect_dots_bounds()
-    return max(bounds.epsilon_upper - bounds.epsilon_lower, 1e-9)
+    low, high = loss_range(m.sigma, m.sampling_rate)
+    return max(high - low, 1e-9)
 
 
 def _composed_epsilon(mech, delta: float, grid: float) -> float:
@@ -169,7 +155,8 @@ def epsilon(mech: Mechanism | Phases, delta: float) -> EpsilonResult:
     best_grid, best = min(rungs, key=lambda r: r[1])
     return EpsilonResult(
         accountant="wor-pld", epsilon=best, delta=delta, relation=relation_of(mech),
-        guarantee=("upper bound: Lebeda et al.'s dominating pair of sampling without replacement (sensitivity 2C "
-                   f"at rate B/N), dp-accounting connect-the-dots at grid {best_grid:.3g}, composed; it holds under "
-                   "add/remove too") + (f"; refinement stopped: {limited}" if limited else ""),
+        guarantee=("upper bound: the dominating pair of sampling without replacement (Dong, Roth & Su's "
+                   "C_gamma of the sensitivity-2C Gaussian, gamma = B/N; both directions), dp-accounting "
+                   f"connect-the-dots at grid {best_grid:.3g}, composed; it holds under add/remove too")
+        + (f"; refinement stopped: {limited}" if limited else ""),
         details={"grids": [{"grid": g, "epsilon": e} for g, e in rungs], "limited_by": limited})

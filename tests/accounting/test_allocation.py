@@ -144,3 +144,14 @@ def test_lower_bound_counts_complete_epochs_only():
     assert allocation.lower_bound(partial, 1e-5, 1e-3) == allocation.lower_bound(balls(1.2, 20, 1), 1e-5, 1e-3)
     assert allocation.lower_bound(schedule("gaussian", 1.2, None, 10, 200, 5, None, "balls-in-bins"), 1e-5,
                                   1e-3) is None
+
+
+def test_calibration_whose_anchor_falls_back_to_the_shuffle_bound_answers():
+    """Issue 53, item 3: the search read the lattice of an anchor the shuffle bound had answered (KeyError,
+    exit 3). At a small sigma the lattice is over budget; the calibration now answers, on the safe side."""
+    from dpaudit.accounting.calibrate import calibrate_sigma
+
+    mech = schedule("gaussian", 1.0, None, 4, 40, 3, None, "balls-in-bins")
+    answer = calibrate_sigma(mech, 8.0, 1e-5)
+    assert answer.epsilon <= 8.0
+    assert epsilon(mech.with_sigma(answer.sigma), 1e-5).epsilon <= 8.0

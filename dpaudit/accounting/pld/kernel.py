@@ -398,3 +398,12 @@ def _has_long_double() -> bool:
     import numpy as np
 
     return bool(np.finfo(np.longdouble).eps < np.finfo(float).eps)
+
+
+def connect_dots_pmf(grid: float, lower: int, upper: int, deltas):
+    """The pessimistic connect-the-dots PMF on losses ``lower..upper`` x ``grid`` from delta(eps) at those losses
+    (dp-accounting's ``create_pmf_pessimistic_connect_dots_fixed_gap``: an upper bound for any pair whose
+    hockey-stick curve takes these values), dense."""
+    from dp_accounting.pld import pld_pmf
+
+    return pld_pmf.create_pmf_pessimistic_connect_dots_fixed_gap(grid, lower, upper, deltas).to_dense_pmf()

@@ -1,7 +1,8 @@
 """Fixed-size batches: B examples drawn without replacement each step, independently across steps.
 
-N is public, so neighbours replace one example (replace-one). Accounted as a PLD of Lebeda et al.'s dominating
-pair (accounting/wor.py; the same bound holds under add/remove), with dp-accounting's
+N is public, so neighbours replace one example (replace-one). Accounted as a PLD of the symmetrised dominating
+pair of sampling without replacement (accounting/wor.py, where it is proved; the same bound holds under
+add/remove), with dp-accounting's
 ``SampledWithoutReplacementDpEvent`` (Renyi DP, Wang, Balle & Kasiviswanathan 2019) as the fallback and
 cross-check. Under replace-one a clipped
 sum moves by up to 2C, not C (``sensitivity`` 2).
