@@ -64,7 +64,8 @@ POISSON = "Poisson"
 REPLICATES = 4000      # Monte-Carlo replicates of each null (p-values resolve down to 1 / 4001)
 MAX_SUPPORT = 4000     # values of the Binomial pmf simulated; wider: the chi-square tail
 TAIL = 1e-15           # pmf mass left outside the simulated support, each side
-TAILS = 5              # alpha is split over this many tails (Bonferroni)
+TAILS = 6              # alpha is split over this many tails (Bonferroni)
+ORDER_EXACT_UP_TO = 2000  # examples: the order test's permutation null by Monte Carlo; above, its normal limit
 ALPHA = 0.05           # the gate's level: a correct sampler is flagged at most this often
 
 
@@ -86,15 +87,41 @@ class SamplerVerdict:
             return (f"consistent with Poisson sampling at p = {self.sample_rate:.4g} over {self.steps} steps "
                     f"(alpha = {self.alpha:g}: a correct Poisson sampler is flagged at most {self.alpha:.0%} of the "
                     "time; passing refutes none of the samplers that share its fingerprints)")
-        consequence = ("accounting it as Poisson sampling is not what it draws; account it as balls-in-bins "
-                       "(--sampling balls-in-bins: close to Poisson's eps)" if self.looks_like.startswith("balls-in-bins")
-                       else "accounting it as Poisson sampling would understate eps (account it with the sampler it "
-                            "is)")
-        return (f"NOT POISSON: looks like {self.looks_like}; {consequence}. A correct Poisson sampler reads so at "
-                f"most {self.alpha:.0%} of the time")
+        return (f"NOT POISSON: looks like {self.looks_like}; accounting it as Poisson sampling would understate eps: "
+                f"{self.advice['words']}. A correct Poisson sampler reads so at most {self.alpha:.0%} of the time")
+
+    @property
+    def advice(self) -> dict:
+        """The accounting this log supports, as words and as a schedule to follow (``sampling``, ``p``, ``steps``;
+        ``dpaudit epsilon --sigma S --sampling X --p P -T T``). Only what the log can vouch for: a fingerprint that
+        shows amplification by sampling (Poisson, fixed-size batches drawn independently) is named as that sampler;
+        every other one gets no amplification, which holds for any data-independent order: no example is in more
+        than c batches (c counted in the log), so the run is at most c full-batch releases (add/remove, sensitivity
+        C each). Balls-in-bins' amplification needs each epoch's allocation drawn at random from a secret, which no
+        log can show, so it is offered only on that condition, never as the figure."""
+        c = int(self.tests["most inclusions of one example"]["count"])
+        releases = {"sampling": "poisson", "p": 1.0, "steps": c,
+                    "words": f"no amplification by sampling: account it as {c} full-batch release(s) (`--p 1 -T {c}`: "
+                             f"no example is in more than {c} batch(es) of this log)"}
+        if self.poisson_accounting_valid:
+            return {"sampling": "poisson", "p": self.sample_rate, "steps": self.steps,
+                    "words": f"Poisson accounting at p = {self.sample_rate:.4g}"}
+        if self.looks_like.startswith("fixed-size"):
+            return {"sampling": "fixed", "p": self.sample_rate, "steps": self.steps,
+                    "words": "account it as fixed-size batches (`--sampling fixed -B B -N N`: replace-one, a drawn "
+                             "example displaces another)"}
+        if self.looks_like.startswith("shuffled epochs"):
+            return {**releases, "words": releases["words"] + "; that is `--sampling shuffle`'s upper bound, with Chua "
+                                                             "et al.'s lower bound beside it"}
+        if self.looks_like.startswith("balls-in-bins"):
+            return {**releases, "words": releases["words"] + "; `--sampling balls-in-bins` (close to Poisson's eps) "
+                                                             "only if each epoch's steps are drawn at random from a "
+                                                             "secret seed (dpaudit.samplers.BallsInBinsSampler), which "
+                                                             "a log cannot show"}
+        return releases
 
     def to_dict(self) -> dict:
-        return {"verdict": self.verdict, "looks_like": self.looks_like,
+        return {"verdict": self.verdict, "looks_like": self.looks_like, "advice": self.advice,
                 "poisson_accounting_valid": self.poisson_accounting_valid, "steps": self.steps,
                 "dataset_size": self.dataset_size, "sample_rate": self.sample_rate,
                 "sample_rate_source": self.sample_rate_source, "alpha": self.alpha, "tests": self.tests,
@@ -111,6 +138,7 @@ class _Collector:
 
         self.sizes = array("q")      # 8 bytes a step
         self.counts = np.zeros(0, np.int64)
+        self.first = np.zeros(0, np.int64)   # the step an example is first in (-1: not yet)
         self.duplicates = 0
         self.hashes = bytearray()   # HASH bytes a step, one buffer (a list of bytes objects costs ~50 more)
         self.seen = 0  # largest index + 1
@@ -121,9 +149,9 @@ class _Collector:
         from dpaudit.core import limits as budget
 
         steps = len(self.sizes) + 4096
-        budget.current().require(steps * (8 + self.HASH + 2 * 8 + 8 * self.HASH) + examples * 8 * 4,
+        budget.current().require(steps * (8 + self.HASH + 2 * 8 + 8 * self.HASH) + examples * 8 * 8,
                                  "the sampler audit", "audit a window of the run (fewer batches); every example "
-                                 "index up to the largest costs 8 bytes")
+                                 "index up to the largest costs 16 bytes")
 
     def add(self, batch) -> None:
         idx = np.asarray(batch, dtype=np.int64).reshape(-1)
@@ -142,7 +170,11 @@ class _Collector:
             self._fits(size)
             grown = np.zeros(size, np.int64)
             grown[:self.counts.size] = self.counts
-            self.counts = grown
+            first = np.full(size, -1, np.int64)
+            first[:self.first.size] = self.first
+            self.counts, self.first = grown, first
+        new = unique[self.first[unique] < 0]
+        self.first[new] = len(self.sizes)
         self.counts[unique] += 1
         self.sizes.append(int(idx.size))
         self.hashes += hashlib.blake2b(unique.tobytes(), digest_size=self.HASH).digest()
@@ -204,6 +236,34 @@ def _max_p_value(largest: int, n_examples: int, steps: int, p: float) -> float:
     return float(-np.expm1(n_examples * np.log1p(-above))) if above < 1 else 1.0
 
 
+def _order_p_value(first: np.ndarray, steps: int, seed: int) -> tuple[float, float]:
+    """(Spearman's r between an example's index and the step it is first drawn in, two-sided p-value).
+
+    Every sampler here draws without looking at the index (Poisson, fixed-size, shuffled, balls-in-bins, with
+    replacement): its draws are exchangeable in the examples' labels, so given the multiset of first steps every
+    labelling is equally likely and the permutation test is exact (Monte Carlo, seeded; above
+    ``ORDER_EXACT_UP_TO`` examples its normal limit: r has mean 0 and variance 1 / (n - 1) under permutation). A
+    loader that walks the dataset in order has r near 1. An example never drawn counts as first after the end."""
+    from scipy import stats
+
+    n = first.size
+    ranks = stats.rankdata(np.where(first < 0, steps, first))
+    centred = ranks - ranks.mean()
+    scale = float(np.sqrt((centred ** 2).sum() * ((np.arange(n) - (n - 1) / 2) ** 2).sum()))
+    if scale == 0:
+        return 0.0, 1.0
+    index = np.arange(n) - (n - 1) / 2
+    r = float(centred @ index / scale)
+    if n > ORDER_EXACT_UP_TO:
+        return r, float(2 * stats.norm.sf(abs(r) * np.sqrt(n - 1)))
+    rng = np.random.default_rng(seed)
+    extreme = 0
+    for start in range(0, REPLICATES, 250):
+        shuffled = np.array([rng.permutation(centred) for _ in range(min(250, REPLICATES - start))])
+        extreme += int(np.count_nonzero(np.abs(shuffled @ index / scale) >= abs(r) - 1e-12))
+    return r, (1 + extreme) / (1 + REPLICATES)
+
+
 def analyse_batches(batches, dataset_size: int | None = None, sample_rate: float | None = None,
                     alpha: float = 0.05) -> SamplerVerdict:
     """The verdict on a sequence of batches (each an iterable of example indices)."""
@@ -250,6 +310,10 @@ def analyse_batches(batches, dataset_size: int | None = None, sample_rate: float
         "count": largest, "example": int(counts.argmax()), "expected": steps * p,
         "p_value": _max_p_value(largest, n, steps, p)}
     tests["duplicates within a batch"] = c.duplicates
+    first = np.full(n, -1, np.int64)
+    first[:seen] = c.first[:seen]
+    r, order_p = _order_p_value(first, steps, seed=2)
+    tests["order of examples"] = {"spearman_r": r, "p_value": order_p}
     period = _period(bytes(c.hashes)) if steps >= 4 else None
     tests["period of repeating batches"] = period
     sizes_fixed = tests["batch sizes"]["p_too_uniform"] < share
@@ -264,6 +328,9 @@ def analyse_batches(batches, dataset_size: int | None = None, sample_rate: float
         looks = "sampling with replacement (an example twice in one batch)"
     elif period is not None and (sizes_fixed or counts_even):
         looks = f"a cyclic pass (the same {period} batches, in the same order, every epoch)"
+    elif order_p < share:
+        looks = (f"a fixed order (batches follow the dataset's order: an example's index and the step it is first "
+                 f"drawn in correlate, Spearman r = {r:.3g}, p = {order_p:.2g})")
     elif sizes_fixed and counts_even:
         looks = "shuffled epochs (fixed-size batches, each example once an epoch)"
     elif sizes_fixed:

@@ -10,4 +10,4 @@ from dpaudit.accounting.samplers import Scheme
 
 SCHEME = Scheme("shuffle", NeighboringRelation.REPLACE_SPECIAL, True,
                 "shuffled epochs: a fresh permutation of N = {N} each epoch, cut into batches of B = {B}, T = {T} steps",
-                ZERO_OUT_WORDS, accountants=("shuffle",), epochs=True, looks_like=("shuffled epochs", "a cyclic pass"), rank=2)
+                ZERO_OUT_WORDS, accountants=("shuffle",), epochs=True, looks_like=("shuffled epochs", "a cyclic pass", "a fixed order"), rank=2)
