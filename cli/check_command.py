@@ -27,6 +27,8 @@ def check(
         "--sampler-log", help="A log of the run's batch indices (one batch a line): gate the sampler too. The "
                               "config is accounted for its `sampling:` (default poisson), so a log that looks like "
                               "another sampler fails (exit 1).")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", help="Also name the keys of a flat training config that "
+                                                             "are not privacy keys (ignored).")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Gate a training config on its privacy budget (for CI and pre-commit): exit 0 within budget, 1 over it (or
@@ -40,11 +42,16 @@ def check(
             passed = passed and report["sampler"]["consistent_with_config"]
             report["passed"] = passed
     sampler = report.get("sampler")
+    if cfg.ignored_keys:
+        report["ignored_keys"] = [k if k.replace("_", "").isalnum() and len(k) <= 40 else "(not a name)"
+                                  for k in cfg.ignored_keys]
     if as_json:
         emit_json(report)
         if not passed:
             raise typer.Exit(1)
         return
+    if verbose and cfg.ignored_keys:
+        console.print(f"ignored (not privacy keys): {escape(', '.join(report['ignored_keys']))}", highlight=False)
     if sampler is not None:
         style = "green" if sampler["consistent_with_config"] else "bold red"
         console.print(f"[{style}]sampler[/{style}] {escape(sampler['log'])}: {escape(sampler['verdict'])}",

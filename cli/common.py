@@ -11,6 +11,7 @@ import typing
 from contextlib import contextmanager
 from typing import Annotated, Optional
 
+import click
 import typer
 from rich.console import Console
 
@@ -22,16 +23,66 @@ from dpaudit.core.errors import DPAuditError
 # On a terminal, rich fits the text to the window; elsewhere (a pipe, a log, CI) nothing is wrapped or cut:
 # a value split across lines, a truncated path or a canary broken mid-token would be copied wrong.
 _TTY = sys.stdout.isatty()
-console = Console(soft_wrap=not _TTY, width=None if _TTY else 100_000)
-err_console = Console(stderr=True, soft_wrap=True)  # an error stays one line, however long
 
+
+def reader_gone() -> None:
+    """The reader of stdout closed the pipe (``dpaudit check c.yaml | head -1``): what it did not read is dropped
+    (stdout now goes to the null device) and the command goes on to its own exit code. A closed pipe is not a
+    verdict; rich's default exits 1, the "over budget" code, with nothing said."""
+    import os
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        reader_gone()
+
+
+console = _Console(soft_wrap=not _TTY, width=None if _TTY else 100_000)
+err_console = _Console(stderr=True, soft_wrap=True)  # an error stays one line, however long
+
+
+
+class WholeNumber(click.ParamType):
+    """An integer, also written in scientific notation or with underscores where that is exact (``-T 1e6``,
+    ``-N 60_000``): the docs write schedules so. ``1.5`` or ``1e400`` is refused."""
+
+    name = "integer"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        text = str(value).strip().replace("_", "")
+        try:
+            return int(text)
+        except ValueError:
+            pass
+        try:
+            number = float(text)
+        except ValueError:
+            self.fail(f"{value!r} is not a valid integer", param, ctx)
+        if not math.isfinite(number) or number != math.floor(number) or abs(number) > 2 ** 53:
+            self.fail(f"{value!r} is not a whole number (scientific notation is taken where it is exact: 1e6)",
+                      param, ctx)
+        return int(number)
+
+
+WHOLE = WholeNumber()
 MechOpt = Annotated[str, typer.Option("--mech", help=f"Noise mechanism: {', '.join(NOISES)}.")]
 DeltaOpt = Annotated[Optional[float], typer.Option(
     "--delta", help="Target delta. Default: 1e-5 for gaussian; 0 (pure eps-DP) for laplace.")]
 POpt = Annotated[Optional[float], typer.Option("--p", help="Poisson sampling rate p = B/N.")]
-BatchOpt = Annotated[Optional[int], typer.Option("--batch-size", "-B", help="Expected batch size B (with -N).")]
-DatasetOpt = Annotated[Optional[int], typer.Option("--dataset-size", "-N", help="Dataset size N (with -B).")]
-StepsOpt = Annotated[Optional[int], typer.Option("--steps", "-T", help="Number of steps T.")]
+BatchOpt = Annotated[Optional[int], typer.Option("--batch-size", "-B", click_type=WHOLE,
+                                                 help="Expected batch size B (with -N).")]
+DatasetOpt = Annotated[Optional[int], typer.Option("--dataset-size", "-N", click_type=WHOLE,
+                                                   help="Dataset size N (with -B).")]
+StepsOpt = Annotated[Optional[int], typer.Option("--steps", "-T", click_type=WHOLE,
+                                                 help="Number of steps T (1e6 is taken: exact whole numbers).")]
 EpochsOpt = Annotated[Optional[float], typer.Option("--epochs", help="Epochs (T = epochs / p).")]
 AccountantOpt = Annotated[Optional[str], typer.Option(
     "--accountant", "-a", help="pld, prv, mc, pure, pure-prv, rdp or analytic. Default: the tightest exact "
@@ -89,6 +140,8 @@ def event_from(mech: str, sigma: float | None, p, batch_size, dataset_size, step
     (each phase's sigma defaults to --sigma, or 1 when calibrating: then it is the phase's share)."""
     from dpaudit.accounting.mechanism import event, parse_phase
 
+    if not phases and steps is None and epochs is None and (p is not None or batch_size is not None):
+        err_console.print("note: no -T/--steps or --epochs given: one step (T = 1) is accounted", highlight=False)
     return event(mech, sigma, p, batch_size, dataset_size, steps, epochs, sampling,
                  [parse_phase(text) for text in phases] if phases else None,
                  ("--sigma", "--phase sigma=...,p=...,steps=...", "--p/-B/-N/-T/--epochs/--sampling"))
@@ -116,7 +169,11 @@ def shuffle_lines(event, delta: float, result) -> tuple[list[str], dict]:
 
 
 def emit_json(data: dict) -> None:
-    sys.stdout.write(json.dumps(data, indent=2) + "\n")
+    try:
+        sys.stdout.write(json.dumps(data, indent=2) + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        reader_gone()
 
 
 def emit(summary: dict, as_json: bool, text: str) -> None:

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from dpaudit.core.atomic import guard_new_folder, refuse_overlap, save_model_folder
-from dpaudit.cli.common import MODEL_TIMEOUT, ForceOpt, JsonOpt, ThreadsOpt, bounded, console, emit, err_console, fmt
+from dpaudit.cli.common import MODEL_TIMEOUT, WHOLE, ForceOpt, JsonOpt, ThreadsOpt, bounded, console, emit, err_console, fmt
 from dpaudit.core.errors import DPAuditError
 from dpaudit.core.threads import set_threads
 from dpaudit.training.directions import DEFAULT_DIRECTION
@@ -27,7 +27,7 @@ LrOpt = Annotated[Optional[float], typer.Option("--lr", help=(
     "Learning rate. Default: on the embedded model dp-sgd 5e-3 (AdamW), dp-zo 3e-5; on a pretrained model "
     "dp-sgd 5e-5 (LoRA 5e-4, bias 1e-3), dp-zo 1e-6 (LoRA 1e-5)."))]
 OptimizerOpt = Annotated[str, typer.Option("--optimizer", help="dp-sgd: adamw or sgd.")]
-TrainStepsOpt = Annotated[Optional[int], typer.Option("--steps", "-T", help="Training steps (default: dp-sgd 300, dp-zo 3000).")]
+TrainStepsOpt = Annotated[Optional[int], typer.Option("--steps", "-T", click_type=WHOLE, help="Training steps (default: dp-sgd 300, dp-zo 3000).")]
 TrainBatchOpt = Annotated[int, typer.Option("--batch-size", "-B", help="Expected batch size (p = B/N).")]
 PhiOpt = Annotated[float, typer.Option("--phi", help="dp-zo perturbation scale.")]
 DirectionOpt = Annotated[str, typer.Option("--direction", help="dp-zo direction: rademacher (+-1, SPSA; a third of a Gaussian pass's cost on CPU), gaussian (the DP-ZO paper's) or sphere (DPZero).")]

@@ -44,6 +44,7 @@ class PrivacyConfig:
     accountant: str | None
     dataset_size: int | None = None  # when the config gives it (a sampler log is checked against it)
     claim_accounted_as: str | None = None  # the sampler the config's claim was computed for, when it says
+    ignored_keys: tuple[str, ...] = ()  # a flat training config's other keys (model:, learning_rate:, ...)
 
     @property
     def sampling(self) -> str:
@@ -81,7 +82,7 @@ def _nesting(text: str) -> int:
     return max(deepest, indent // 2)
 
 
-def _read(path: Path) -> dict:
+def _read(path: Path) -> tuple[dict, bool]:
     """The privacy mapping of a config, or DPAuditError. Never echoes what the file says."""
     if not path.is_file():
         raise DPAuditError(f"config {path} not found (or not a regular file)")
@@ -118,8 +119,8 @@ def _read(path: Path) -> dict:
         if stray:
             raise DPAuditError(f"config {path} gives privacy key(s) {', '.join(stray)} both at the top and in the "
                                f"{present[0]!r} section; keep them in one place")
-        return section
-    return data
+        return section, True
+    return data, False
 
 
 def _shown(key: str) -> str:
@@ -147,12 +148,29 @@ def _number(data: dict, key: str, kind=float):
     return float(value)
 
 
-def load_privacy_config(path: Path) -> PrivacyConfig:
-    data = _read(Path(path))
+def _ignored(data: dict, sectioned: bool) -> tuple[str, ...]:
+    """The keys that are not privacy keys. In a ``privacy:``/``dpaudit:`` section every key must be one (a
+    typo there is refused). A flat training config holds the rest of the training setup too (``model:``,
+    ``learning_rate:``): those are ignored, except a key that looks like a misspelt privacy key (``detla``,
+    ``noise_multipler``), which is refused: ignoring it would account a default in its place."""
+    import difflib
+
     unknown = sorted(set(data) - KNOWN_KEYS)
-    if unknown:
+    if sectioned and unknown:
         raise DPAuditError(f"unknown config key(s) {', '.join(map(_shown, unknown))}; known: "
                            f"{', '.join(sorted(KNOWN_KEYS))}")
+    for key in unknown:
+        close = difflib.get_close_matches(key.lower(), sorted(KNOWN_KEYS), n=1, cutoff=0.8)
+        if close:
+            raise DPAuditError(f"config key {_shown(key)} is not a privacy key; did you mean {close[0]!r}? (other "
+                               "keys of a flat training config are ignored, but not one this close to a privacy key)")
+    return tuple(unknown)
+
+
+def load_privacy_config(path: Path) -> PrivacyConfig:
+    data, sectioned = _read(Path(path))
+    ignored = _ignored(data, sectioned)
+    data = {k: v for k, v in data.items() if k in KNOWN_KEYS}
     mechanism = data.get("mechanism", "gaussian")
     if mechanism not in NOISES:
         raise DPAuditError(f"config mechanism must be one of {', '.join(NOISES)}")
@@ -203,7 +221,7 @@ def load_privacy_config(path: Path) -> PrivacyConfig:
     accountant = data.get("accountant")
     if accountant is not None and not isinstance(accountant, str):
         raise DPAuditError("config accountant must be a name")
-    return PrivacyConfig(mechanism, sigma, event, delta, target, accountant, n, claim)
+    return PrivacyConfig(mechanism, sigma, event, delta, target, accountant, n, claim, ignored)
 
 
 def _name(data: dict, key: str, choices, default):

@@ -63,7 +63,7 @@ def test_unusable_config(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("mechanism: gaussian\nnoise_multipler: 3\ntarget_epsilon: 1\ndelta: 1e-5\n")
     out = dpaudit("check", str(cfg))
-    assert out.returncode == 2 and "unknown config key" in out.stderr
+    assert out.returncode == 2 and "did you mean 'noise_multiplier'" in out.stderr
 
 
 @pytest.mark.parametrize("args", [
