@@ -4,6 +4,8 @@
     privacy_ledger.json    accountant, relation, steps executed (written ahead), eps spent
     zo_steps.jsonl         DP-ZO: the (seed, scalar) log, one step a line
     whitebox_canaries.json white-box canaries (0600: membership), whitebox_transcript.f32 (DP-SGD releases)
+    allocation_secret.json balls-in-bins: the secret each epoch's allocation is drawn from (0600; read back by
+                           --resume, removed when the run finishes)
     probe.json             a WhiteBoxProbe's folder instead of a run's (training/probe.py)
     checkpoint/            sealed resume checkpoint (training/checkpoint.py), model/ the finished model
 
@@ -23,6 +25,7 @@ RUN_CONFIG = "run_config.json"
 LEDGER = "privacy_ledger.json"
 ZO_LOG = "zo_steps.jsonl"
 PROBE = "probe.json"
+ALLOCATION_SECRET = "allocation_secret.json"
 MODEL = "model"
 MAX_JSON = 16 << 20
 

@@ -194,7 +194,7 @@ class _Run:
     trainer: Any
     rng: Any
     sharded: bool
-    secret: int = 0                   # the run's secret seed (balls-in-bins batches are drawn from it by epoch)
+    secret: int = 0                   # balls-in-bins batches are drawn from it by epoch (_allocation_secret)
 
     @property
     def n(self) -> int:  # member canaries are examples too
@@ -281,9 +281,45 @@ def _assemble(opening, texts: list[str], run_dir: Path, cfg: TrainConfig, world,
         noise_sigma=0.0 if cfg.unsafe_disable_noise else plan.noise_sigma(cfg.bug), secret=int(secret),
         start=opening.start, main=world.is_main, canaries=canaries, world=world, sharding=sharding, rng=rng))
     _load_trainer_state(trainer, run_dir, opening.start, sharded)
+    allocation = _allocation_secret(opening, run_dir, cfg, world, int(secret), max(1, n // batch_size))
     return _Run(run_dir=run_dir, cfg=cfg, world=world, start=opening.start, model=model, tokenizer=tokenizer,
                 data=data, n_real=len(data), canaries=canaries, rate=batch_size / n, plan=plan, ledger=ledger,
-                discarded=discarded, trainer=trainer, rng=rng, sharded=sharded, secret=int(secret))
+                discarded=discarded, trainer=trainer, rng=rng, sharded=sharded, secret=allocation)
+
+
+def _allocation_secret(opening, run_dir: Path, cfg: TrainConfig, world, secret: int, per_epoch: int) -> int:
+    """The secret balls-in-bins batches are drawn from (by epoch). It must survive a resume: a fresh one mid-epoch
+    redraws the rest of the epoch, so some examples land in two of its steps and others in none, which the
+    allocation bound does not cover (issue 53: N 40, B 4, resumed at step 3: 8 examples twice, 4 never). So a
+    run's first start keeps it in the run folder (0600: it tells which step each example is in), --resume reads it
+    back, and the finished run removes it. Only the allocation is kept: the noise is fresh on every (re)start (a
+    step redone with the noise of its first attempt would release the difference of the two signals).
+    With ``secret_seed`` the run is reproducible anyway and nothing is written."""
+    if cfg.secret_seed is not None or cfg.sampling != "balls-in-bins" or not cfg.private:
+        return secret
+    path = run_dir / run_folder.ALLOCATION_SECRET
+    if not opening.start:
+        if world.is_main:
+            atomic_write_json(path, {"secret": secret}, private=True)
+        return secret
+    kept = None
+    if world.is_main:
+        data = run_folder.read_json(path, "allocation secret")
+        kept = data.get("secret") if isinstance(data, dict) else None
+        if kept is not None and (isinstance(kept, bool) or not isinstance(kept, int)):
+            raise DPAuditError(f"{path} is not an allocation secret dpaudit wrote")
+    if world.size > 1:
+        kept = _broadcast_int(world, -1 if kept is None else kept)
+        kept = None if kept == -1 else kept
+    if kept is None:
+        if opening.start % per_epoch:
+            raise DPAuditError(f"cannot resume this balls-in-bins run at step {opening.start}, mid-epoch: its "
+                               f"allocation secret ({path.name}) is gone, and a new one would redraw the rest of the "
+                               "epoch; start the run again")
+        if world.is_main:   # at an epoch boundary a fresh allocation is as good: keep it for the next resume
+            atomic_write_json(path, {"secret": secret}, private=True)
+        return secret
+    return kept
 
 
 def privacy_plan(cfg: TrainConfig, rate: float, n: int) -> PrivacyPlan:
@@ -403,6 +439,7 @@ def _finish(run: _Run, last_loss, watch, seconds: float) -> TrainResult:
     if run.world.is_main:  # the finished model replaces the resume checkpoint (no second copy of the weights)
         final = _export(run.run_dir, run.model, run.tokenizer, weights)
         checkpoint.remove(run.run_dir)
+        (run.run_dir / run_folder.ALLOCATION_SECRET).unlink(missing_ok=True)   # no resume is left to need it
     run.world.barrier()
     return TrainResult(run_dir=run.run_dir, model_dir=final, private=run.plan.private, sigma=run.plan.sigma,
                        epsilon=ledger.total_epsilon, delta=cfg.delta, sampling_rate=run.rate, steps=cfg.steps,
@@ -431,14 +468,17 @@ def _watch_divergence(watch, step: int, loss: float, cfg: TrainConfig, ledger, w
 def _shared_entropy(world) -> int:
     """Fresh OS entropy for batches and noise, the same on every rank (rank 0's, broadcast)."""
     entropy = np.random.SeedSequence().entropy % (2**62)
-    if world.size > 1:
-        import torch
-        import torch.distributed as dist
+    return _broadcast_int(world, entropy) if world.size > 1 else entropy
 
-        t = torch.tensor([entropy], dtype=torch.int64, device=world.device)
-        dist.broadcast(t, src=0)
-        entropy = int(t.item())
-    return entropy
+
+def _broadcast_int(world, value: int) -> int:
+    """Rank 0's integer on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.int64, device=world.device)
+    dist.broadcast(t, src=0)
+    return int(t.item())
 
 
 def _export(run_dir: Path, model, tokenizer, weights: dict | None = None) -> Path:

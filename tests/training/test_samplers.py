@@ -116,3 +116,43 @@ def test_bundled_trainer_draws_and_accounts_balls_in_bins(tiny_model_dir, tmp_pa
         TrainConfig(method="dp-sgd", target_epsilon=3.0, sampling="balls-in-bins", white_box=100)
     with pytest.raises(DPAuditError, match="draw poisson or balls-in-bins"):
         TrainConfig(method="dp-sgd", target_epsilon=3.0, sampling="shuffle")
+
+
+def test_a_resumed_balls_in_bins_run_keeps_its_epochs_allocation(tiny_model_dir, tmp_path, monkeypatch):
+    """Issue 53, item 2: resumed mid-epoch without --secret-seed, the run drew a fresh allocation for the rest of
+    the epoch (N 40, B 4, killed at step 3: 8 examples in two steps of epoch 0, 4 in none). The allocation secret
+    is now kept (0600) and read back; the finished run removes it."""
+    import dataclasses
+    import os
+    import stat
+
+    from dpaudit.core.errors import Interrupted
+    from dpaudit.training import samplers as samplers_module
+    from dpaudit.training.runner import TrainConfig, train
+
+    texts = [f"Alice number {i} lives in Paris and likes bread." for i in range(40)]
+    cfg = TrainConfig(method="dp-sgd", target_epsilon=8.0, steps=10, batch_size=4, lr=1e-3, save_every=3,
+                      sampling="balls-in-bins")
+    drawn: dict[int, list[int]] = {}
+    real = samplers_module.AllocationSchedule.__call__
+    kill = {"at": 4}
+
+    def recording(self, step):
+        if step == kill["at"]:
+            kill["at"] = None
+            raise KeyboardInterrupt
+        batch = real(self, step)
+        drawn[step] = batch.tolist()
+        return batch
+
+    monkeypatch.setattr(samplers_module.AllocationSchedule, "__call__", recording)
+    run = tmp_path / "run"
+    with pytest.raises(Interrupted):
+        train(tiny_model_dir, texts, run, cfg, show_progress=False)
+    secret = run / "allocation_secret.json"
+    assert stat.S_IMODE(os.stat(secret).st_mode) == 0o600
+    train(tiny_model_dir, texts, run, dataclasses.replace(cfg, allow_overspend=True), resume=True,
+          show_progress=False)
+    epoch = np.concatenate([drawn[s] for s in range(10)])
+    assert np.array_equal(np.sort(epoch), np.arange(40))     # every example exactly once in the epoch
+    assert not secret.exists()
