@@ -127,6 +127,12 @@ def epsilon(mech: Mechanism | Phases, delta: float, settings: AllocationOptions 
                 converged = True
                 break
     h, upper, directions = min(seen, key=lambda s: s[1])
+    fallback = _without_amplification(mech, delta, f"the allocation bound at lattice {h:g} reads eps <= {upper:.6g} "
+                                      f"({limited_by or 'ladder end'}), above this valid bound")
+    if not math.isfinite(upper) or fallback.epsilon < upper:
+        # both are upper bounds for balls-in-bins; the smaller answers (an infinite one never does: at sigma 0.8,
+        # B 1, N 2, 5 epochs, delta 1e-8 the coarse lattice's add direction put more than delta at infinity)
+        return fallback
     lower = _bound(mech, delta, h, pessimistic=False)[0] if settings.lower else None
     epochs = [epochs_of(m) for m in mech.phases]
     partial = any(m.steps % m.steps_per_epoch for m in given.phases)

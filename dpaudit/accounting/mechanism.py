@@ -190,8 +190,14 @@ def compose_phases(parts) -> Mechanism | Phases:
         raise DPAuditError(f"{len(merged)} distinct phases; dpaudit accounts up to {MAX_PHASES}")
     samplings = {m.sampling for m in merged}
     if len(samplings) > 1:
-        raise DPAuditError(f"phases with different samplers ({', '.join(sorted(samplings))}) are accounted under "
-                           "different neighbouring relations; give phases that share one sampler")
+        relations = {scheme(x).relation for x in samplings}
+        if len(relations) > 1:
+            raise DPAuditError(f"phases with different samplers ({', '.join(sorted(samplings))}) are accounted under "
+                               "different neighbouring relations; give phases that share one sampler")
+        raise DPAuditError(f"phases with different samplers ({', '.join(sorted(samplings))}) share the "
+                           f"{relations.pop().value} relation, but no accountant here composes them in one answer "
+                           "(each accounts one sampler): account each part on its own and add the eps at the sum of "
+                           "the deltas (basic composition, valid but looser)")
     return merged[0] if len(merged) == 1 else Phases(tuple(merged))
 
 

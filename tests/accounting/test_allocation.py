@@ -155,3 +155,21 @@ def test_calibration_whose_anchor_falls_back_to_the_shuffle_bound_answers():
     answer = calibrate_sigma(mech, 8.0, 1e-5)
     assert answer.epsilon <= 8.0
     assert epsilon(mech.with_sigma(answer.sigma), 1e-5).epsilon <= 8.0
+
+
+def test_an_infinite_allocation_bound_gives_way_to_the_finite_shuffle_bound():
+    """Issue 53, item 7: sigma 0.8, B 1, N 2, 5 epochs, delta 1e-8 read "eps <= inf" with exit 0 (the coarse
+    lattice's add direction). Both bounds are valid for balls-in-bins; the smaller, finite one answers."""
+    mech = schedule("gaussian", 0.8, None, 1, 2, 10, None, "balls-in-bins")
+    answer = epsilon(mech, 1e-8)
+    no_amplification = epsilon(mech, 1e-8, "shuffle").epsilon
+    assert math.isfinite(answer.epsilon) and answer.epsilon <= no_amplification
+    assert answer.epsilon >= 15.79   # pld-accounting's lower end for this schedule
+
+
+def test_phases_of_two_add_remove_samplers_are_refused_for_what_it_is():
+    from dpaudit.accounting.mechanism import compose_phases
+
+    with pytest.raises(DPAuditError, match="share the add/remove relation, but no accountant here composes them"):
+        compose_phases([schedule("gaussian", 1.0, 0.01, None, None, 100),
+                        schedule("gaussian", 1.0, None, 4, 400, 100, None, "balls-in-bins")])
