@@ -43,6 +43,10 @@ class AuditResult:
     # A PipelineProbe that saw each step's batch: the sampler audit of its member canaries' inclusions (a
     # SamplerVerdict). Inclusions that are not Poisson at the accounted rate void the claim's accounting.
     sampler: object = None
+    # What this audit can refute: its headline bound on perfect scores of the same membership (every member above
+    # every non-member), the same guess counts, alpha split and headline: the most it could ever report. The one
+    # oracle the report's "can refute" line and the pre-training power note read (power.most_certifiable).
+    refutable: float | None = None
 
     @property
     def epsilon_lower_bound(self) -> float:
@@ -75,6 +79,10 @@ class AuditResult:
                     f"{self.claimed_epsilon:.4g}")
         return f"consistent with eps = {self.claimed_epsilon:.4g}"
 
+    def resolves(self, fpr: float) -> bool:
+        """Whether the ROC's non-members resolve this FPR (at least one of them above the threshold)."""
+        return fpr * (self.roc.negatives or self.nonmembers) >= 1
+
     @property
     def _sampler_refused(self) -> bool:
         return self.sampler is not None and not self.sampler.poisson_accounting_valid
@@ -93,11 +101,15 @@ class AuditResult:
             "score": {"name": self.score.name, "description": self.score.description},
             "auc": self.roc.auc,
             "tpr_at_fpr": {f"{k:g}": v for k, v in self.roc.tpr_at_fpr.items()},
+            "tpr_at_fpr_withheld": {f"{k:g}": f"fewer than 1 / FPR = {1 / k:.0f} non-members: report.md does not show it"
+                                    for k in self.roc.tpr_at_fpr if not self.resolves(k)},
             "tpr_interval": {f"{k:g}": list(v) for k, v in (self.roc.tpr_interval or {}).items()},
             "bounds": {k: b.to_dict() for k, b in self.bounds.items()},
             **({"unprotected_parameters": list(self.unprotected)} if self.unprotected else {}),
             **({"canary_sampler_audit": self.sampler.to_dict()} if self.sampler is not None else {}),
             **({"claim_ceiling": self.ceiling.to_dict(self.roc.tpr_at_fpr)} if self.ceiling is not None else {}),
+            **({"refutable_ceiling": self.refutable if math.isfinite(self.refutable) else "inf"}
+               if self.refutable is not None else {}),
         }
 
 
@@ -130,7 +142,7 @@ def choose_headline(score: Score, delta: float, headline: str = "auto", mechanis
 def analyse(scores, members, *, claimed_epsilon: float | None = None, delta: float = 0.0,
             alpha: float = 0.05, guess_counts: list[int] | None = None, seed: int = 0,
             score: str = "unnamed", headline: str = "auto", mechanism: str | None = None,
-            ceiling=None) -> AuditResult:
+            ceiling=None, _perfect: bool = False) -> AuditResult:
     """Audit canary scores (higher = member). Guess counts and the headline rule are fixed before looking
     at the scores; each bound pays for the guess sets it tries (Bonferroni). ``ceiling``: the most TPR the claim
     allows (ceiling.run_ceiling, from the run's mechanism); by default the claim's own (eps, delta) region."""
@@ -159,7 +171,10 @@ def analyse(scores, members, *, claimed_epsilon: float | None = None, delta: flo
         bounds[name] = spec.compute(auditor, alpha, delta, counts)
     if head not in bounds:
         raise DPAuditError("the gaussian bound needs at least 2 members and 2 non-members")
+    refutable = None if _perfect else analyse(
+        members.astype(float), members, delta=delta, alpha=alpha, guess_counts=guess_counts, seed=seed,
+        score=score, headline=head, mechanism=mechanism, _perfect=True).epsilon_lower_bound
     return AuditResult(m=m, members=n_in, nonmembers=n_out, alpha=alpha, delta=delta,
                        claimed_epsilon=claimed_epsilon, score=kind, bounds=bounds, headline=head,
-                       roc=summarise(scores, members),
+                       roc=summarise(scores, members), refutable=refutable,
                        ceiling=ceiling if ceiling is not None else claim_ceiling(claimed_epsilon, delta))

@@ -6,6 +6,7 @@ Every file is written atomically; an existing non-empty folder is only reused wi
 from __future__ import annotations
 
 import io
+import math
 from pathlib import Path
 
 import numpy as np
@@ -69,7 +70,7 @@ def markdown(result: AuditResult, context: dict, verdict: tuple[str, bool] | Non
         "| metric | value | the claim allows at most | share of it |", "|---|---|---|---|",
         f"| AUC | {result.roc.auc:.4f} | | |",
         *(f"| TPR at FPR {float(k):.1%} | {v:.4f}{_interval(d, k)} | {_allowed(d, k)} |" for k, v in
-          d["tpr_at_fpr"].items() if float(k) * (result.roc.negatives or result.nonmembers) >= 1),
+          d["tpr_at_fpr"].items() if k not in d["tpr_at_fpr_withheld"]),
         "", _ceiling_line(d), "",
         "Every bound below holds on its own with probability >= 1 - alpha; only the headline decides the verdict.",
         "", "| bound | eps | mu | guesses (tests paid for) | at | k guesses, v right | ceiling | valid for |",
@@ -94,7 +95,20 @@ def _allowed(d: dict, k: str) -> str:
     if row is None:
         return "none | "
     share = f"{row['share']:.0%}" if row["share"] is not None else "-"
-    return f"{row['max_tpr']:.4f} | {share}"
+    return f"{row['max_tpr']:.4f} | {share}{_above_why(d, k, row)}"
+
+
+def _above_why(d: dict, k: str, row: dict) -> str:
+    """Why a measured TPR above the claim's ceiling is not a violation, said on its own line of the table."""
+    if row["share"] is None or row["share"] <= 1 or d["violation"]:
+        return ""
+    lo_hi = d.get("tpr_interval", {}).get(k)
+    negatives = d["canaries"]["nonmembers"]
+    inside = (f"the 95 % interval reaches down to {lo_hi[0]:.3f}, below it; " if lo_hi and lo_hi[0] <= row["max_tpr"]
+              else "")
+    return (f" (above the ceiling, not a violation: {inside}the FPR itself is measured on {negatives} non-members, "
+            f"so FPR {float(k):.1%} is {float(k) * negatives:.3g} of them; only the headline bound, which pays for "
+            "its chance, decides)")
 
 
 def _ceiling_line(d: dict) -> str:
@@ -118,15 +132,22 @@ def _interval(d: dict, k: str) -> str:
 
 
 def _reach(result: AuditResult, d: dict) -> list[str]:
-    """In words a reviewer reads: what this audit could have refuted (its power), beside "consistent"."""
-    ceiling = d["bounds"][d["headline"]["bound"]].get("ceiling")
-    if result.violation or ceiling is None or isinstance(ceiling, str):
+    """In words a reviewer reads: what this audit could have refuted (its power), beside "consistent": the headline
+    bound of the same audit on perfect scores (``refutable_ceiling`` in report.json, the oracle the pre-training
+    power note uses too), never one guess set's ceiling."""
+    ceiling = result.refutable
+    if result.violation or ceiling is None:
         return []
-    return [f"**What this audit can refute:** with m = {result.m} canaries at alpha = {result.alpha:g}, the headline "
-            f"bound cannot exceed {ceiling:.3g}, even with every guess right: a claim above eps = {ceiling:.3g} could "
-            "not have been refuted by this audit whatever the run leaked, and claims near it only by a strong leak. "
-            "\"Consistent\" means no evidence of leakage beyond the claim, not a proof of privacy (more canaries, or "
-            "a white-box audit, reach further).",
+    words = f"{ceiling:.3g}" if math.isfinite(ceiling) else "inf"
+    claim = result.claimed_epsilon
+    beyond = (f" The claim eps = {claim:.4g} is at or above it: this audit could not have refuted it."
+              if claim is not None and ceiling <= claim else "")
+    return [f"**What this audit can refute:** with m = {result.m} canaries ({result.members} members) at alpha = "
+            f"{result.alpha:g}, the headline bound cannot exceed {words}, even with every guess right (the same "
+            f"audit on perfect scores): a claim above eps = {words} could not have been refuted by this audit "
+            f"whatever the run leaked, and claims near it only by a strong leak.{beyond} \"Consistent\" means no "
+            "evidence of leakage beyond the claim, not a proof of privacy (more canaries, or a white-box audit, reach "
+            "further).",
             ""]
 
 

@@ -131,7 +131,11 @@ class DPAuditCallback(TrainerCallback):
             most = int(2 * canary_budget * len(rows) / (sum(copies) / m))
             raise DPAuditError(f"m = {m} canaries (exposure tiers {repeats}) put about {members_expected:.0f} rows "
                                f"into a dataset of {len(rows)} rows, over the canary budget of {canary_budget:.0%} of "
-                               f"its rows; use m <= {most}, repeats=1, or raise canary_budget=")
+                               f"its rows; use m <= {most}"
+                               + ("" if tuple(repeats) == (1,) else
+                                  f", or repeats=1 (single copies: m <= {int(2 * canary_budget * len(rows))})")
+                               + ", or raise canary_budget= (a small dataset holds few canaries: see "
+                                 "docs/auditing.md, small datasets)")
         if row_format == "messages" and not getattr(tokenizer, "chat_template", None):
             raise DPAuditError("the dataset holds chat messages but the tokenizer has no chat template to render them")
         if (out / MANIFEST).is_file():
@@ -207,7 +211,7 @@ class DPAuditCallback(TrainerCallback):
         context.update(tier_lines(self.tiers, self.result))
         if self.probe is not None and getattr(self.probe, "canaries", None) is not None:
             try:
-                self.white_box = self.probe.audit(claimed, self.settings.delta, report=True)
+                self.white_box = self.probe.audit(claimed, self.settings.delta, report=True, claimed_from=source)
             except DPAuditError as exc:
                 context["white-box audit"] = f"not made: {exc}"
             finally:
@@ -231,7 +235,7 @@ class DPAuditCallback(TrainerCallback):
     def _context(self, args, state, steps, claimed, source, score) -> dict:
         planned = int(state.max_steps or 0)
         return {
-            "trainer": "Hugging Face Trainer callback (dpaudit.integrations.hf)",
+            "trainer": f"{trainer_name(args)} callback (dpaudit.integrations.hf)",
             "canary kind": self.settings.kind, "row format": self.settings.row_format,
             "inserted member rows": self.settings.inserted_rows, "dataset rows": self.settings.dataset_rows,
             "steps run": f"{steps} of {planned}" + (" (stopped early)" if planned and steps < planned else ""),
@@ -455,6 +459,15 @@ def audit_tiers(scores, members, score: str, settings: _Settings, claimed: float
                          everything), tiers
 
 
+def trainer_name(args) -> str:
+    """The trainer a callback runs in, from its arguments' class (a callback never sees the trainer itself):
+    TRL's trainers take their own config (SFTConfig -> TRL SFTTrainer), the plain Trainer TrainingArguments."""
+    kind = type(args)
+    if kind.__module__.split(".")[0] == "trl" and kind.__name__.endswith("Config"):
+        return f"TRL {kind.__name__[:-len('Config')]}Trainer"
+    return "Hugging Face Trainer"
+
+
 def tiers_verdict(tiers, claimed) -> tuple[bool, str]:
     """(violation, the verdict in words) over the tested tiers."""
     tested = [t for t in tiers if t.held_eps is not None and t.result is not None]
@@ -465,7 +478,12 @@ def tiers_verdict(tiers, claimed) -> tuple[bool, str]:
         return False, ("no exposure tier can test the claim (none given, or each tier's group claim is too weak): "
                        "the bounds are reported without a verdict")
     names = ", ".join(f"{t.copies}x at eps {t.held_eps:.4g}" for t in tested)
-    return False, f"consistent with eps = {claimed:.4g} (tiers tested: {names})"
+    if any(t.copies == 1 for t in tested):
+        return False, f"consistent with eps = {claimed:.4g} (tiers tested: {names})"
+    single = next((t for t in tiers if t.copies == 1), None)
+    why = f": the 1x tier was not tested ({single.why})" if single is not None else ": no tier holds single copies"
+    return False, (f"consistent with the group claims tested ({names}); the one-example claim eps = {claimed:.4g} was "
+                   f"NOT tested{why}")
 
 
 def tier_lines(tiers, headline) -> dict:

@@ -311,10 +311,11 @@ class WhiteBoxProbe:
             self._fh.close()
 
     def audit(self, claimed_eps: float | None = None, delta: float | None = None, *, accountant=None,
-              alpha: float = 0.05, report: bool = True):
+              alpha: float = 0.05, report: bool = True, claimed_from: str | None = None):
         """The white-box audit of what was released so far: the same result, report and verdict as
         ``dpaudit audit transcript --run OUT``. ``claimed_eps`` defaults to ``accountant``'s (an Opacus
-        accountant: its eps after the steps actually taken, at ``delta``)."""
+        accountant: its eps after the steps actually taken, at ``delta``); ``claimed_from`` says where a given
+        ``claimed_eps`` came from (a caller that took it from an accountant names it, as its own report does)."""
         from dpaudit.audit.whitebox import audit_run_folder
 
         if self._fh is not None and not self._fh.closed:
@@ -322,7 +323,7 @@ class WhiteBoxProbe:
         if delta is None:
             raise DPAuditError("give the delta the run claims (the bound depends on it; 0 would inflate it)")
         accountant = accountant if accountant is not None else getattr(self, "accountant", None)
-        source = "given"
+        source = claimed_from or "given"
         if claimed_eps is None and accountant is not None:
             try:
                 claimed_eps = float(accountant.get_epsilon(delta=delta))
