@@ -84,6 +84,7 @@ def extend(
     """Add the canary tokens to a model's tokenizer and embeddings (new output rows zero, ties kept)."""
     from dpaudit.canaries.hf import check_base_tokenizer, extend_model
     from dpaudit.canaries.manifest import load_manifest
+    from dpaudit.models.embedded import embedded_marker
     from dpaudit.models.loading import load_causal_lm
 
     set_threads(threads)
@@ -93,7 +94,7 @@ def extend(
     lm, tok = load_causal_lm(model)
     check_base_tokenizer(tok, manifest, str(model))
     ids = extend_model(lm, tok, manifest)
-    save_model_folder(output, lm, tok)
+    save_model_folder(output, lm, tok, embedded_marker(model))
     summary = {"command": "canaries extend", "output": str(output), "added_tokens": len(ids),
                "vocab_size": len(tok)}
     emit(summary, as_json, f"wrote {output}: {len(ids)} canary tokens added, vocabulary {len(tok)}")

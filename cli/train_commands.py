@@ -311,19 +311,18 @@ def replay_cmd(
     out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the replayed model.")],
     base: Annotated[Optional[Path], typer.Option("--base", help="Base model (default: the run's).")] = None,
     tolerance: Annotated[Optional[float], typer.Option(
-        "--tolerance", help="Largest |weight difference| to the run's model that still matches (default: 1e-5 "
-                            "float32, 1e-2 bf16: the same operations replayed on the same kind of device). "
-                            "Over it: exit 1.")] = None,
+        "--tolerance", help="Largest |weight difference| to the run's model that still matches (default: float "
+                            "rounding bounded by the run's length and weights, 4 T 2^-24 max|w|, at least 1e-5 "
+                            "float32; 1e-2 bf16). Over it: exit 1.")] = None,
     threads: ThreadsOpt = None,
     force: ForceOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Rebuild a DP-ZO model from the base weights and the (seed, scalar) log, and compare it with the run's
     (exit 1 when they differ beyond --tolerance: the log does not explain the model)."""
-    import torch
-
     from dpaudit.models.loading import load_causal_lm
-    from dpaudit.workflows.replay import max_weight_difference, replay_run
+    from dpaudit.core import run_folder
+    from dpaudit.workflows.replay import default_tolerance, max_weight_difference, replay_run
 
     set_threads(threads)
     refuse_overlap(out, {"run": run, "base model": base}, folder_output=True)
@@ -331,8 +330,8 @@ def replay_cmd(
     model, tok = replay_run(run, base)
     save_model_folder(out, model, tok)
     diff, verdict = None, "no finished model in the run to compare with"
-    bf16 = next(model.parameters()).dtype != torch.float32
-    tolerance = tolerance if tolerance is not None else (1e-2 if bf16 else 1e-5)
+    if tolerance is None:
+        tolerance = default_tolerance(model, len(run_folder.zo_log(run)[0]))
     if (run / "model").is_dir():
         diff = max_weight_difference(model, load_causal_lm(run / "model")[0])
         verdict = (f"matches the run's model (max |difference| {diff:.3g} <= tolerance {tolerance:g})"

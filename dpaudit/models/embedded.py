@@ -19,6 +19,21 @@ def is_embedded(folder) -> bool:
     return Path(folder).is_dir() and (Path(folder) / MARKER).is_file()
 
 
+def embedded_marker(folder) -> dict:
+    """The marker to carry into a folder derived from ``folder`` (``canaries extend``): an extended embedded
+    default is still the embedded default (its learning rates, not a pretrained model's), so it keeps the marker,
+    noting the derivation; any other model gets none."""
+    import json
+
+    if not is_embedded(folder):
+        return {}
+    try:
+        marker = json.loads((Path(folder) / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return {MARKER: {**marker, "extended_with_canary_tokens": True}} if isinstance(marker, dict) else {}
+
+
 DEFAULT_SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                  "num_attention_heads": 4, "num_key_value_heads": 4}
 

@@ -40,6 +40,26 @@ def replay_run(run_dir: Path, base_model: Path | None = None):
     return merged(model).to("cpu"), tokenizer
 
 
+ROUNDINGS_PER_STEP = 4   # training rounds each weight 3 times a step (+phi z, -2 phi z, +(phi - lr s) z), replay once
+FLOAT32_TOLERANCE = 1e-5
+BF16_TOLERANCE = 1e-2
+
+
+def default_tolerance(model, steps: int) -> float:
+    """The largest |weight difference| an honest run's replay can show: float rounding, bounded by the run's own
+    length and size. A weight moves by a rounding of at most u |w| (u = 2^-24 in float32) at each of
+    ``ROUNDINGS_PER_STEP`` additions a step, so T steps differ by at most 4 T u max|w| (the worst case: the
+    roundings need not cancel; a DP-ZO run of 200 steps replayed 1.17e-5 off, over the fixed 1e-5 it used to
+    get). Never below 1e-5. bf16 keeps 1e-2 (its u is 2^-8: the worst case would be vacuous)."""
+    import torch
+
+    params = list(model.parameters())
+    if params and params[0].dtype != torch.float32:
+        return BF16_TOLERANCE
+    largest = max((float(p.detach().abs().max()) for p in params if p.numel()), default=0.0)
+    return max(FLOAT32_TOLERANCE, ROUNDINGS_PER_STEP * steps * 2.0 ** -24 * largest)
+
+
 def max_weight_difference(model, reference) -> float:
     """Largest |difference| between same-named parameters of two models (float32, on CPU)."""
     ref = dict(reference.named_parameters())

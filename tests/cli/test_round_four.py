@@ -67,3 +67,16 @@ def test_a_flat_training_config_ignores_its_other_keys(tmp_path):
     assert "did you mean 'delta'" in out.stderr
     cfg.write_text("privacy:\n  model: x\n  sigma: 1.0\n")   # under a section every key is a privacy key
     assert "unknown config key" in dpaudit("check", str(cfg)).stderr
+
+
+def test_an_extended_embedded_model_keeps_the_embedded_learning_rates(tiny_model_dir, tmp_path):
+    """Issue 53, item 13: `canaries extend` of the embedded default wrote no marker, so `train` took it for a
+    pretrained model (DP-ZO lr 1e-6, not 3e-5)."""
+    from dpaudit.cli.train_commands import _pretrained
+    from dpaudit.models.embedded import is_embedded
+
+    manifest = tmp_path / "c.json"
+    assert dpaudit("canaries", "make", "-t", tiny_model_dir, "-o", manifest, "-m", "20").returncode == 0
+    out = dpaudit("canaries", "extend", "--model", tiny_model_dir, "-c", manifest, "-o", tmp_path / "ext")
+    assert out.returncode == 0, out.stderr
+    assert is_embedded(tmp_path / "ext") and not _pretrained(tmp_path / "ext")
