@@ -16,7 +16,7 @@ import typer.core
 from rich.markup import escape
 
 from dpaudit.core.errors import DPAuditError, Interrupted
-from dpaudit.cli import accounting_commands, audit_commands, canary_commands, check_command, train_commands
+from dpaudit.cli import accounting_commands, audit_commands, canary_commands, check_command, model_commands, train_commands
 from dpaudit.cli.common import err_console
 
 # Plain click help: typer's rich help imports and renders ~0.15 s per call, and escapes brackets
@@ -53,6 +53,7 @@ audit_commands.app.command("run")(train_commands.audit_run)
 app.add_typer(audit_commands.app, name="audit")
 app.command("train")(train_commands.train_cmd)
 app.command("replay")(train_commands.replay_cmd)
+app.add_typer(model_commands.app, name="model")
 
 USAGE_ERROR = 2
 

@@ -173,6 +173,14 @@ def lower_bound(mech: Mechanism | Phases, delta: float, lattice: float, seconds:
     return _bound(mech, delta, lattice, pessimistic=False)[0]
 
 
+def no_lower_bound_why(mech: Mechanism | Phases) -> str:
+    """Why ``lower_bound`` gave None, in words for a table row."""
+    if not any(m.steps >= m.steps_per_epoch for m in mech.phases):
+        return "not computed: no complete epoch (the lower bound counts complete epochs only)"
+    return ("not computed: it costs about 1.5 times the upper bound's last rung, more than the time or memory "
+            "budget has left (raise --timeout)")
+
+
 def _without_amplification(mech, delta: float, why: str) -> EpsilonResult:
     """The shuffle bound (each example in one batch an epoch: E full-batch releases), valid for balls-in-bins
     under add/remove (accounting/shuffle.py), answering for allocation when its first rung does not fit."""

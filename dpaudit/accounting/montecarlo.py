@@ -270,13 +270,21 @@ def epsilon(mech: Mechanism, delta: float, settings: MonteCarloSettings = MonteC
         ok = np.nonzero(curve.upper[d] <= delta)[0]
         per_dir[d] = float(grid[ok[0]]) if ok.size else math.inf
     eps_estimate = _crossing(grid, curve.max_over_directions("estimate"), delta)
+    why = ""
+    if not all(math.isfinite(v) for v in per_dir.values()):
+        # the bound's confidence slack shrinks about as 1 / n: say how far it is, and what would reach delta
+        least = float(min(np.min(curve.upper[d]) for d in DIRECTIONS if not math.isfinite(per_dir[d])))
+        more = math.ceil(curve.samples * least / delta) if least > delta else None
+        why = (f"; inf: no eps up to {top:.4g} (the grid's top) is certified, the upper confidence bound on delta "
+               f"stays >= {least:.3g} > delta = {delta:g} with these samples"
+               + (f" (about --mc-samples {more} would reach it, or use pld)" if more else ""))
     return EpsilonResult(
         accountant="mc",
         epsilon=max(per_dir.values()),
         delta=delta,
         relation=relation_of(mech),
         guarantee=(f"upper bound holding with probability >= 1 - {settings.beta:g} "
-                   f"(Monte-Carlo, empirical Bernstein, {curve.samples} samples per direction)"),
+                   f"(Monte-Carlo, empirical Bernstein, {curve.samples} samples per direction){why}"),
         directions=per_dir,
         details={"samples": curve.samples, "beta": settings.beta, "seed": settings.seed,
                  "samples_per_second": curve.samples_per_second,

@@ -29,6 +29,13 @@ def _timed(fn):
     return value, time.perf_counter() - began
 
 
+def _or_why(value, why: str):
+    """A bound, or (None: not computed) the reason as the row's error."""
+    from dpaudit.core.errors import DPAuditError
+
+    return DPAuditError(why) if value is None else value
+
+
 def poisson_replace_one(sigma: float, p: float, steps: int, delta: float) -> float:
     """Poisson sampling under replace-one (dp-accounting's PLD, pessimistic, grid 1e-3)."""
     import dp_accounting
@@ -44,6 +51,7 @@ def rows(sigma: float, batch_size: int, dataset_size: int, steps: int, delta: fl
     """The table's rows for a Gaussian schedule (eps None and ``why`` where a row could not be computed)."""
     from dpaudit.accounting import allocation, shuffle
     from dpaudit.accounting.registry import epsilon
+    from dpaudit.core.errors import DPAuditError
 
     b, n = batch_size, dataset_size
 
@@ -59,14 +67,22 @@ def rows(sigma: float, batch_size: int, dataset_size: int, steps: int, delta: fl
            ("fixed", "upper (RDP)", "replace-one", None, *_timed(lambda: epsilon(event("fixed"), delta, "rdp")))]
     shuffled = event("shuffle")
     out.append(("shuffle", "upper", "zero-out", None, *_timed(lambda: epsilon(shuffled, delta))))
-    out.append(("shuffle", "lower (Chua et al.)", "zero-out", "-", *_timed(lambda: shuffle.lower_bound(
-        sigma, shuffled.steps_per_epoch, steps // shuffled.steps_per_epoch, delta))))
+    out.append(("shuffle", "lower (Chua et al.)", "zero-out", "-", *_timed(lambda: _or_why(shuffle.lower_bound(
+        sigma, shuffled.steps_per_epoch, steps // shuffled.steps_per_epoch, delta),
+        "not computed: no complete epoch" if steps < shuffled.steps_per_epoch else
+        "not computed: its composition would pass the memory budget"))))
     balls = event("balls-in-bins")
     upper, t_u = _timed(lambda: epsilon(balls, delta))
     out.append(("balls-in-bins", "upper", "add/remove", None, upper, t_u))
     if not isinstance(upper, Exception) and upper.accountant == "allocation":
         out.append(("balls-in-bins", "lower", "add/remove", "-", *_timed(
-            lambda: allocation.lower_bound(balls, delta, upper.details["lattice"], upper.details["lattice_seconds"]))))
+            lambda: _or_why(allocation.lower_bound(balls, delta, upper.details["lattice"],
+                                                   upper.details["lattice_seconds"]),
+                            allocation.no_lower_bound_why(balls)))))
+    elif not isinstance(upper, Exception):
+        out.append(("balls-in-bins", "lower", "add/remove", "-",
+                    DPAuditError(f"not computed: the upper bound came from the {upper.accountant} fallback, not the "
+                                 "allocation lattice the lower bound reuses"), 0.0))
     base = poisson.epsilon
     table = []
     for sampler, bound, relation, accountant, value, seconds in out:

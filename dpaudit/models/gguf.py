@@ -162,9 +162,7 @@ def _current(folder: Path, source: Path, digest: str) -> bool:
 
 def as_hf_folder(source: Path) -> Path:
     """The plain Hugging Face folder for the GGUF file ``source`` (converted on first use)."""
-    from dpaudit.core.atomic import save_model_folder
     from dpaudit.core.lock import is_marked
-    from dpaudit.models.dependency import require_transformers
 
     source = Path(source)
     folder = cache_folder(source)
@@ -173,6 +171,32 @@ def as_hf_folder(source: Path) -> Path:
         return folder
     if folder.exists() and not is_marked(folder):
         raise DPAuditError(f"{folder} exists and was not made by dpaudit; move it to convert {source} there")
+    return _convert(source, folder, digest)
+
+
+def convert_to(source: Path, folder: Path) -> Path:
+    """Convert the GGUF file ``source`` into ``folder`` (``dpaudit model convert``); a conversion already beside
+    the file (``<file>.hf``, current) is copied instead of redone."""
+    import shutil
+
+    from dpaudit.core.atomic import atomic_folder
+
+    source = Path(source)
+    digest = scan_header(source)
+    done = cache_folder(source)
+    if done.is_dir() and _current(done, source, digest):
+        with atomic_folder(Path(folder)) as tmp:
+            for item in done.iterdir():
+                if item.is_file():
+                    shutil.copy2(item, tmp / item.name)
+        return Path(folder)
+    return _convert(source, Path(folder), digest)
+
+
+def _convert(source: Path, folder: Path, digest: str) -> Path:
+    from dpaudit.core.atomic import save_model_folder
+    from dpaudit.models.dependency import require_transformers
+
     transformers = require_transformers()
     try:
         import gguf

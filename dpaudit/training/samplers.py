@@ -52,11 +52,16 @@ class _Logged:
     def __init__(self, seed: int | None) -> None:
         self._rng = np.random.default_rng(seed)
         self._log = None
+        self._yielded = 0   # batches drawn so far (a log opened after them would miss them)
 
     def log(self, path) -> "_Logged":
         """Record every batch drawn from now on in ``path`` (created anew, 0600); returns the sampler."""
         if self._log is not None:
             raise DPAuditError("this sampler already logs its batches")
+        if self._yielded:
+            raise DPAuditError(f"this sampler has drawn {self._yielded} batch(es) already: call .log(path) before "
+                               "drawing, so the log holds every batch the run took (an audit of part of a run "
+                               "vouches for none of the rest)")
         path = Path(path)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -68,6 +73,7 @@ class _Logged:
         return self
 
     def _record(self, batch: list[int]) -> list[int]:
+        self._yielded += 1
         if self._log is not None:
             self._log.write(json.dumps(batch) + "\n")
         return batch

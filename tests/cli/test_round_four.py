@@ -80,3 +80,22 @@ def test_an_extended_embedded_model_keeps_the_embedded_learning_rates(tiny_model
     out = dpaudit("canaries", "extend", "--model", tiny_model_dir, "-c", manifest, "-o", tmp_path / "ext")
     assert out.returncode == 0, out.stderr
     assert is_embedded(tmp_path / "ext") and not _pretrained(tmp_path / "ext")
+
+
+def test_compare_says_why_a_row_has_no_number():
+    """Issue 53, item 17: compare printed "—" for the lower bounds with no reason."""
+    out = dpaudit("compare", "--sigma", "1", "-B", "16", "-N", "1000", "-T", "30", "--sampling", "all", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)["rows"]
+    assert all(r["epsilon"] is not None or r.get("why") for r in rows)
+    lower = next(r for r in rows if r["sampler"] == "balls-in-bins" and r["bound"] == "lower")
+    assert "no complete epoch" in lower["why"]
+
+
+def test_an_infinite_monte_carlo_answer_says_why():
+    from dpaudit.accounting.mechanism import schedule
+    from dpaudit.accounting.montecarlo import MonteCarloSettings, epsilon
+
+    result = epsilon(schedule("gaussian", 1.0, 0.01, None, None, 100), 1e-5, MonteCarloSettings(samples=2000))
+    assert result.epsilon == float("inf")
+    assert "inf: no eps up to" in result.guarantee and "--mc-samples" in result.guarantee

@@ -86,3 +86,28 @@ def test_hub_cache_folder_resolves_to_its_main_snapshot(tiny_model_dir, tmp_path
     out = dpaudit("canaries", "make", "-t", hub, "-o", tmp_path / "c.json")
     assert_one_line_error(out)
     assert "2 snapshots" in out.stderr
+
+
+def test_model_convert_writes_a_plain_folder_a_trainer_can_load(gguf_model, tmp_path):
+    """Issue 53, item 18: `dpaudit model convert X.gguf -o DIR` (save_pretrained refuses a GGUF-loaded model, and
+    running `canaries make` for its conversion was the only route)."""
+    from dpaudit.models.loading import load_causal_lm
+
+    path, model, _ = gguf_model
+    out = dpaudit("model", "convert", path, "-o", tmp_path / "plain", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["output"] == str(tmp_path / "plain")
+    assert (tmp_path / "plain" / "config.json").is_file() and any((tmp_path / "plain").glob("*.safetensors"))
+    loaded, _ = load_causal_lm(tmp_path / "plain")
+    assert sum(p.numel() for p in loaded.parameters()) == sum(p.numel() for p in model.parameters())
+    again = dpaudit("model", "convert", path, "-o", tmp_path / "plain")
+    assert again.returncode == 2 and "not empty" in again.stderr          # never overwritten silently
+    assert_one_line_error(dpaudit("model", "convert", tmp_path / "plain", "-o", tmp_path / "x"))  # not a GGUF
+
+
+def test_model_embedded_writes_the_embedded_default(tmp_path):
+    from dpaudit.models.embedded import is_embedded
+
+    out = dpaudit("model", "embedded", "-o", tmp_path / "m")
+    assert out.returncode == 0, out.stderr
+    assert is_embedded(tmp_path / "m")

@@ -156,3 +156,14 @@ def test_a_resumed_balls_in_bins_run_keeps_its_epochs_allocation(tiny_model_dir,
     epoch = np.concatenate([drawn[s] for s in range(10)])
     assert np.array_equal(np.sort(epoch), np.arange(40))     # every example exactly once in the epoch
     assert not secret.exists()
+
+
+def test_a_log_opened_after_drawing_is_refused(tmp_path):
+    """Issue 53, item 17: .log(path) after iterating wrote an empty file, silently."""
+    from dpaudit.training.samplers import PoissonSampler
+
+    for sampler in (PoissonSampler(50, 0.1, steps=3, seed=1), BallsInBinsSampler(50, 5, 2, seed=1)):
+        list(sampler)
+        with pytest.raises(DPAuditError, match="call .log\\(path\\) before drawing"):
+            sampler.log(tmp_path / f"{type(sampler).__name__}.jsonl")
+        assert not (tmp_path / f"{type(sampler).__name__}.jsonl").exists()
