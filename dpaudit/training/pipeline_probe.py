@@ -65,6 +65,7 @@ class PipelineProbe(WhiteBoxProbe):
         self.source = "PipelineProbe: new-token canaries in the user's data, rows read from the model"
         self.model, self.tokenizer = model, tokenizer
         self.step, self._begun, self._inserted = 0, None, False
+        self._counted_from = None   # 0 or 1: how the caller counts steps (fixed by its first observe)
         self._start(int(m), 1.0, seed)
         self.ids = self._add_tokens()
         self._batches, self.sample_rate, self._moved = None, None, False
@@ -170,14 +171,21 @@ class PipelineProbe(WhiteBoxProbe):
         self.refreshed += 1
         return np.divide(out, norm, out=np.zeros_like(out), where=(norm > 0) & np.isfinite(norm))
 
-    def observe(self, step: int, batch=None) -> None:
-        """After optimizer step ``step``: how far each canary's row moved along its descent direction. ``batch``
-        (optional, every step or none): the token ids the step trained on (a tensor or array of any shape); the
-        probe notes which canaries were in it, and ``audit`` tests that the members were Poisson-sampled at the
-        accounted rate (a batch reused for several steps, fixed-size or shuffled batches, a rate other than the
-        accountant's all show there)."""
-        if step != self.step:
-            raise DPAuditError(f"the probe expected step {self.step}, got {step}: observe each step once, in order")
+    def observe(self, step: int | None = None, batch=None) -> None:
+        """After an optimizer step: how far each canary's row moved along its descent direction. ``step``: the step
+        just taken, counted from 0 (a loop's index) or from 1 (the Trainer's ``global_step`` after its first step):
+        the first call fixes which; None: the next one. ``batch`` (optional, every step or none): the token ids the
+        step trained on (a tensor or array of any shape); the probe notes which canaries were in it, and ``audit``
+        tests that the members were Poisson-sampled at the accounted rate (a batch reused for several steps,
+        fixed-size or shuffled batches, a rate other than the accountant's all show there)."""
+        if step is None:
+            step = self.step + (self._counted_from or 0)
+        if self._counted_from is None:
+            self._counted_from = 1 if (self.step == 0 and step == 1) else 0
+        if step - self._counted_from != self.step:
+            raise DPAuditError(f"the probe expected step {self.step + self._counted_from}, got {step}: observe each "
+                               "step once, in order")
+        step -= self._counted_from
         if step and (batch is None) != (self._batches is None):
             raise DPAuditError("give observe() the step's batch at every step or at none")
         began = time.perf_counter()

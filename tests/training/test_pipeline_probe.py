@@ -160,3 +160,19 @@ def test_bad_input_is_refused_in_one_line(tmp_path):
     probe.observe(1, batch=np.zeros((2, 3), int))
     with pytest.raises(DPAuditError, match="sample rate"):
         probe.audit(claimed_eps=1.0, delta=1e-5)
+
+
+def test_observe_takes_the_step_a_user_has_from_0_or_from_1_or_none(tmp_path):
+    """Issue 53, item 19: the Trainer's global_step is 1 after the first step; observe() counted from 0 only."""
+    model, tok, texts = _model_and_texts()
+    for first, name in ((1, "one"), (0, "zero"), (None, "none")):
+        probe = PipelineProbe(model, tok, m=8, out=tmp_path / name, secret_seed=0)
+        probe.insert(texts)
+        for i in range(3):
+            with torch.no_grad():
+                model.get_input_embeddings().weight[probe.ids] += 1e-3   # as a step would
+            probe.observe(None if first is None else first + i)
+        assert probe.step == 3
+        if first is not None:
+            with pytest.raises(DPAuditError, match=f"expected step {first + 3}, got {first + 5}"):
+                probe.observe(first + 5)
