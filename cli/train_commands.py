@@ -165,6 +165,9 @@ def train_cmd(
     sampling: Annotated[str, typer.Option(
         "--sampling", help="How a private run draws its batches, and is accounted: poisson (rate B/N) or "
                            "balls-in-bins (each example in one random step of each epoch of N // B steps).")] = "poisson",
+    check_inputs: Annotated[bool, typer.Option(
+        "--check-inputs", help="Only check the inputs (model, data, options, run folder) and exit: 0 usable, 2 not. "
+                               "Run it before torchrun, which turns every rank's exit 2 into its own 1.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Fine-tune a local causal LM with DP-ZO or DP-SGD (sigma calibrated to --eps) or a non-private baseline."""
@@ -190,6 +193,11 @@ def train_cmd(
     refuse_overlap(out, {"model": model, "dataset": data}, folder_output=True)
     set_threads(threads)
     texts = read_texts(data, detect_format(data, data_format), field)
+    if check_inputs:
+        _check_inputs(model, out, texts, resume)
+        emit({"command": "train", "inputs": "usable", "examples": len(texts)}, as_json,
+             f"inputs usable: {len(texts)} examples, model {model}, run folder {out}")
+        return
     result = train(model, texts, out, cfg, resume=resume, show_progress=not as_json)
     if launch_rank() != 0:  # under torchrun rank 0 answers: one --json document, not one a rank
         return
@@ -197,6 +205,33 @@ def train_cmd(
                f"{result.accountant}, {result.relation})" if result.private else "non-private (eps = inf)")
     emit({"command": "train", **result.to_dict()}, as_json,
          f"trained {result.steps} steps of {method} in {result.seconds:.1f} s; {privacy}; model: {result.model_dir}")
+
+
+def _check_inputs(model: Path, out: Path, texts: list[str], resume: bool) -> None:
+    """What `train` refuses before it builds anything, checked without loading weights (``--check-inputs``): the
+    model a folder with a config (a GGUF file: its header), the data two examples or more, the run folder empty
+    (or, with --resume, a run folder)."""
+    from dpaudit.core import run_folder
+    from dpaudit.models.gguf import gguf_file_in, scan_header
+    from dpaudit.models.hf import refuse_remote_code, resolve_model_path
+
+    if not Path(model).exists():
+        raise DPAuditError(f"model not found: {model}")
+    gguf = gguf_file_in(Path(model))
+    if gguf is not None:
+        scan_header(gguf)
+    else:
+        folder = resolve_model_path(model)
+        if not (folder / "config.json").is_file():
+            raise DPAuditError(f"no config.json in {folder}: not a Hugging Face model folder")
+        refuse_remote_code(folder)
+    if len(texts) < 2:
+        raise DPAuditError("the training set needs at least 2 examples")
+    out = Path(out)
+    if resume:
+        run_folder.run_config(out)   # refuses a folder that is not a run folder
+    elif out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise DPAuditError(f"{out} is not empty: give a new run folder (or --resume a run)")
 
 
 @bounded("dpaudit audit run", None, False)

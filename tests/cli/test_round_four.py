@@ -99,3 +99,23 @@ def test_an_infinite_monte_carlo_answer_says_why():
     result = epsilon(schedule("gaussian", 1.0, 0.01, None, None, 100), 1e-5, MonteCarloSettings(samples=2000))
     assert result.epsilon == float("inf")
     assert "inf: no eps up to" in result.guarantee and "--mc-samples" in result.guarantee
+
+
+def test_train_check_inputs_answers_before_any_rank_starts(tmp_path):
+    """Issue 53, item 5: under torchrun a bad input's exit 2 reaches the shell as 1; `train --check-inputs` with the
+    same flags says 2 first, in one process, without loading weights."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    data = tmp_path / "d.txt"
+    data.write_text("one example\nanother example\n")
+    base = ["train", "--method", "dp-sgd", "--eps", "8", "-B", "1", "-T", "2", "--check-inputs"]
+    assert_one_line_error(dpaudit(*base, "--model", model, "--data", tmp_path / "nonexist.txt", "-o", tmp_path / "r"))
+    assert_one_line_error(dpaudit(*base, "--model", tmp_path / "nomodel", "--data", data, "-o", tmp_path / "r"))
+    assert_one_line_error(dpaudit(*base, "--model", data.parent / "d.txt", "--data", data, "-o", tmp_path / "r"))
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "x").write_text("x")
+    assert_one_line_error(dpaudit(*base, "--model", model, "--data", data, "-o", tmp_path / "busy"))
+    ok = dpaudit(*base, "--model", model, "--data", data, "-o", tmp_path / "r", "--json")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["inputs"] == "usable" and not (tmp_path / "r").exists()
