@@ -57,12 +57,17 @@ PRETRAINED_RECIPE = BlackBoxRecipe("new-tokens", batch_size=0, steps=3, optimize
 # outputs (training/frozen_trunk.py: T 3000 on the embedded default in about 2 minutes on 2 cores).
 ZERO_ORDER_RECIPE = BlackBoxRecipe("new-tokens", batch_size=0, steps=3000, logit_noise=1.5, examples=100)
 OTHER_RECIPE = BlackBoxRecipe("full", batch_size=64)  # every white-box run (below: full batches)
+# White-box DP-SGD on the embedded default: AdamW at the method's 5e-3 random-walks the weights under the noise of a
+# small claim (eps 1: the loss rose 0.73 -> 5.3 over 300 steps, and the run read "training diverged"). The audit
+# reads the releases on the canaries' own coordinates, so the rate does not move it: secret seed 1 read 0.5862 at
+# both 5e-3 and 5e-4 (AUC 0.5616); at 5e-4 the loss does not rise.
+WHITE_BOX_SGD_RECIPE = BlackBoxRecipe("full", batch_size=64, lr=5e-4)
 
 
 def black_box_recipe(per_example_gradients: bool, white_box: bool, pretrained: bool) -> BlackBoxRecipe:
     """The defaults of an audit run: the recipes above for a black-box run; full training for a white-box one."""
     if white_box:
-        return OTHER_RECIPE
+        return WHITE_BOX_SGD_RECIPE if per_example_gradients and not pretrained else OTHER_RECIPE
     if not per_example_gradients:
         return ZERO_ORDER_RECIPE
     return PRETRAINED_RECIPE if pretrained else EMBEDDED_RECIPE

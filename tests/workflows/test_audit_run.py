@@ -184,3 +184,14 @@ def test_white_box_dp_sgd_plants_5000_canaries_unless_the_transcript_would_grow_
     assert m(300) == 5000 and m(13_421) == 5000
     assert m(20_000) == TRANSCRIPT_BYTES // (4 * 20_000) == 3355
     assert m(100_000) == m(10**7) == 1000
+
+
+def test_white_box_dp_sgd_on_the_embedded_default_trains_at_a_rate_that_does_not_diverge():
+    """Issue 53, item 17: at AdamW 5e-3 a correct white-box DP-SGD run at eps 1 read "training diverged" (the loss
+    rose 0.73 -> 5.3 under the noise). The white-box recipe trains at 5e-4; the audit reads the releases on the
+    canaries' own coordinates, so its bound did not move (secret seed 1: 0.5862 at both rates)."""
+    from dpaudit.workflows.audit_run import OTHER_RECIPE, black_box_recipe
+
+    assert black_box_recipe(True, True, False).lr == 5e-4
+    assert black_box_recipe(False, True, False) == OTHER_RECIPE       # DP-ZO keeps its own default
+    assert black_box_recipe(True, True, True) == OTHER_RECIPE         # a pretrained model: its pretrained rate
