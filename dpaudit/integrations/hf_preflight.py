@@ -26,8 +26,17 @@ def preflight_problems(model, tokenizer, manifest, settings, train_dataloader) -
     if dataset is None or collate is None:
         return problems + ["the Trainer's data loader has no dataset and collator to check: the canaries' labels, "
                            "truncation and presence were not checked"]
-    problems += _check_rows(dataset, collate, tokenizer, manifest, settings)
+    problems += _check_rows(dataset, collate, tokenizer, manifest, settings, _batch_size(train_dataloader))
     return problems
+
+
+def _batch_size(loader) -> int:
+    """The batch the Trainer's loader forms (per device), read from it, never by drawing from it."""
+    for source in (loader, getattr(loader, "batch_sampler", None)):
+        size = getattr(source, "batch_size", None)
+        if isinstance(size, int) and size >= 1:
+            return size
+    return 8
 
 
 def _rows_train(model, ids) -> bool:
@@ -46,10 +55,12 @@ def _rows_train(model, ids) -> bool:
 
 
 MAX_SCAN_ROWS = 200_000
+BATCH_SAMPLE = 32   # members collated inside a full batch (with the longest other rows): a bounded sample
 
 
-def _check_rows(dataset, collate, tokenizer, manifest, settings) -> list[str]:
-    """Find the member canaries in the dataset the Trainer iterates, collate their rows with its own collator, and
+def _check_rows(dataset, collate, tokenizer, manifest, settings, batch_size: int = 8) -> list[str]:
+    """Find the member canaries in the dataset the Trainer iterates, count their copies against what prepare()
+    inserted, collate their rows with its own collator, alone and inside a batch as the Trainer forms them, and
     check that each secret span survives (not cut) with its labels on."""
     from dpaudit.canaries.generate import split_secret
 
@@ -60,7 +71,7 @@ def _check_rows(dataset, collate, tokenizer, manifest, settings) -> list[str]:
             heads[c.index], spans[c.index] = split
     if len(dataset) > MAX_SCAN_ROWS:
         return [f"the dataset has {len(dataset)} rows, more than the {MAX_SCAN_ROWS} the pre-flight scans: not checked"]
-    found, cut = _scan(dataset, tokenizer, manifest, spans, heads)
+    found, cut, lengths = _scan(dataset, tokenizer, manifest, spans, heads)
     if cut:
         return [f"{cut} member canaries are cut by truncation or packing (their secret span is split): raise "
                 "max_length, or pack with a strategy that keeps examples whole"]
@@ -70,12 +81,43 @@ def _check_rows(dataset, collate, tokenizer, manifest, settings) -> list[str]:
     missing = len(spans) - len(found)
     problems = [] if not missing else [f"{missing} of {len(spans)} member canaries are not in the Trainer's dataset "
                                        "(filtered out?): the audit would count them as members that never trained"]
-    return _check_labels(dataset, collate, found, spans) + problems
+    problems += _check_copies(found, settings.repeats)
+    holding = {i for rows in found.values() for i in rows}
+    companions = sorted((i for i in range(len(dataset)) if i not in holding), key=lambda i: -lengths[i])
+    alone = _check_labels(dataset, collate, found, spans)
+    batched = [] if alone or batch_size < 2 else _check_labels(
+        dataset, collate, dict(list(found.items())[:BATCH_SAMPLE]), spans, companions[:batch_size - 1])
+    return alone + batched + problems
 
 
-def _scan(dataset, tokenizer, manifest, spans, heads) -> tuple[dict, int]:
-    """({canary index: the rows holding its secret span}, how many rows end cut inside a member's secret)."""
-    found, cut = {}, 0
+def _check_copies(found: dict, repeats: list[int]) -> list[str]:
+    """Each member's copies in the dataset the Trainer iterates against what prepare() inserted (canary i: repeats[i
+    mod tiers]). More copies (the dataset concatenated after prepare) hold a tier to a group smaller than its
+    exposure, a false alarm in waiting; fewer (duplicate rows dropped) collapse the tiers."""
+    more = sorted({(len(rows), repeats[i % len(repeats)]) for i, rows in found.items()
+                   if len(rows) > repeats[i % len(repeats)]})
+    fewer = sorted({(len(rows), repeats[i % len(repeats)]) for i, rows in found.items()
+                    if len(rows) < repeats[i % len(repeats)]})
+    problems = []
+    if more:
+        seen, want = more[-1]
+        problems.append(f"{sum(len(r) > repeats[i % len(repeats)] for i, r in found.items())} member canaries are in "
+                        f"the Trainer's dataset more often than prepare() put them (e.g. {seen} copies of a {want}x "
+                        "canary: the dataset was concatenated or repeated after prepare()): each tier would be held to "
+                        "a group smaller than its exposure; repeat the data before prepare(), or use num_train_epochs")
+    if fewer:
+        seen, want = fewer[0]
+        problems.append(f"{sum(len(r) < repeats[i % len(repeats)] for i, r in found.items())} member canaries are in "
+                        f"the Trainer's dataset fewer times than prepare() put them (e.g. {seen} of {want} copies: "
+                        "duplicate rows dropped after prepare()?): the exposure tiers collapse; de-duplicate before "
+                        "prepare(), or prepare with repeats=1")
+    return problems
+
+
+def _scan(dataset, tokenizer, manifest, spans, heads) -> tuple[dict, int, list[int]]:
+    """({canary index: the rows holding its secret span, a row once for each copy}, how many rows end cut inside a
+    member's secret, each row's length in tokens or characters)."""
+    found, cut, lengths = {}, 0, []
     starts = {}  # a span's first token -> the spans starting with it: each row is read once, O(its tokens)
     for index, span in spans.items():
         starts.setdefault(span[0], []).append(index)
@@ -86,10 +128,12 @@ def _scan(dataset, tokenizer, manifest, spans, heads) -> tuple[dict, int]:
         ids = _ids_of(row, tokenizer)
         if ids is None:  # raw rows, tokenised by the collator: find the secret's text
             strings = [v for v in _strings(row) if isinstance(v, str)]
+            lengths.append(sum(map(len, strings)))
             for index in spans:
                 if any(manifest.canaries[index].secret in v for v in strings):
                     found.setdefault(index, []).append(i)
             continue
+        lengths.append(len(ids))
         for j, token in enumerate(ids):
             for index in starts.get(token, ()):
                 if ids[j:j + len(spans[index])] == spans[index]:
@@ -98,14 +142,17 @@ def _scan(dataset, tokenizer, manifest, spans, heads) -> tuple[dict, int]:
             index = ends.get(tuple(ids[len(ids) - k:len(ids) - k + 4]))
             if index is not None and _cut_at_end(ids, heads[index], spans[index]) and i not in found.get(index, ()):
                 cut += 1
-    return found, cut
+    return found, cut, lengths
 
 
-def _check_labels(dataset, collate, found, spans) -> list[str]:
-    """Each found member's row through the Trainer's collator: its secret span still whole, its labels on."""
+def _check_labels(dataset, collate, found, spans, companions=None) -> list[str]:
+    """Each found member's row through the Trainer's collator: its secret span still whole, its labels on. With
+    ``companions`` (the longest other rows), each is collated first in a batch of the Trainer's size with them: a
+    collator that caps a batch's tokens, or pads and cuts by the batch, shows only there."""
     cut = masked = 0
+    where = "in collation" if companions is None else f"when collated in a batch of {1 + len(companions)}"
     for index, rows in found.items():
-        batch = collate([dataset[rows[0]]])
+        batch = collate([dataset[rows[0]]] + [dataset[c] for c in companions or ()])
         labels, ids = batch.get("labels"), batch.get("input_ids")
         if labels is None or ids is None:
             return ["the collator gives no labels to check: the canaries' loss masking was not checked"]
@@ -117,11 +164,11 @@ def _check_labels(dataset, collate, found, spans) -> list[str]:
             masked += 1
     problems = []
     if cut:
-        problems.append(f"{cut} member canaries lose their secret span in collation (truncation or max_length): "
-                        "raise max_length")
+        problems.append(f"{cut} member canaries lose their secret span {where} (truncation, max_length or a cap on "
+                        "the batch's tokens): raise the limit")
     if masked:
-        problems.append(f"{masked} of {len(found)} member canaries have their secret's labels masked (-100) after "
-                        "collation (completion-only loss or a chat template masks that part): the secret must be in "
+        problems.append(f"{masked} of {len(found)} member canaries have their secret's labels masked (-100) {where} "
+                        "(completion-only loss or a chat template masks that part): the secret must be in "
                         "the trained part of the row (the completion, the assistant's reply)")
     return problems
 

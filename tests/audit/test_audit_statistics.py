@@ -170,12 +170,14 @@ def test_every_registered_bound_is_computed_named_and_explained_as_the_registry_
 
 def test_a_consistent_audit_says_what_it_could_have_refuted_even_at_a_zero_bound():
     """The reach line ("What this audit can refute") matters most when nothing leaked: a headline of 0 still
-    reports the most any guess set could have certified at this m, the ceiling of the best k."""
+    reports the most this audit could have certified, the same audit on perfect scores of this membership
+    (issue 53: not one guess set's ceiling, which can assume more right guesses than there are members)."""
     from dpaudit.audit.report import markdown
 
     rng = np.random.default_rng(0)
     members = rng.random(200) < 0.5
     result = analyse(rng.normal(0, 1, 200), members, claimed_epsilon=1.0, delta=1e-5, score="neg-loss")
     head = result.headline_bound
-    assert head.epsilon == 0.0 and head.k is None and head.ceiling > 1.0
-    assert f"cannot exceed {head.ceiling:.3g}" in markdown(result, {})
+    perfect = analyse(members.astype(float), members, claimed_epsilon=1.0, delta=1e-5, score="neg-loss")
+    assert head.epsilon == 0.0 and result.refutable == perfect.epsilon_lower_bound > 1.0
+    assert f"cannot exceed {result.refutable:.3g}" in markdown(result, {})

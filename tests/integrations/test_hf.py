@@ -304,3 +304,44 @@ def test_sharded_training_leaves_the_scoring_to_the_saved_checkpoint(tmp_path):
     assert "dpaudit audit checkpoint --model out -c" in text and "--repeat" not in text
     tiers = _score_later(SimpleNamespace(output_dir="out"), tmp_path, [1, 4, 16])
     assert "--repeat 16 --report" in tiers and "group claim of the most copies" in tiers
+
+
+class _Loader:
+    """What the pre-flight reads of a Trainer's data loader: its dataset, collator and batch size."""
+
+    def __init__(self, dataset, collate_fn, batch_size):
+        self.dataset, self.collate_fn, self.batch_size = dataset, collate_fn, batch_size
+
+
+def test_the_preflight_sees_what_depends_on_the_batch_or_on_edits_after_prepare(tiny_model_dir, tmp_path):
+    """Issue 53, item 4: a collator that caps each batch's tokens cut every secret in training while each member
+    collated alone passed; the dataset concatenated after prepare() (3k copies of a tier-k member) or
+    de-duplicated (the 4x and 16x tiers collapse) passed silently."""
+    from transformers import DataCollatorForLanguageModeling
+
+    from dpaudit.integrations.hf import DPAuditCallback
+    from dpaudit.integrations.hf_preflight import preflight_problems
+
+    model, tok = _model(tiny_model_dir)
+    audit, rows = DPAuditCallback.prepare(tok, [{"text": t} for t in TEXTS * 6], m=12, out=tmp_path / "a",
+                                          claimed_eps=1.0, delta=1e-5, secret_seed=2)
+    data = _tokenised(tok, rows)
+    plain = DataCollatorForLanguageModeling(tok, mlm=False)
+
+    def check(dataset, collate=plain, batch=16):
+        return preflight_problems(model, tok, audit.manifest, audit.settings, _Loader(dataset, collate, batch))
+
+    assert check(data) == []
+
+    def capped(features):   # at most 384 tokens a batch: 24 a row at batch 16
+        width = max(1, 384 // len(features))
+        return plain([{k: v[:width] for k, v in f.items()} for f in features])
+
+    problems = check(data, capped)
+    assert len(problems) == 1 and "when collated in a batch of 16" in problems[0]
+    assert check(data, capped, batch=1) == []      # alone, the secrets fit: the batch is what cuts them
+    tripled = check(data * 3)
+    assert len(tripled) == 1 and "more often than prepare() put them" in tripled[0]
+    unique = list({tuple(r["input_ids"]): r for r in data}.values())
+    deduplicated = check(unique)
+    assert len(deduplicated) == 1 and "fewer times than prepare() put them" in deduplicated[0]
