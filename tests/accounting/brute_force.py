@@ -48,28 +48,44 @@ def poisson_law(data: tuple[int, ...], rate: float) -> dict[int, float]:
     return dict(law)
 
 
-def _cells(means: np.ndarray, sigma: float) -> np.ndarray:
-    lo, hi = means.min() - SPAN * sigma, means.max() + SPAN * sigma
+def _laplace_lower(z):
+    """P(L <= z) for z <= 0, standard Laplace (scale 1)."""
+    return 0.5 * np.exp(np.minimum(z, 0.0))
+
+
+NOISES = {"gaussian": (ndtr, SPAN), "laplace": (_laplace_lower, 4 * SPAN)}  # lower-tail CDF, span in scales
+
+
+def _cells(means: np.ndarray, sigma: float, noise: str = "gaussian") -> np.ndarray:
+    span = NOISES[noise][1]
+    lo, hi = means.min() - span * sigma, means.max() + span * sigma
     edges = np.arange(lo, hi + sigma / CELLS_PER_SIGMA, sigma / CELLS_PER_SIGMA)
     return np.concatenate([[-np.inf], edges, [np.inf]])
 
 
-def _cell_masses(law: dict[int, float], edges: np.ndarray, sigma: float) -> np.ndarray:
+def _cell_masses(law: dict[int, float], edges: np.ndarray, sigma: float, noise: str = "gaussian") -> np.ndarray:
+    """Each cell's mass under the law's mixture: noise of scale ``sigma`` (a symmetric noise's lower-tail CDF)."""
+    lower = NOISES[noise][0]
     mass = np.zeros(len(edges) - 1)
     for s, w in law.items():
         z = (edges - s) / sigma
         # lower half by the CDF, upper half by the survival function: no cancellation in either tail
-        cdf = np.where(z < 0, ndtr(z), 1 - ndtr(-z))
-        upper = np.where(z < 0, 1 - ndtr(z), ndtr(-z))
+        cdf = np.where(z < 0, lower(np.minimum(z, 0.0)), 1 - lower(-np.maximum(z, 0.0)))
+        upper = np.where(z < 0, 1 - lower(np.minimum(z, 0.0)), lower(-np.maximum(z, 0.0)))
         mass += w * np.where(z[1:] <= 0, np.diff(cdf), -np.diff(upper))
     return np.maximum(mass, 0.0)
 
 
-def step_bins(p_law: dict[int, float], q_law: dict[int, float], sigma: float):
+def step_bins(p_law: dict[int, float], q_law: dict[int, float], sigma: float, noise: str = "gaussian"):
     """One step as (lowest loss index, P masses by loss index): each cell's loss rounded down to the bin grid."""
     means = np.array(sorted(set(p_law) | set(q_law)), dtype=float)
-    edges = _cells(means, sigma)
-    p, q = _cell_masses(p_law, edges, sigma), _cell_masses(q_law, edges, sigma)
+    edges = _cells(means, sigma, noise)
+    p, q = _cell_masses(p_law, edges, sigma, noise), _cell_masses(q_law, edges, sigma, noise)
+    return _binned(p, q)
+
+
+def _binned(p: np.ndarray, q: np.ndarray):
+    """(lowest loss index, P masses by loss index) of a discrete pair: each outcome's loss rounded down."""
     both = (p > 0) & (q > 0)
     index = np.floor((np.log(p[both]) - np.log(q[both])) / LOSS_BIN).astype(np.int64)
     only_p = (p > 0) & (q == 0)   # Q's mass underflowed: a loss above every finite one, rounded down to the top
@@ -80,10 +96,15 @@ def step_bins(p_law: dict[int, float], q_law: dict[int, float], sigma: float):
 
 
 def delta_floor(p_law: dict[int, float], q_law: dict[int, float], sigma: float, steps: int,
-                epsilons) -> np.ndarray:
+                epsilons, noise: str = "gaussian") -> np.ndarray:
     """A lower bound on delta(eps) of ``steps`` independent steps of P = p_law + noise against Q = q_law + noise,
     at each of ``epsilons``."""
-    low, p1 = step_bins(p_law, q_law, sigma)
+    return composed_floor(step_bins(p_law, q_law, sigma, noise), steps, epsilons)
+
+
+def composed_floor(bins, steps: int, epsilons) -> np.ndarray:
+    """The floor of ``steps`` independent repetitions of one step given as ``bins`` (``step_bins``)."""
+    low, p1 = bins
     p = p1
     for _ in range(steps - 1):
         p = fftconvolve(p, p1)
@@ -115,3 +136,27 @@ def add_remove_pairs(n: int):
             smaller.remove(drop)
             yield d, tuple(smaller)
             yield tuple(smaller), d
+
+
+def allocation_bins(data: tuple[int, ...], other: tuple[int, ...], sigma: float, cells_per_sigma: int = 40):
+    """One epoch of balls-in-bins with t = 2 steps (each example in one of the two, uniformly and independently),
+    data against other, as (lowest loss index, P masses by loss index): the plane cut into square cells (exact
+    masses: products of normal CDF differences, summed over every allocation), each cell's loss rounded down."""
+    def law(d):
+        out: Counter = Counter()
+        for choice in itertools.product((0, 1), repeat=len(d)):
+            out[(sum(g for g, c in zip(d, choice) if c == 0), sum(g for g, c in zip(d, choice) if c == 1))] += 0.5 ** len(d)
+        return out
+
+    p_law, q_law = law(data), law(other)
+    means = np.array([m for key in set(p_law) | set(q_law) for m in key], dtype=float)
+    lo, hi = means.min() - SPAN * sigma, means.max() + SPAN * sigma
+    edges = np.concatenate([[-np.inf], np.arange(lo, hi + sigma / cells_per_sigma, sigma / cells_per_sigma), [np.inf]])
+
+    def masses(lw):
+        total = 0.0
+        for (a, b), w in lw.items():
+            total = total + w * np.outer(_cell_masses({a: 1.0}, edges, sigma), _cell_masses({b: 1.0}, edges, sigma))
+        return total.ravel()
+
+    return _binned(masses(p_law), masses(q_law))

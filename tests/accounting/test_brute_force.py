@@ -4,7 +4,10 @@ For fixed-size batches (wor-pld) every B-subset is enumerated, for all N <= 8, B
 and every ordered pair of +-C datasets under replace-one and under add/remove (the relations wor-pld claims);
 the accountant's eps must never be below the exact eps of any such pair, i.e. the pair's delta at the
 accountant's eps (bounded from below by ``brute_force.delta_floor``) must not exceed delta. The same floor is
-run for Poisson sampling (our PLD composition of dp-accounting's pair; every inclusion pattern enumerated).
+run for every other hand-written accountant with a small exact case: Poisson sampling (our PLD composition of
+dp-accounting's pair; every inclusion pattern enumerated), pure eps-DP Laplace (Poisson and fixed-size: at the
+accountant's eps no loss may exceed it), and balls-in-bins (the allocation lattice; t = 2 steps an epoch, every
+allocation of every example enumerated, the plane cut into cells).
 The old fixed-size pair (Poisson's replace-one pair at rate B/N) fails this test: sigma 1, B 2, N 4, T 1 read
 eps 4.22 where D = {-1, +1, +1, +1} against D' = {+1, +1, +1, +1} reaches 8.98.
 """
@@ -15,8 +18,8 @@ import functools
 
 import pytest
 
-from brute_force import (ROUNDING, add_remove_pairs, delta_floor, fixed_size_law, poisson_law,
-                         replace_one_pairs)
+from brute_force import (ROUNDING, add_remove_pairs, allocation_bins, composed_floor, delta_floor, fixed_size_law,
+                         poisson_law, replace_one_pairs)
 from dpaudit.accounting.mechanism import schedule
 from dpaudit.accounting.registry import epsilon
 from dpaudit.accounting.result import NeighboringRelation
@@ -100,3 +103,42 @@ def test_poisson_is_never_below_any_enumerated_pair(sigma, steps):
 
 def _law_poisson(rate, data):
     return poisson_law(data, rate)
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+@pytest.mark.parametrize("sigma", [0.5, 1.0, 2.0])
+def test_pure_laplace_is_never_below_any_enumerated_pair(sigma, steps):
+    """At delta = 0 the accountant's eps must bound every loss: the floor of delta there must be 0."""
+    failures = []
+    for n in range(1, 6):
+        for rate in (0.2, 0.5, 1.0):
+            result = epsilon(schedule("laplace", sigma, rate, None, None, steps), 0.0)
+            assert result.accountant in ("pure", "analytic")   # analytic: one release, p = 1
+            for d, d2 in add_remove_pairs(n):
+                floor = delta_floor(poisson_law(d, rate), poisson_law(d2, rate), sigma, steps, [result.epsilon],
+                                    noise="laplace")[0]
+                if floor > ROUNDING:
+                    failures.append(f"poisson n {n} p {rate}: eps {result.epsilon:.4f}, {(d, d2)}: {floor:.3g}")
+    for n, b in [(2, 1), (3, 1), (4, 2), (5, 2)]:
+        result = epsilon(schedule("laplace", sigma, None, b, n, steps, None, "fixed"), 0.0)
+        for d, d2 in replace_one_pairs(n):
+            floor = delta_floor(fixed_size_law(d, b), fixed_size_law(d2, b), sigma, steps, [result.epsilon],
+                                noise="laplace")[0]
+            if floor > ROUNDING:
+                failures.append(f"fixed N {n} B {b}: eps {result.epsilon:.4f}, {(d, d2)}: {floor:.3g}")
+    assert not failures, failures
+
+
+@pytest.mark.parametrize("sigma", [0.7, 1.0, 2.0])
+def test_balls_in_bins_is_never_below_any_enumerated_pair(sigma):
+    """t = 2 steps an epoch (N // B = 2), one and two epochs, every add/remove pair of +-1 datasets."""
+    failures = []
+    for n, b in [(2, 1), (4, 2)]:
+        for epochs in (1, 2):
+            result = epsilon(schedule("gaussian", sigma, None, b, n, 2 * epochs, None, "balls-in-bins"), DELTA)
+            for d, d2 in add_remove_pairs(n):
+                floor = composed_floor(allocation_bins(d, d2, sigma), epochs, [result.epsilon])[0]
+                if floor > DELTA + ROUNDING:
+                    failures.append(f"N {n} B {b} E {epochs}: eps {result.epsilon:.4f} ({result.accountant}), "
+                                    f"{(d, d2)}: {floor:.3g}")
+    assert not failures, failures
