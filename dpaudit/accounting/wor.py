@@ -48,8 +48,9 @@ Gaussian privacy loss (sampling_prob gamma, sensitivity 2, REMOVE and ADD adjace
 written here. dp-accounting's connect-the-dots discretisation (Doroshenko et al. 2022; pessimistic: an upper
 bound on any grid) turns those deltas on a loss grid into S's PMF, which is composed by our PLD kernel. The
 grid is refined until the bound moves by less than ``CONVERGED`` (as pld.py's ladder), within the memory budget.
-dp-accounting has no such class (its PLDs are Poisson's, one pair per direction; composing each direction
-alone and taking the max is not an upper bound for S composed), hence this module.
+dp-accounting has no such class (its PLDs are Poisson's, one pair per direction; the max of each direction
+composed alone does not bound S composed: 14.71 against 18.44 on the docs' MNIST-like schedule, and an adaptive
+run may meet either direction at each step), hence this module.
 """
 
 from __future__ import annotations

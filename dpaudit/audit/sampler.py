@@ -26,9 +26,12 @@ pmf spans more than MAX_SUPPORT values, the terms are nearly chi-square and the 
 The simulation's generator is seeded (the verdict is a function of the log alone).
 
 Plus two exact checks: an index twice in one batch (sampling with replacement), and batches that repeat
-with a period (a cyclic pass over a fixed order; found in O(T) with the prefix function). The five tails
-(two tests two-sided, the maximum one-sided) get alpha / 5 each (Bonferroni), so a Poisson sampler is
-refused with probability at most alpha. The verdict names what the sampler looks like:
+with a period (a cyclic pass over a fixed order; found in O(T) with the prefix function). And an order test: the
+rank correlation between an example's index and the step it is first drawn in, exact under any sampler that
+draws without looking at the index (a loader that walks the dataset in order reads "a fixed order", which gets
+no amplification by sampling). The six tails (two tests two-sided, the maximum one-sided, the order test)
+get alpha / 6 each (Bonferroni), so a Poisson sampler is refused with probability at most alpha. The verdict
+names what the sampler looks like:
 
 | batch sizes | inclusions per example | looks like                                   |
 |---|---|---|
@@ -249,10 +252,10 @@ def _order_p_value(first: np.ndarray, steps: int, seed: int) -> tuple[float, flo
     n = first.size
     ranks = stats.rankdata(np.where(first < 0, steps, first))
     centred = ranks - ranks.mean()
-    scale = float(np.sqrt((centred ** 2).sum() * ((np.arange(n) - (n - 1) / 2) ** 2).sum()))
+    index = np.arange(n) - (n - 1) / 2
+    scale = float(np.sqrt((centred ** 2).sum() * (index ** 2).sum()))
     if scale == 0:
         return 0.0, 1.0
-    index = np.arange(n) - (n - 1) / 2
     r = float(centred @ index / scale)
     if n > ORDER_EXACT_UP_TO:
         return r, float(2 * stats.norm.sf(abs(r) * np.sqrt(n - 1)))
