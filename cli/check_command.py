@@ -43,8 +43,7 @@ def check(
             report["passed"] = passed
     sampler = report.get("sampler")
     if cfg.ignored_keys:
-        report["ignored_keys"] = [k if k.replace("_", "").isalnum() and len(k) <= 40 else "(not a name)"
-                                  for k in cfg.ignored_keys]
+        report["ignored_keys"] = list(cfg.ignored_keys)
     if as_json:
         emit_json(report)
         if not passed:

@@ -44,7 +44,7 @@ class PrivacyConfig:
     accountant: str | None
     dataset_size: int | None = None  # when the config gives it (a sampler log is checked against it)
     claim_accounted_as: str | None = None  # the sampler the config's claim was computed for, when it says
-    ignored_keys: tuple[str, ...] = ()  # a flat training config's other keys (model:, learning_rate:, ...)
+    ignored_keys: tuple[str, ...] = ()  # a flat training config's other keys (model:, learning_rate:), printable
 
     @property
     def sampling(self) -> str:
@@ -123,9 +123,14 @@ def _read(path: Path) -> tuple[dict, bool]:
     return data, False
 
 
+def _is_name(key: str) -> bool:
+    """A short identifier: safe to print (never a line of some other file)."""
+    return key.replace("_", "").isalnum() and len(key) <= 40
+
+
 def _shown(key: str) -> str:
-    """A key name safe to print: short identifiers only (never a line of some other file)."""
-    return repr(key) if key.replace("_", "").isalnum() and len(key) <= 40 else "(a key that is not a name)"
+    """A key name safe to print."""
+    return repr(key) if _is_name(key) else "(a key that is not a name)"
 
 
 def _number(data: dict, key: str, kind=float):
@@ -164,7 +169,7 @@ def _ignored(data: dict, sectioned: bool) -> tuple[str, ...]:
         if close:
             raise DPAuditError(f"config key {_shown(key)} is not a privacy key; did you mean {close[0]!r}? (other "
                                "keys of a flat training config are ignored, but not one this close to a privacy key)")
-    return tuple(unknown)
+    return tuple(k if _is_name(k) else "(a key that is not a name)" for k in unknown)
 
 
 def load_privacy_config(path: Path) -> PrivacyConfig:

@@ -94,23 +94,21 @@ def _check_copies(found: dict, repeats: list[int]) -> list[str]:
     """Each member's copies in the dataset the Trainer iterates against what prepare() inserted (canary i: repeats[i
     mod tiers]). More copies (the dataset concatenated after prepare) hold a tier to a group smaller than its
     exposure, a false alarm in waiting; fewer (duplicate rows dropped) collapse the tiers."""
-    more = sorted({(len(rows), repeats[i % len(repeats)]) for i, rows in found.items()
-                   if len(rows) > repeats[i % len(repeats)]})
-    fewer = sorted({(len(rows), repeats[i % len(repeats)]) for i, rows in found.items()
-                    if len(rows) < repeats[i % len(repeats)]})
+    want = {i: repeats[i % len(repeats)] for i in found}
+    more = [i for i, rows in found.items() if len(rows) > want[i]]
+    fewer = [i for i, rows in found.items() if len(rows) < want[i]]
     problems = []
     if more:
-        seen, want = more[-1]
-        problems.append(f"{sum(len(r) > repeats[i % len(repeats)] for i, r in found.items())} member canaries are in "
-                        f"the Trainer's dataset more often than prepare() put them (e.g. {seen} copies of a {want}x "
-                        "canary: the dataset was concatenated or repeated after prepare()): each tier would be held to "
-                        "a group smaller than its exposure; repeat the data before prepare(), or use num_train_epochs")
+        i = max(more, key=lambda i: len(found[i]))
+        problems.append(f"{len(more)} member canaries are in the Trainer's dataset more often than prepare() put them "
+                        f"(e.g. {len(found[i])} copies of a {want[i]}x canary: the dataset was concatenated or "
+                        "repeated after prepare()): each tier would be held to a group smaller than its exposure; "
+                        "repeat the data before prepare(), or use num_train_epochs")
     if fewer:
-        seen, want = fewer[0]
-        problems.append(f"{sum(len(r) < repeats[i % len(repeats)] for i, r in found.items())} member canaries are in "
-                        f"the Trainer's dataset fewer times than prepare() put them (e.g. {seen} of {want} copies: "
-                        "duplicate rows dropped after prepare()?): the exposure tiers collapse; de-duplicate before "
-                        "prepare(), or prepare with repeats=1")
+        i = min(fewer, key=lambda i: len(found[i]))
+        problems.append(f"{len(fewer)} member canaries are in the Trainer's dataset fewer times than prepare() put "
+                        f"them (e.g. {len(found[i])} of {want[i]} copies: duplicate rows dropped after prepare()?): the "
+                        "exposure tiers collapse; de-duplicate before prepare(), or prepare with repeats=1")
     return problems
 
 
