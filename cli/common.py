@@ -141,7 +141,7 @@ def event_from(mech: str, sigma: float | None, p, batch_size, dataset_size, step
     from dpaudit.accounting.mechanism import event, parse_phase
 
     if not phases and steps is None and epochs is None and (p is not None or batch_size is not None):
-        err_console.print("note: no -T/--steps or --epochs given: one step (T = 1) is accounted", highlight=False)
+        note_after("note: no -T/--steps or --epochs given: one step (T = 1) is accounted")
     return event(mech, sigma, p, batch_size, dataset_size, steps, epochs, sampling,
                  [parse_phase(text) for text in phases] if phases else None,
                  ("--sigma", "--phase sigma=...,p=...,steps=...", "--p/-B/-N/-T/--epochs/--sampling"))
@@ -166,6 +166,19 @@ def shuffle_lines(event, delta: float, result) -> tuple[list[str], dict]:
              + (f", by at least {ctx.lower_bound / ctx.poisson_epsilon:.3g}x (the lower bound)"
                 if ctx.lower_bound is not None and 0 < ctx.poisson_epsilon < ctx.lower_bound else "")]
     return lines, data
+
+
+_NOTES: list[str] = []
+
+
+def note_after(text: str) -> None:
+    """A note for stderr once the command has answered (cli/main.py prints them): a refusal stays one line."""
+    _NOTES.append(text)
+
+
+def print_notes() -> None:
+    while _NOTES:
+        err_console.print(_NOTES.pop(0), highlight=False)
 
 
 def emit_json(data: dict) -> None:

@@ -17,7 +17,7 @@ from rich.markup import escape
 
 from dpaudit.core.errors import DPAuditError, Interrupted
 from dpaudit.cli import accounting_commands, audit_commands, canary_commands, check_command, model_commands, train_commands
-from dpaudit.cli.common import err_console
+from dpaudit.cli.common import err_console, print_notes
 
 # Plain click help: typer's rich help imports and renders ~0.15 s per call, and escapes brackets
 # in plain mode. Start-up is budgeted (benchmarks/startup.py); results still print with rich.
@@ -140,6 +140,8 @@ def _run(argv, caught) -> None:
         _internal(exc)
     if code == INTERRUPTED:  # typer turns Ctrl-C into a silent exit 130
         _say("interrupted (Ctrl-C); nothing was decided")
+    else:
+        print_notes()   # notes the command left for after its answer (never beside a one-line error)
     sys.exit(code if isinstance(code, int) else 0)
 
 

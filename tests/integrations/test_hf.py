@@ -180,8 +180,10 @@ def test_bad_input_is_one_line(tiny_model_dir, tmp_path):
     rows = [{"text": t} for t in TEXTS]
     with pytest.raises(DPAuditError, match="found body, id"):
         DPAuditCallback.prepare(tok, [{"body": "x", "id": 1}], m=4, out=tmp_path / "x", delta=1e-5)
-    with pytest.raises(DPAuditError, match=r"canary budget of 5% .* use m <= 5, repeats=1"):
+    with pytest.raises(DPAuditError, match=r"canary budget of 5% .* use m <= 5, or repeats=1 \(single copies: m <= 40\)"):
         DPAuditCallback.prepare(tok, rows, m=1000, out=tmp_path / "y", delta=1e-5)
+    with pytest.raises(DPAuditError, match=r"use m <= 40, or raise canary_budget="):   # repeats=1 already: not offered
+        DPAuditCallback.prepare(tok, rows, m=1000, repeats=1, out=tmp_path / "y", delta=1e-5)
     with pytest.raises(DPAuditError, match=r"delta = 0.2 >= 1/m"):
         DPAuditCallback.prepare(tok, rows, m=10, repeats=1, out=tmp_path / "d", delta=0.2)
     with pytest.raises(DPAuditError, match="give the delta"):
