@@ -181,6 +181,11 @@ def print_notes() -> None:
         err_console.print(_NOTES.pop(0), highlight=False)
 
 
+def drop_notes() -> None:
+    """Forget notes a refused command left (a caller that runs several commands in one process)."""
+    _NOTES.clear()
+
+
 def emit_json(data: dict) -> None:
     try:
         sys.stdout.write(json.dumps(data, indent=2) + "\n")

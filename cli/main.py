@@ -17,7 +17,7 @@ from rich.markup import escape
 
 from dpaudit.core.errors import DPAuditError, Interrupted
 from dpaudit.cli import accounting_commands, audit_commands, canary_commands, check_command, model_commands, train_commands
-from dpaudit.cli.common import err_console, print_notes
+from dpaudit.cli.common import drop_notes, err_console, print_notes
 
 # Plain click help: typer's rich help imports and renders ~0.15 s per call, and escapes brackets
 # in plain mode. Start-up is budgeted (benchmarks/startup.py); results still print with rich.
@@ -102,6 +102,7 @@ def _run(argv, caught) -> None:
     traceback); 130 interrupted (Ctrl-C)."""
     import os
 
+    drop_notes()
     try:
         code = app(args=argv, standalone_mode=False)  # click then raises usage errors to us, returns exit codes
     except _usage_errors() as exc:
