@@ -215,8 +215,6 @@ def _check_inputs(model: Path, out: Path, texts: list[str], resume: bool) -> Non
     from dpaudit.models.gguf import gguf_file_in, scan_header
     from dpaudit.models.hf import refuse_remote_code, resolve_model_path
 
-    if not Path(model).exists():
-        raise DPAuditError(f"model not found: {model}")
     gguf = gguf_file_in(Path(model))
     if gguf is not None:
         scan_header(gguf)

@@ -55,6 +55,7 @@ run may meet either direction at each step), hence this module.
 
 from __future__ import annotations
 
+import functools
 import math
 
 from dpaudit.accounting.mechanism import Mechanism, Phases
@@ -74,8 +75,10 @@ def limitation(mech: Mechanism | Phases) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=64)
 def _directions(sigma: float, gamma: float):
-    """dp-accounting's subsampled Gaussian losses: R_rem (REMOVE) and R_add (ADD) of the module docstring."""
+    """dp-accounting's subsampled Gaussian losses: R_rem (REMOVE) and R_add (ADD) of the module docstring (kept:
+    every rung of the grid ladder reads the same pair for its range and its deltas)."""
     from dp_accounting.pld import privacy_loss_mechanism as plm
 
     return tuple(plm.GaussianPrivacyLoss(sigma, sensitivity=SENSITIVITY, sampling_prob=gamma, adjacency_type=kind)

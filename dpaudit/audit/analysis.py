@@ -113,6 +113,17 @@ class AuditResult:
         }
 
 
+def refutable_bound(members, *, delta: float, alpha: float, guess_counts: list[int] | None = None, seed: int = 0,
+                    score: str = "unnamed", headline: str = "auto", mechanism: str | None = None) -> float:
+    """The most an audit of this membership can report: its headline bound on perfect scores (every member above
+    every non-member), the same guess counts, alpha split and headline rule."""
+    import numpy as np
+
+    members = np.asarray(members, dtype=bool)
+    return analyse(members.astype(float), members, delta=delta, alpha=alpha, guess_counts=guess_counts, seed=seed,
+                   score=score, headline=headline, mechanism=mechanism, _perfect=True).epsilon_lower_bound
+
+
 def check_audit_parameters(alpha: float, delta: float, claimed_epsilon: float | None) -> None:
     if not 0 < alpha < 1:
         raise DPAuditError(f"alpha must be in (0, 1), got {alpha}")
@@ -171,9 +182,8 @@ def analyse(scores, members, *, claimed_epsilon: float | None = None, delta: flo
         bounds[name] = spec.compute(auditor, alpha, delta, counts)
     if head not in bounds:
         raise DPAuditError("the gaussian bound needs at least 2 members and 2 non-members")
-    refutable = None if _perfect else analyse(
-        members.astype(float), members, delta=delta, alpha=alpha, guess_counts=guess_counts, seed=seed,
-        score=score, headline=head, mechanism=mechanism, _perfect=True).epsilon_lower_bound
+    refutable = None if _perfect else refutable_bound(members, delta=delta, alpha=alpha, guess_counts=guess_counts,
+                                                      seed=seed, score=score, headline=head, mechanism=mechanism)
     return AuditResult(m=m, members=n_in, nonmembers=n_out, alpha=alpha, delta=delta,
                        claimed_epsilon=claimed_epsilon, score=kind, bounds=bounds, headline=head,
                        roc=summarise(scores, members), refutable=refutable,

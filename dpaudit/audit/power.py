@@ -20,11 +20,9 @@ def most_certifiable(m: int, delta: float, alpha: float, score: str = "neg-loss"
     so every guess is right. An oracle, not a formula beside the audit, so the two cannot drift apart."""
     import numpy as np
 
-    from dpaudit.audit.analysis import analyse
+    from dpaudit.audit.analysis import refutable_bound
 
-    members = np.arange(m) % 2 == 0
-    return float(analyse(members.astype(float), members, delta=delta, alpha=alpha, score=score,
-                         mechanism=mechanism).epsilon_lower_bound)
+    return float(refutable_bound(np.arange(m) % 2 == 0, delta=delta, alpha=alpha, score=score, mechanism=mechanism))
 
 
 def smallest_m(claimed: float, delta: float, alpha: float, most: int = MAX_CANARIES) -> int | None:
