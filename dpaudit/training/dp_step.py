@@ -5,8 +5,9 @@ front of an Opacus optimizer class that splits those calls into the seams an aud
     clip_norm()          the norm each example is clipped at (Opacus' max_grad_norm)
     join_clipped_sum()   what joins the clipped sum before the noise: the white-box canaries (``probe``)
     noise_std()          sigma x C
-    draw_noise(t, i, s)  N(0, s^2) added to tensor i in place, from the step's position-addressable stream
-                         (streams.py: the same numbers a sharded run draws slice by slice)
+    draw_noise(ts, s)    N(0, s^2) added to the tensors in place (tensor i from index i of the step's position-
+                         addressable stream, streams.add_normals_: the numbers a sharded run draws slice by
+                         slice; on a GPU all tensors in one captured pass)
     divisor()            what the noisy sum is divided by: the expected batch size (x accumulated iterations)
     on_release(scale)    the release, read (the probe's transcript), before Opacus' step hook
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from dpaudit.training.streams import add_normal_
+from dpaudit.training.streams import add_normals_
 
 
 class DPStep:
@@ -40,8 +41,8 @@ class DPStep:
     def noise_std(self) -> float:
         return self.noise_multiplier * self.max_grad_norm
 
-    def draw_noise(self, tensor: torch.Tensor, index: int, std: float) -> None:
-        add_normal_(tensor, self.noise_key, index, std)
+    def draw_noise(self, tensors: list, std: float) -> None:
+        add_normals_(tensors, self.noise_key, std)
 
     def divisor(self) -> float:
         return self.expected_batch_size * self.accumulated_iterations if self.loss_reduction == "mean" else 1.0
@@ -70,10 +71,11 @@ class DPStep:
         if adds:
             self.join_clipped_sum()
         std = self.noise_std()
-        for i, p in enumerate(self.params):
+        for p in self.params:
             _check_processed_flag(p.summed_grad)
-            if adds and std > 0:
-                self.draw_noise(p.summed_grad, i, std)
+        if adds and std > 0:
+            self.draw_noise([p.summed_grad for p in self.params], std)
+        for p in self.params:
             p.grad = p.summed_grad.view_as(p)
             _mark_as_processed(p.summed_grad)
 
@@ -135,9 +137,8 @@ class NoisyShards(DPStep):
     def noise_std(self) -> float:
         return self.std
 
-    def draw_noise(self, tensor: torch.Tensor, index: int, std: float) -> None:
-        _, at, total = self.slices[index]
-        add_normal_(tensor, self.noise_key, index, std, at, total)
+    def draw_noise(self, tensors: list, std: float) -> None:
+        add_normals_(tensors, self.noise_key, std, [at for _, at, _ in self.slices], [n for _, _, n in self.slices])
 
     def divisor(self) -> float:
         return self.expected_batch_size
@@ -156,9 +157,9 @@ class NoisyShards(DPStep):
         self.slices = list(local_slices([p.grad for p in self.params]))
         self.join_clipped_sum()
         std, divisor = self.noise_std(), self.divisor()
-        for i, (grad, _, _) in enumerate(self.slices):
-            if std > 0:
-                self.draw_noise(grad, i, std)
+        if std > 0:
+            self.draw_noise([grad for grad, _, _ in self.slices], std)
+        for grad, _, _ in self.slices:
             grad.div_(divisor)
         self.on_release(self.expected_batch_size)
         self.original_optimizer.step()

@@ -49,6 +49,7 @@ class TrainerSetup:
     world: Any               # training.distributed.World
     sharding: Any            # training.shard.Sharding or None
     rng: Any                 # numpy Generator: batches (and DP-ZO's noise)
+    stream: str = ""         # how DP-ZO draws z (streams.py; run_config.json's direction_stream)
 
 
 @dataclass(frozen=True)
@@ -79,14 +80,15 @@ class Method:
 
 def _dp_zo(s: TrainerSetup) -> Trainer:
     from dpaudit.core import run_folder
-    from dpaudit.training.streams import STREAM
+    from dpaudit.training.streams import default_stream
     from dpaudit.training.bugs import planted
     from dpaudit.training.zo import ZOSettings, ZOTrainer
 
     cfg = s.cfg
     zo = ZOSettings(lr=cfg.lr, phi=cfg.phi, clip=cfg.clip if cfg.private else None,
                     noise=cfg.mechanism if cfg.private and s.noise_sigma > 0 else None, sigma=s.noise_sigma,
-                    direction=cfg.direction, micro_batch=cfg.micro_batch, stream=STREAM)
+                    direction=cfg.direction, micro_batch=cfg.micro_batch,
+                    stream=s.stream or default_stream(s.params[0].device))
     log_path = s.run_dir / run_folder.ZO_LOG
     if s.main:
         run_folder.truncate_log(log_path, s.start)

@@ -246,7 +246,6 @@ def _assemble(opening, texts: list[str], run_dir: Path, cfg: TrainConfig, world,
     from dpaudit.audit.whitebox_canaries import WhiteBoxCanaries
     from dpaudit.training.data import tokenize
     from dpaudit.training.methods import TrainerSetup
-    from dpaudit.training.streams import STREAM
     from dpaudit.training.trainable import trainable_parameters
 
     sharded = cfg.shard and world.size > 1
@@ -265,13 +264,14 @@ def _assemble(opening, texts: list[str], run_dir: Path, cfg: TrainConfig, world,
     if batch_size > n:
         raise DPAuditError(f"batch size {batch_size} exceeds the {n} training examples")
     plan, ledger, discarded = _privacy(opening, texts, run_dir, cfg, world, n, batch_size / n)
+    stream = _direction_stream(run_dir, opening.start, params[0].device)
     if world.is_main:  # only rank 0 writes: ledger, log, checkpoints, model
         # DP-ZO directions come from the generator of the device the weights live on (CPU and CUDA
         # streams differ), so a replay must draw them on the same kind of device.
         atomic_write_json(run_dir / run_folder.RUN_CONFIG, {
             "config": config_for_state(cfg), "base_model": opening.base_model, "sigma": plan.sigma,
             "sampling_rate": batch_size / n, "examples": n, "expected_batch_size": batch_size,
-            "direction_device": params[0].device.type, "lora_new_token_rows": rows, "direction_stream": STREAM,
+            "direction_device": params[0].device.type, "lora_new_token_rows": rows, "direction_stream": stream,
             "sharded": sharded, "estimated_peak_bytes": estimate, "release": METHODS[cfg.method].release})
         if canaries is not None:
             canaries.save(run_dir)
@@ -279,12 +279,23 @@ def _assemble(opening, texts: list[str], run_dir: Path, cfg: TrainConfig, world,
     trainer = METHODS[cfg.method].build(TrainerSetup(
         cfg=cfg, model=model, params=params, run_dir=run_dir, rate=batch_size / n, batch_size=batch_size,
         noise_sigma=0.0 if cfg.unsafe_disable_noise else plan.noise_sigma(cfg.bug), secret=int(secret),
-        start=opening.start, main=world.is_main, canaries=canaries, world=world, sharding=sharding, rng=rng))
+        start=opening.start, main=world.is_main, canaries=canaries, world=world, sharding=sharding, rng=rng,
+        stream=stream))
     _load_trainer_state(trainer, run_dir, opening.start, sharded)
     allocation = _allocation_secret(opening, run_dir, cfg, world, int(secret), max(1, n // batch_size))
     return _Run(run_dir=run_dir, cfg=cfg, world=world, start=opening.start, model=model, tokenizer=tokenizer,
                 data=data, n_real=len(data), canaries=canaries, rate=batch_size / n, plan=plan, ledger=ledger,
                 discarded=discarded, trainer=trainer, rng=rng, sharded=sharded, secret=allocation)
+
+
+def _direction_stream(run_dir: Path, start: int, device) -> str:
+    """How DP-ZO draws z in this run (streams.py): the device's default for a new run; a resumed run keeps
+    the one it began with, so that one replay redraws every step (the first start recorded it)."""
+    from dpaudit.training.streams import LEGACY, default_stream
+
+    if start and (run_dir / run_folder.RUN_CONFIG).is_file():
+        return (run_folder.read_json(run_dir / run_folder.RUN_CONFIG, "run config") or {}).get("direction_stream", LEGACY)
+    return default_stream(device)
 
 
 def _allocation_secret(opening, run_dir: Path, cfg: TrainConfig, world, secret: int, per_epoch: int) -> int:

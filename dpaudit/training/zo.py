@@ -22,7 +22,7 @@ from dpaudit.training.data import padded_chunks, per_example_loss
 from dpaudit.training.directions import DEFAULT_DIRECTION, DIRECTIONS, STREAM_KIND
 from dpaudit.training.frozen_trunk import loss_function
 from dpaudit.training.shard import local_slices
-from dpaudit.training.streams import LEGACY, STREAM, add_stream_, square_sum
+from dpaudit.training.streams import COUNTER, LEGACY, STREAM, add_counter_, add_stream_, counter_square_sum, square_sum
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,10 @@ def direction_scale(params, seed: int, direction: str, stream: str = STREAM, sha
     if stream == LEGACY:
         sq = sum(float(g.square().sum()) for _, g in _legacy_chunks(params, seed))
         d = sum(p.numel() for p in params)
+    elif stream == COUNTER:
+        pieces = list(local_slices(params))
+        sq = shard_sum(counter_square_sum([t for t, _, _ in pieces], seed, [at for _, at, _ in pieces]))
+        d = sum(total for _, _, total in pieces)
     else:
         pieces = list(local_slices(params))
         sq = shard_sum(sum(square_sum(seed, i, local.numel(), at, total, local.device)
@@ -77,6 +81,10 @@ def add_direction(params, seed: int, factor: float, stream: str = STREAM, direct
     if stream == LEGACY and kind == "normal":
         for p, g in _legacy_chunks(params, seed):
             p.add_(g.to(p.dtype), alpha=factor)
+        return
+    if stream == COUNTER:  # every parameter in one call: one kernel each when compiled (streams.py)
+        pieces = list(local_slices(params))
+        add_counter_([t for t, _, _ in pieces], seed, factor, kind, [at for _, at, _ in pieces])
         return
     if stream != STREAM:
         raise ValueError(f"direction {direction!r} cannot be drawn from stream {stream!r}")

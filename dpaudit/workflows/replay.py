@@ -13,7 +13,7 @@ def replay_run(run_dir: Path, base_model: Path | None = None):
     import torch
 
     from dpaudit.models.loading import load_causal_lm
-    from dpaudit.training.streams import LEGACY, STREAM
+    from dpaudit.training.streams import COUNTER, LEGACY, STREAMS
     from dpaudit.training.trainable import merged, select_trainable, trainable_parameters
     from dpaudit.training.zo import replay
 
@@ -28,14 +28,16 @@ def replay_run(run_dir: Path, base_model: Path | None = None):
     model, tokenizer = load_causal_lm(base, dtype=torch.bfloat16 if cfg["bf16"] else None)
     torch.manual_seed(cfg["seed"])
     model = select_trainable(model, cfg["trainable"], cfg["lora_rank"], meta.get("lora_new_token_rows", []))
-    device = meta.get("direction_device", "cpu")  # the generator type that drew the directions
-    if device == "cuda" and not torch.cuda.is_available():
-        raise DPAuditError("this run drew its DP-ZO directions on a GPU (CUDA generator); replay it on a machine with one")
-    model.to(device)
     # Runs made before the position-addressable stream drew z from one generator in sequence.
     stream = meta.get("direction_stream", LEGACY)
-    if stream not in (LEGACY, STREAM):
+    if stream not in STREAMS:
         raise DPAuditError(f"this run drew its directions with stream {stream!r}, unknown to this dpaudit; upgrade it")
+    device = meta.get("direction_device", "cpu")  # the generator type that drew the directions
+    if device == "cuda" and not torch.cuda.is_available():
+        if stream != COUNTER:  # counter-v1 is a function of the position alone: the same signs on any device
+            raise DPAuditError("this run drew its DP-ZO directions on a GPU (CUDA generator); replay it on a machine with one")
+        device = "cpu"
+    model.to(device)
     replay(trainable_parameters(model), steps, cfg["lr"], cfg["direction"], stream)
     return merged(model).to("cpu"), tokenizer
 

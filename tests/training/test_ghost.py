@@ -254,3 +254,27 @@ def test_the_norm_pass_refuses_a_layer_that_no_probe_reaches():
     leaf = torch.randn(5, 3, requires_grad=True)
     with pytest.raises(RuntimeError, match="did not report"):
         ghost.norm_pass(ghost(leaf * 2).sum(), list(model.parameters()))
+
+
+@pytest.mark.parametrize("book_keeping, passes", [(True, 1), (False, 2)])
+def test_a_book_keeping_step_runs_one_backward(tiny_model_dir, monkeypatch, book_keeping, passes):
+    """Issue 54: the clipped sum from the norm pass's kept inputs and output gradients, with no second backward
+    (the sharded route's second backward counts 2, so the count can fail). Every backward torch runs goes through
+    the autograd engine's ``run_backward``, counted here."""
+    from torch.autograd import graph
+
+    engine = graph.Variable._execution_engine
+    calls = {"n": 0}
+    real = engine.run_backward
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(engine, name)
+
+        def run_backward(self, *args, **kwargs):
+            calls["n"] += 1
+            return real(*args, **kwargs)
+
+    monkeypatch.setattr(graph.Variable, "_execution_engine", Counting())
+    privatised_gradient(tiny_model_dir, "ghost", "full", book_keeping=book_keeping)
+    assert calls["n"] == passes
