@@ -190,6 +190,12 @@ class DPAuditCallback(TrainerCallback):
                                               accountant=hooked_accountant(dp))
         return control
 
+    def on_save(self, args, state, control, **kwargs):
+        """A Trainer checkpoint: the white-box transcript is written up to it (rows wait on the device in blocks)."""
+        if self.probe is not None:
+            self.probe.flush()
+        return control
+
     def on_train_end(self, args, state, control, model=None, **kwargs):
         from dpaudit.core.atomic import atomic_write_text
 

@@ -31,6 +31,7 @@ from dpaudit.core.run_folder import PROBE, check_number as _check_number, read_p
 from dpaudit.audit.whitebox_canaries import GAIN, TRANSCRIPT, WhiteBoxCanaries
 
 KINDS = ("gradient", "scalar")  # a PipelineProbe (pipeline_probe.py) is the third kind of probe folder
+BLOCK_ROWS = 64  # steps whose rows wait on the device before one copy to the transcript (probe.flush)
 SAMPLING_DOMAIN = 0x77627370  # "wbsp": the canaries' per-step sampling, apart from membership's stream
 
 
@@ -215,13 +216,45 @@ class WhiteBoxProbe:
 
     def observe_slices(self, step: int, slices, scale: float, all_sum=None) -> None:
         """``observe`` for sharded releases: each rank reads the canary coordinates its slices hold, and
-        ``all_sum`` (a numpy vector summed over the ranks) puts the row together; every rank calls it."""
+        ``all_sum`` (a numpy vector summed over the ranks) puts the row together; every rank calls it.
+        Without ``all_sum`` (one process) the row is gathered in one index a tensor; on a GPU it stays there,
+        and rows are copied to the host and written in blocks of ``BLOCK_ROWS`` steps (``flush``), so that a step
+        waits for nothing (on the CPU each row is written at its step, as before)."""
+        if all_sum is None and all(at == 0 and grad.numel() == n for grad, at, n in slices):
+            row = self._gather([grad for grad, _, _ in slices]).double() * scale
+            return self._record(step, row if self._keeps_rows(row) else row.numpy())
         row = np.zeros(self.m)
         for i, (k, off) in enumerate(self.where):
             grad, at, _ = slices[k]
             if at <= off < at + grad.numel():
                 row[i] = float(grad.reshape(-1)[off - at]) * scale
         self._record(step, np.asarray(all_sum(row) if all_sum else row, float))
+
+    @staticmethod
+    def _keeps_rows(row) -> bool:
+        """Whether a gathered row waits on its device for the block's copy: on a GPU (a copy a step would wait for
+        the step to finish)."""
+        return row.device.type != "cpu"
+
+    def _gather(self, released):
+        """The canaries' coordinates of the whole released tensors, in canary order: one index per tensor that
+        holds canaries, on the tensors' device (no host synchronisation)."""
+        import torch
+
+        device = released[0].device
+        plan = getattr(self, "_gather_plan", None)
+        if plan is None or plan[0] != device:
+            by_tensor: dict = {}
+            for i, (k, off) in enumerate(self.where):
+                by_tensor.setdefault(k, []).append((i, off))
+            order = [i for k in sorted(by_tensor) for i, _ in by_tensor[k]]
+            index = [(k, torch.tensor([off for _, off in by_tensor[k]], device=device)) for k in sorted(by_tensor)]
+            inverse = torch.empty(len(order), dtype=torch.long)
+            inverse[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
+            plan = self._gather_plan = (device, index, inverse.to(device))
+        _, index, inverse = plan
+        values = torch.cat([released[k].reshape(-1)[idx].float() for k, idx in index])
+        return values[inverse]
 
     def _value(self, max_grad_norm: float) -> float:
         """A canary's clipped size: gain x C brought to the clip norm the optimizer uses."""
@@ -276,7 +309,8 @@ class WhiteBoxProbe:
                                "tensor per parameter, in the parameters' order")
         self.observe_slices(step, [(r, 0, r.numel()) for r in released], scale)
 
-    def _record(self, step: int, row: np.ndarray) -> None:
+    def _record(self, step: int, row) -> None:
+        """The step's row (numpy, or a tensor on the release's device, kept until ``flush``)."""
         if step != self.step:
             raise DPAuditError(f"the probe expected the release of step {self.step}, got step {step}")
         if self._begun != step:  # a release without its canaries would make the audit vacuous
@@ -284,9 +318,28 @@ class WhiteBoxProbe:
                                f"canary_gradients({step}) (canary_sum, canary_examples) and add them before the "
                                "noise, then observe the release")
         if self._fh is not None:
-            self._fh.write(row.astype("<f4").tobytes())
-            self._fh.flush()
+            pending = self.__dict__.setdefault("_pending", [])
+            pending.append(row)
+            if not isinstance(row, np.ndarray) and len(pending) < BLOCK_ROWS:
+                self.step += 1
+                return
+            self.flush()
         self.step += 1
+
+    def flush(self) -> None:
+        """Write the rows kept on the device to the transcript (one copy to the host) and flush the file: at every
+        BLOCK_ROWS steps, at a checkpoint, before an audit and at close."""
+        pending = self.__dict__.get("_pending")
+        if not pending or self._fh is None or self._fh.closed:
+            return
+        import torch
+
+        on_device = [r for r in pending if not isinstance(r, np.ndarray)]
+        host = iter(torch.stack(on_device).cpu().numpy()) if on_device else iter(())
+        for r in pending:
+            self._fh.write(np.asarray(r if isinstance(r, np.ndarray) else next(host)).astype("<f4").tobytes())
+        self._fh.flush()
+        pending.clear()
 
     def _need(self, kind: str) -> None:
         if self.kind != kind:
@@ -308,6 +361,7 @@ class WhiteBoxProbe:
     # -- the audit ---------------------------------------------------------------------------------------
     def close(self) -> None:
         if self._fh is not None and not self._fh.closed:
+            self.flush()
             self._fh.close()
 
     def audit(self, claimed_eps: float | None = None, delta: float | None = None, *, accountant=None,
@@ -319,7 +373,7 @@ class WhiteBoxProbe:
         from dpaudit.audit.whitebox import audit_run_folder
 
         if self._fh is not None and not self._fh.closed:
-            self._fh.flush()
+            self.flush()
         if delta is None:
             raise DPAuditError("give the delta the run claims (the bound depends on it; 0 would inflate it)")
         accountant = accountant if accountant is not None else getattr(self, "accountant", None)

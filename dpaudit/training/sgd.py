@@ -223,7 +223,10 @@ class FirstOrderTrainer:
             p.summed_grad = p.grad_sample = None
 
     def state_dict(self) -> dict:
-        """The optimizer's state; sharded: whole tensors by parameter name, on rank 0 (every rank calls)."""
+        """The optimizer's state; sharded: whole tensors by parameter name, on rank 0 (every rank calls). A checkpoint
+        is taken with it: the probe's transcript is written up to here, so that a resume finds every row before it."""
+        if self.probe is not None:
+            self.probe.flush()
         if self.sharding is not None:
             from dpaudit.training.shard import full_optimizer_state
 

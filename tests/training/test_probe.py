@@ -311,3 +311,26 @@ def test_a_few_outlying_releases_do_not_hide_a_violation(tmp_path):
     raw.astype("<f4").tofile(tmp_path / "p" / "whitebox_transcript.f32")
     tampered = dpaudit("audit", "transcript", "--run", tmp_path / "p", "--claimed-eps", "1", "--delta", "1e-5")
     assert tampered.returncode == 1, tampered.stdout
+
+
+def test_rows_kept_on_the_device_are_written_in_blocks_and_read_the_same(tmp_path, monkeypatch):
+    """On a GPU a step's row waits on the device (no host synchronisation a step) and BLOCK_ROWS rows go to the
+    transcript at once; forced here on the CPU: the file lags by less than a block, and flush (a checkpoint, an
+    audit, close) writes the same transcript as one row a step does. One gather a tensor, not one read a canary."""
+    from dpaudit.training import probe as probe_module
+
+    transcripts = {}
+    for kept in (False, True):
+        monkeypatch.setattr(WhiteBoxProbe, "_keeps_rows", staticmethod(lambda row, kept=kept: kept))
+        engine, model, optimizer, criterion, loader = _opacus("hooks", sigma=1.0, seed=5)
+        probe = WhiteBoxProbe.attach(optimizer, m=200, out=tmp_path / f"k{kept}", secret_seed=SEED)
+        path = probe.out / "whitebox_transcript.f32"
+        steps = probe_module.BLOCK_ROWS + 6
+        _train(model, optimizer, criterion, loader, steps)
+        written = path.stat().st_size // (4 * 200)
+        assert written == (probe_module.BLOCK_ROWS if kept else steps)
+        probe.flush()
+        assert path.stat().st_size == steps * 200 * 4
+        transcripts[kept] = np.fromfile(path, dtype="<f4")
+        probe.close()
+    assert np.array_equal(transcripts[False], transcripts[True])
