@@ -369,16 +369,79 @@ def analyse_as(batches, sampling: str, dataset_size: int | None = None, sample_r
         if dataset_size is None or batch_size is None:
             raise DPAuditError(f"testing a log against {sampling} needs the dataset size and the batch size "
                                "(-N and -B: t = N // B steps an epoch)")
-        batches = _epochs_checked(batches, dataset_size, dataset_size // batch_size)
-        sample_rate = 1 / (dataset_size // batch_size) if sample_rate is None else sample_rate
-    verdict = analyse_batches(batches, dataset_size, sample_rate, alpha)
+        per_epoch = dataset_size // batch_size
+        placements: list = []
+        tracked = np.sort(np.random.default_rng(4).permutation(dataset_size)[:PLACEMENT_EXAMPLES])
+        batches = _epochs_checked(batches, dataset_size, per_epoch, placements, tracked)
+        sample_rate = 1 / per_epoch if sample_rate is None else sample_rate
+        # alpha in halves: the fingerprints' six tails, and the placement's four (a correct sampler: <= alpha)
+        verdict = analyse_batches(batches, dataset_size, sample_rate, alpha / 2)
+        verdict.alpha = alpha
+        placement = _placement_tests(np.array(placements, dtype=np.int64), per_epoch, alpha / 2, seed=3)
+        verdict.tests["placement of examples in steps"] = placement
+        if placement.get("refuted") and observed_as(verdict.looks_like) == sampling:
+            verdict.looks_like = ("an allocation that is not uniformly random (each example once an epoch, but "
+                                  f"{placement['refuted']})")
+    else:
+        verdict = analyse_batches(batches, dataset_size, sample_rate, alpha)
     observed = observed_as(verdict.looks_like)
     return verdict, observed == sampling, observed
 
 
-def _epochs_checked(batches, n: int, per_epoch: int):
-    """The batches, passed through, with each epoch of ``per_epoch`` steps checked for balls-in-bins' structure."""
+PLACEMENT_REPLICATES = 999  # Monte-Carlo replicates of the placement null (p-values resolve down to 1 / 1000)
+PLACEMENT_EXAMPLES = 100_000  # examples whose steps are kept (a seeded random subset: the same null, bounded memory)
+PLACEMENT_CELLS = 200_000     # epochs x examples tested (the simulation's size: about a second)
+
+
+def _placement_statistics(steps: np.ndarray, t: int) -> tuple[float, float]:
+    """(sum over examples and steps of n_is^2, n_is the epochs example i is in step s; sum over consecutive epochs
+    e, e + 1 of the squared counts of examples per (step in e, step in e + 1)): how often an example returns to
+    the same step, and how often two examples that shared a step share one again."""
+    epochs, n = steps.shape
+    own = np.bincount((np.arange(n) * t + steps).ravel(), minlength=n * t).astype(float)
+    cells = (steps[:-1] * t + steps[1:]).astype(np.int64)  # (step in e, step in e + 1) of each example
+    per = max(1, int(1e7) // (t * t))  # epoch pairs counted in one bincount (its memory: at most 1e7 counts)
+    pairs = 0.0
+    for lo in range(0, epochs - 1, per):
+        block = cells[lo:lo + per] + (np.arange(min(per, epochs - 1 - lo)) * t * t)[:, None]
+        pairs += float(np.square(np.bincount(block.ravel()).astype(float)).sum())
+    return float(np.square(own).sum()), pairs
+
+
+def _placement_tests(steps: np.ndarray, t: int, alpha: float, seed: int) -> dict:
+    """Balls-in-bins puts each example in a uniformly random step of each epoch, independently of every other
+    example and epoch. ``steps`` (epochs x N: each complete epoch's step of each example) is tested against that
+    null with the two statistics of ``_placement_statistics``, both tails of each (alpha / 4 a tail, Bonferroni),
+    the null simulated exactly (seeded Monte Carlo: the verdict is a function of the log). A keyed permutation over a
+    domain too small to be random (issue 53: N = 6, B = 2) returns examples to the same steps, or moves pairs
+    together; a rotation (example i in step (i + e) mod t) places them too evenly. Needs two complete epochs."""
+    epochs = steps.shape[0] if steps.ndim == 2 else 0
+    if epochs < 2 or t < 2:
+        return {"epochs": epochs, "note": "fewer than two complete epochs (or one step an epoch): placement not tested"}
+    steps = steps[:, :max(1, PLACEMENT_CELLS // epochs)]  # the tracked examples are a random subset already
+    observed = _placement_statistics(steps, t)
+    rng = np.random.default_rng(seed)
+    null = np.array([_placement_statistics(rng.integers(0, t, size=steps.shape), t)
+                     for _ in range(PLACEMENT_REPLICATES)])
+    out, refuted = {"epochs": epochs, "examples": int(steps.shape[1]), "replicates": PLACEMENT_REPLICATES}, []
+    for k, (name, what) in enumerate((("same step again", "examples return to the same step"),
+                                      ("pairs together again", "pairs of examples share a step"))):
+        low = (1 + int(np.count_nonzero(null[:, k] <= observed[k]))) / (1 + PLACEMENT_REPLICATES)
+        high = (1 + int(np.count_nonzero(null[:, k] >= observed[k]))) / (1 + PLACEMENT_REPLICATES)
+        out[name] = {"statistic": observed[k], "null_mean": float(null[:, k].mean()), "p_too_even": low,
+                     "p_too_often": high}
+        if min(low, high) < alpha / 4:
+            refuted.append(f"{what} {'too often' if high < low else 'too evenly'} (p = {min(low, high):.2g})")
+    if refuted:
+        out["refuted"] = "; ".join(refuted)
+    return out
+
+
+def _epochs_checked(batches, n: int, per_epoch: int, placements: list | None = None, tracked=None):
+    """The batches, passed through, with each epoch of ``per_epoch`` steps checked for balls-in-bins' structure;
+    each complete epoch's step of the ``tracked`` examples is appended to ``placements``."""
     seen = np.zeros(n, dtype=bool)
+    where = np.zeros(n, dtype=np.int32)
     step = 0
     for batch in batches:
         idx = np.asarray(batch, dtype=np.int64)
@@ -391,6 +454,7 @@ def _epochs_checked(batches, n: int, per_epoch: int):
             raise DPAuditError(f"step {step + 1}: example {int(again[0])} is drawn twice in epoch "
                                f"{step // per_epoch + 1}: not balls-in-bins (each example once an epoch)")
         seen[values] = True
+        where[values] = step % per_epoch
         step += 1
         if step % per_epoch == 0:
             if not seen.all():
@@ -398,6 +462,8 @@ def _epochs_checked(batches, n: int, per_epoch: int):
                 raise DPAuditError(f"epoch {step // per_epoch}: example {missing} is in none of its {per_epoch} "
                                    "steps: not balls-in-bins (each example once an epoch)")
             seen[:] = False
+            if placements is not None:
+                placements.append(where[tracked].copy())
         yield batch
 
 

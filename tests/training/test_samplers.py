@@ -167,3 +167,45 @@ def test_a_log_opened_after_drawing_is_refused(tmp_path):
         with pytest.raises(DPAuditError, match="call .log\\(path\\) before drawing"):
             sampler.log(tmp_path / f"{type(sampler).__name__}.jsonl")
         assert not (tmp_path / f"{type(sampler).__name__}.jsonl").exists()
+
+
+def _log_of(placements):
+    """Batches from an epochs x N array of each example's step (each epoch: t steps)."""
+    t = int(placements.max()) + 1
+    return [np.flatnonzero(row == s).tolist() for row in placements for s in range(t)]
+
+
+def test_the_audit_tests_which_step_each_example_lands_in():
+    """Issue 53, item 6: balls-in-bins puts each example in a uniformly random step of each epoch, independently. A
+    log with the right fingerprints (Binomial batch sizes, each example once an epoch) whose examples keep their
+    step from one epoch to the next half the time is refused, naming the placement; a uniform allocation of the
+    same size is accepted (the test can fail both ways)."""
+    n, b, epochs = 60, 6, 40
+    t = n // b
+    rng = np.random.default_rng(5)
+    fair = rng.integers(0, t, size=(epochs, n))
+    sticky = fair.copy()
+    for e in range(1, epochs):
+        keep = rng.random(n) < 0.5
+        sticky[e, keep] = sticky[e - 1, keep]
+    verdict, matches, observed = analyse_as(_log_of(fair), "balls-in-bins", n, None, b)
+    assert matches and observed == "balls-in-bins"
+    placement = verdict.tests["placement of examples in steps"]
+    assert placement["epochs"] == epochs and "refuted" not in placement
+    verdict, matches, observed = analyse_as(_log_of(sticky), "balls-in-bins", n, None, b)
+    assert not matches and observed != "balls-in-bins"
+    assert "not uniformly random" in verdict.looks_like and "same step too often" in verdict.looks_like
+    assert verdict.advice["p"] == 1.0  # no amplification is advised for it
+    one_epoch = analyse_as(_log_of(fair[:1]), "balls-in-bins", n, None, b)[0]
+    assert "not tested" in one_epoch.tests["placement of examples in steps"]["note"]
+
+
+def test_the_placement_test_flags_a_uniform_allocation_at_most_alpha_of_the_time():
+    """Thirty seeded uniform allocations (the null exactly): the four placement tails get alpha / 8 each (the other
+    half of alpha is the fingerprints'), so refusals here are rare; more than three of thirty fails the test."""
+    from dpaudit.audit.sampler import _placement_tests
+
+    rng = np.random.default_rng(9)
+    refused = sum("refuted" in _placement_tests(rng.integers(0, 5, size=(8, 40)), 5, 0.05 / 2, seed=3)
+                  for _ in range(30))
+    assert refused <= 3
