@@ -14,8 +14,8 @@ its steps (ABBA order), and "x fwd" is its median step over its median forward (
 so that a shared machine's drift between subprocesses does not enter them.
 
     .venv/bin/python benchmarks/trainers.py [--hidden 512 --layers 4 --batch 64 --seq 64 --steps 9]
-Targets (issue 14): DP-SGD (ghost) step <= 2x SGD and peak memory <= 1.3x SGD; DP-ZO peak memory
-<= 1.2x a forward pass and step <= 2.2x one forward.
+Targets (issue 54): DP-SGD step <= 1.3x SGD and peak memory <= 1.1x SGD; DP-ZO step <= 2.2x one forward and
+peak memory <= 1.05x a forward pass (issue 14's CPU targets were 2x, 1.3x, 2.2x and 1.2x).
 """
 
 from __future__ import annotations
@@ -28,7 +28,11 @@ import subprocess
 import sys
 import time
 
-METHODS = ("forward", "dp-zo", "dp-zo-gaussian", "dp-sgd", "dp-sgd-materialise", "sgd")  # dp-zo: the default direction
+# dp-zo: the default direction, drawn from the device's default stream (streams.default_stream: counter-v1 on a
+# GPU); "-blocks": from blocks-v1 (the CPU's default, and the GPU's before counter-v1); "noise": DP-SGD's noise pass
+# alone (N(0, C^2 sigma^2) added to every trainable weight from the step's stream), a part of a DP-SGD step
+METHODS = ("forward", "dp-zo", "dp-zo-gaussian", "dp-zo-blocks", "dp-zo-gaussian-blocks", "dp-sgd",
+           "dp-sgd-materialise", "noise", "sgd")
 
 
 def rss_bytes() -> int:
@@ -100,12 +104,22 @@ def worker(method: str, args) -> dict:
             with torch.no_grad():
                 per_example_loss(model, batch)
     elif method.startswith("dp-zo"):
+        from dpaudit.training.streams import STREAM, default_stream
+
         settings = ZOSettings(lr=1e-6, clip=0.05, noise="gaussian", sigma=1.0,
-                              **({"direction": "gaussian"} if method.endswith("gaussian") else {}))
+                              stream=STREAM if method.endswith("blocks") else default_stream(device),
+                              **({"direction": "gaussian"} if "gaussian" in method else {}))
 
         def step():
             zo_step(model, params, batch, seed=int(rng.integers(2**31)), settings=settings,
                     denominator=args.batch, rng=rng)
+    elif method == "noise":
+        from dpaudit.training.streams import add_normal_
+
+        def step():
+            with torch.no_grad():
+                for i, p in enumerate(params):
+                    add_normal_(p, int(rng.integers(2**31)), i, 1e-9)
     else:
         trainer = FirstOrderTrainer(model, params, lr=1e-4, private=method != "sgd", clip=1.0, sigma=1.0,
                                     expected_batch_size=args.batch, optimizer="sgd",
@@ -124,7 +138,8 @@ def worker(method: str, args) -> dict:
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    step()  # warm-up (allocations, kernels)
+    step()  # warm-up (allocations, kernels; torch.compile's on the first step)
+    step()
     forward()
     times, forwards = [], []
     for i in range(args.steps):  # alternately, so that both see the same machine; ABBA, so that neither
@@ -137,7 +152,7 @@ def worker(method: str, args) -> dict:
     from dpaudit.training import memory
 
     total = sum(p.numel() for p in model.parameters())
-    estimate = None if method == "forward" else memory.peak_bytes(
+    estimate = None if method in ("forward", "noise") else memory.peak_bytes(
         memory.ModelShape.of(model.config, total), trainable=sum(p.numel() for p in params),
         method="dp-zo" if method.startswith("dp-zo") else "dp-sgd", examples=args.batch, tokens=args.seq, optimizer="sgd",
         per_sample_grads="materialise" if method.endswith("materialise") else "ghost", private=method != "sgd")
@@ -180,22 +195,22 @@ def main() -> None:
     memory = ["peak_bytes", "live_bytes"] if "live_bytes" in fwd else ["peak_bytes"]
     names = {"peak_bytes": "RSS MiB" if "live_bytes" in fwd else "peak MiB", "live_bytes": "live MiB"}
     # "estimate": training/memory.py's count (what --max-memory is checked against), over the last peak
-    print(f"{'method':<20}{'s/step':>9}{'x fwd':>7}{'x SGD':>7}"
+    print(f"{'method':<24}{'s/step':>9}{'x fwd':>7}{'x SGD':>7}"
           + "".join(f"{names[k]:>10}{'x fwd':>7}{'x SGD':>7}" for k in memory) + f"{'estimate':>10}{'/ peak':>7}")
     for method, r in rows.items():
         t, est = r["seconds_per_step"], r["estimate_bytes"]
-        print(f"{method:<20}{t:>9.4f}{relative(r):>7.2f}{relative(r) / relative(sgd):>7.2f}"
+        print(f"{method:<24}{t:>9.4f}{relative(r):>7.2f}{relative(r) / relative(sgd):>7.2f}"
               + "".join(f"{r[k] / 2**20:>10.1f}{r[k] / fwd[k]:>7.2f}{r[k] / sgd[k]:>7.2f}" for k in memory)
               + (f"{est / 2**20:>10.1f}{est / r[memory[-1]]:>7.2f}" if est else f"{'':>17}"))
     targets = []  # (what, method, key, baseline, factor)
     if "dp-sgd" in rows:
-        targets += [("DP-SGD step <= 2x SGD", "dp-sgd", "seconds_per_step", sgd, 2.0)]
-        targets += [(f"DP-SGD {names[k].split()[0]} memory <= 1.3x SGD", "dp-sgd", k, sgd, 1.3) for k in memory]
+        targets += [("DP-SGD step <= 1.3x SGD", "dp-sgd", "seconds_per_step", sgd, 1.3)]
+        targets += [(f"DP-SGD {names[k].split()[0]} memory <= 1.1x SGD", "dp-sgd", k, sgd, 1.1) for k in memory]
     for zo in ("dp-zo", "dp-zo-gaussian"):
         if zo in rows:
             label = "DP-ZO" + (" (gaussian)" if zo.endswith("gaussian") else "")
             targets += [(f"{label} step <= 2.2x forward", zo, "seconds_per_step", fwd, 2.2)]
-            targets += [(f"{label} {names[k].split()[0]} memory <= 1.2x forward", zo, k, fwd, 1.2) for k in memory]
+            targets += [(f"{label} {names[k].split()[0]} memory <= 1.05x forward", zo, k, fwd, 1.05) for k in memory]
     for what, method, key, base, factor in targets:
         if key != "seconds_per_step":
             value = rows[method][key] / base[key]
