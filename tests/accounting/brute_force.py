@@ -138,6 +138,16 @@ def add_remove_pairs(n: int):
             yield tuple(smaller), d
 
 
+def zero_out_pairs(n: int):
+    """Every ordered zero-out pair of +-1 datasets of size n (one example's gradient replaced by 0, and the swap)."""
+    for d in signed_datasets(n):
+        for drop in set(d):
+            zeroed = list(d)
+            zeroed[zeroed.index(drop)] = 0
+            yield d, tuple(zeroed)
+            yield tuple(zeroed), d
+
+
 def allocation_bins(data: tuple[int, ...], other: tuple[int, ...], sigma: float, cells_per_sigma: int = 40):
     """One epoch of balls-in-bins with t = 2 steps (each example in one of the two, uniformly and independently),
     data against other, as (lowest loss index, P masses by loss index): the plane cut into square cells (exact
@@ -148,7 +158,25 @@ def allocation_bins(data: tuple[int, ...], other: tuple[int, ...], sigma: float,
             out[(sum(g for g, c in zip(d, choice) if c == 0), sum(g for g, c in zip(d, choice) if c == 1))] += 0.5 ** len(d)
         return out
 
-    p_law, q_law = law(data), law(other)
+    return _plane_bins(law(data), law(other), sigma, cells_per_sigma)
+
+
+def shuffle_bins(data: tuple[int, ...], other: tuple[int, ...], sigma: float, cells_per_sigma: int = 40):
+    """One shuffled epoch of t = 2 fixed-size batches of N / 2 (a uniformly random permutation, cut in two), data
+    against other: as ``allocation_bins``, summed over every permutation."""
+    def law(d):
+        out: Counter = Counter()
+        orders = list(itertools.permutations(range(len(d))))
+        for order in orders:
+            half = len(d) // 2
+            out[(sum(d[i] for i in order[:half]), sum(d[i] for i in order[half:]))] += 1 / len(orders)
+        return out
+
+    return _plane_bins(law(data), law(other), sigma, cells_per_sigma)
+
+
+def _plane_bins(p_law: Counter, q_law: Counter, sigma: float, cells_per_sigma: int):
+    """Two steps' outputs (the batch sums plus independent N(0, sigma^2) each) under two laws of the sums, binned."""
     means = np.array([m for key in set(p_law) | set(q_law) for m in key], dtype=float)
     lo, hi = means.min() - SPAN * sigma, means.max() + SPAN * sigma
     edges = np.concatenate([[-np.inf], np.arange(lo, hi + sigma / cells_per_sigma, sigma / cells_per_sigma), [np.inf]])

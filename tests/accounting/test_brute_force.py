@@ -7,7 +7,8 @@ accountant's eps (bounded from below by ``brute_force.delta_floor``) must not ex
 run for every other hand-written accountant with a small exact case: Poisson sampling (our PLD composition of
 dp-accounting's pair; every inclusion pattern enumerated), pure eps-DP Laplace (Poisson and fixed-size: at the
 accountant's eps no loss may exceed it), and balls-in-bins (the allocation lattice; t = 2 steps an epoch, every
-allocation of every example enumerated, the plane cut into cells).
+allocation of every example enumerated, the plane cut into cells), and shuffled epochs (the no-amplification
+bound under zero-out; every permutation enumerated, t = 2).
 The old fixed-size pair (Poisson's replace-one pair at rate B/N) fails this test: sigma 1, B 2, N 4, T 1 read
 eps 4.22 where D = {-1, +1, +1, +1} against D' = {+1, +1, +1, +1} reaches 8.98.
 """
@@ -19,7 +20,7 @@ import functools
 import pytest
 
 from brute_force import (ROUNDING, add_remove_pairs, allocation_bins, composed_floor, delta_floor, fixed_size_law,
-                         poisson_law, replace_one_pairs)
+                         poisson_law, replace_one_pairs, shuffle_bins, zero_out_pairs)
 from dpaudit.accounting.mechanism import schedule
 from dpaudit.accounting.registry import epsilon
 from dpaudit.accounting.result import NeighboringRelation
@@ -142,3 +143,27 @@ def test_balls_in_bins_is_never_below_any_enumerated_pair(sigma):
                     failures.append(f"N {n} B {b} E {epochs}: eps {result.epsilon:.4f} ({result.accountant}), "
                                     f"{(d, d2)}: {floor:.3g}")
     assert not failures, failures
+
+
+@pytest.mark.parametrize("sigma", [0.7, 1.0, 2.0])
+def test_shuffle_is_never_below_any_enumerated_pair(sigma):
+    """Shuffled epochs (a random permutation cut into t = 2 batches of N / 2), one and two epochs, every zero-out
+    pair of +-1 datasets (the relation the shuffle bound claims): the no-amplification upper bound is never below
+    the exact mechanism. It is loose by construction (no amplification), so the check is against the truth only."""
+    failures = []
+    for n, b in [(2, 1), (4, 2)]:
+        for epochs in (1, 2):
+            result = epsilon(schedule("gaussian", sigma, None, b, n, 2 * epochs, None, "shuffle"), DELTA)
+            assert result.accountant == "shuffle"
+            for d, d2 in zero_out_pairs(n):
+                floor = composed_floor(shuffle_bins(d, d2, sigma), epochs, [result.epsilon])[0]
+                if floor > DELTA + ROUNDING:
+                    failures.append(f"N {n} B {b} E {epochs}: eps {result.epsilon:.4f}, {(d, d2)}: {floor:.3g}")
+    assert not failures, failures
+
+
+def test_the_shuffle_floor_can_fail():
+    """The floor is not vacuous: at an eps well below the bound (a tenth of it) some pair's delta exceeds DELTA."""
+    result = epsilon(schedule("gaussian", 1.0, None, 1, 2, 2, None, "shuffle"), DELTA)
+    worst = max(composed_floor(shuffle_bins(d, d2, 1.0), 1, [result.epsilon / 10])[0] for d, d2 in zero_out_pairs(2))
+    assert worst > DELTA
