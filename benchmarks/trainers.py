@@ -114,12 +114,11 @@ def worker(method: str, args) -> dict:
             zo_step(model, params, batch, seed=int(rng.integers(2**31)), settings=settings,
                     denominator=args.batch, rng=rng)
     elif method == "noise":
-        from dpaudit.training.streams import add_normal_
+        from dpaudit.training.streams import add_normals_
 
         def step():
             with torch.no_grad():
-                for i, p in enumerate(params):
-                    add_normal_(p, int(rng.integers(2**31)), i, 1e-9)
+                add_normals_(params, int(rng.integers(2**31)), 1e-9)
     else:
         trainer = FirstOrderTrainer(model, params, lr=1e-4, private=method != "sgd", clip=1.0, sigma=1.0,
                                     expected_batch_size=args.batch, optimizer="sgd",

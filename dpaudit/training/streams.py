@@ -246,7 +246,7 @@ def _mix_t(x: torch.Tensor) -> torch.Tensor:
     return x ^ _lsr(x, 31)
 
 
-def _seed_t(mixed_key: torch.Tensor, index: int) -> torch.Tensor:
+def _seed_t(mixed_key: torch.Tensor, index) -> torch.Tensor:
     """counter_seed on the device: block_seed(key, index, 0) from mixed_key = _mix(key)."""
     return _mix_t(_mix_t(mixed_key ^ index))
 
@@ -259,7 +259,7 @@ def _add_one(flat: torch.Tensor, mixed_key: torch.Tensor, index: torch.Tensor, o
              alpha: torch.Tensor, normal: bool) -> None:
     """flat += alpha * z in place, z the elements offset + (0 .. numel - 1) of parameter ``index``'s stream."""
     positions = torch.arange(flat.numel(), dtype=torch.int64, device=flat.device) + offset
-    z = _counter_values(_counter_bits(_mix_t(_mix_t(mixed_key ^ index)), positions), normal)
+    z = _counter_values(_counter_bits(_seed_t(mixed_key, index), positions), normal)
     flat.copy_((flat.float() + z * alpha).to(flat.dtype))  # one rounding to a bf16 weight, as add_ does
 
 

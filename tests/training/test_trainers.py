@@ -299,8 +299,8 @@ def test_a_dp_sgd_step_redone_after_resume_draws_fresh_noise(tiny_model_dir, tmp
     from dpaudit.training import dp_step as sgd
 
     keys = []
-    add = sgd.add_normal_
-    monkeypatch.setattr(sgd, "add_normal_", lambda out, key, *a, **k: (keys.append(key), add(out, key, *a, **k)))
+    add = sgd.add_normals_
+    monkeypatch.setattr(sgd, "add_normals_", lambda out, key, *a, **k: (keys.append(key), add(out, key, *a, **k)))
     draw, calls = sampling.poisson_batch, []
 
     def killed_at_step_4(*args, **kwargs):
