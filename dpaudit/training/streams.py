@@ -439,8 +439,9 @@ def add_normals_(tensors: list, key: int, std: float, offsets=None, totals=None)
     if tensors[0].device.type == "cuda":
         add_counter_(tensors, key, std, "normal", offsets)
         return
+    offsets = offsets or [0] * len(tensors)
     for i, t in enumerate(tensors):
-        add_normal_(t, key, i, std, (offsets or [0] * len(tensors))[i], totals[i] if totals else None)
+        add_normal_(t, key, i, std, offsets[i], totals[i] if totals else None)
 
 
 STREAMS = (LEGACY, STREAM, COUNTER)
