@@ -293,9 +293,8 @@ def _direction_stream(run_dir: Path, start: int, device) -> str:
     the one it began with, so that one replay redraws every step (the first start recorded it)."""
     from dpaudit.training.streams import LEGACY, default_stream
 
-    if start and (run_dir / run_folder.RUN_CONFIG).is_file():
-        return (run_folder.read_json(run_dir / run_folder.RUN_CONFIG, "run config") or {}).get("direction_stream", LEGACY)
-    return default_stream(device)
+    meta = run_folder.run_config(run_dir, required=False) if start else None
+    return meta.get("direction_stream", LEGACY) if meta is not None else default_stream(device)
 
 
 def _allocation_secret(opening, run_dir: Path, cfg: TrainConfig, world, secret: int, per_epoch: int) -> int:
