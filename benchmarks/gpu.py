@@ -1,5 +1,5 @@
 """Every GPU figure of docs/performance.md in one run (issue 54): the DP-ZO stream's check and cost, the trainers'
-table at the SmolLM-135M shape, DP-SGD against SGD paired in one process, the Hugging Face Trainer rows, and the
+table at the SmolLM-135M shape (every row in one process on a GPU; DP-BiTFiT against BiTFiT), DP-SGD against SGD paired in one process, the Hugging Face Trainer rows, and the
 main job. Each part runs in its own process under its own time limit and writes its log to --out; the summary
 prints as the parts end. Made for the few minutes a GPU is lent (about 5 on one H100); runs on CPU too (slowly:
 pass --quick there).
@@ -120,7 +120,7 @@ def main() -> None:
     parts = {
         "stream": ([py, __file__, "--out", str(out), "--part", "stream"] + (["--quick"] if args.quick else []), 180),
         "trainers": ([py, str(HERE / "trainers.py"), *shape, *batch, *threads, "--methods",
-                      "dp-zo,dp-zo-gaussian,dp-zo-blocks,dp-zo-gaussian-blocks,dp-sgd,noise"], 240),
+                      "dp-zo,dp-zo-gaussian,dp-sgd,dp-sgd-materialise,noise,dp-bitfit,bitfit"], 240),
         "paired": ([py, str(HERE / "dp_sgd_paired.py"), *shape, *batch, *threads], 60),
         "hf": ([py, str(HERE / "hf_trainer_cost.py"), *threads]
                + (["--hidden", "64", "--layers", "2", "--steps", "10", "--m", "100"] if args.quick else []), 120),

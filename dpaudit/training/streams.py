@@ -333,8 +333,7 @@ def _graph_pass(tensors: list, normal: bool):
     if sig in _graphs:
         return _graphs[sig]
     if len(_graphs) >= 8 or len(_seen) >= 64:  # a few passes a run (z's kinds, the noise): never one a call
-        _graphs.clear()
-        _seen.clear()
+        forget_graphs()
     if sig not in _seen:
         _seen.add(sig)
         return None
@@ -343,6 +342,12 @@ def _graph_pass(tensors: list, normal: bool):
     except Exception:  # noqa: BLE001 - capture is an optimisation: the same kernels run uncaptured
         _graphs[sig] = None
     return _graphs[sig]
+
+
+def forget_graphs() -> None:
+    """Drop the captured passes (each keeps its tensors alive): for a process that trains one model after another."""
+    _graphs.clear()
+    _seen.clear()
 
 
 def _compiled_pass(tensors: list, keys: torch.Tensor, alpha: float, normal: bool) -> None:
