@@ -1,7 +1,9 @@
 """From canary scores to an audit: ROC, every eps lower bound, the headline, and the verdict.
 
 The headline is one rule, fixed before the scores are seen (so it needs no further correction):
-- white-box scores that sum canary-aligned signals (delta > 0): the continuous Gaussian audit;
+- white-box scores that sum canary-aligned signals (delta > 0): the continuous Gaussian audit, its mean shift
+  read through the run's own mechanism family where the run's rate and steps are known (family.py), else
+  through G_mu;
 - other scores, delta > 0: the f-DP one-run test of the Gaussian family, one-sided top-k guesses for 12
   counts fixed in advance (label-free, so Bonferroni over them is exact; jax_privacy's ROC-hull rule
   picks its thresholds with the labels and is reported beside it);
@@ -43,6 +45,9 @@ class AuditResult:
     # A PipelineProbe that saw each step's batch: the sampler audit of its member canaries' inclusions (a
     # SamplerVerdict). Inclusions that are not Poisson at the accounted rate void the claim's accounting.
     sampler: object = None
+    # A probe whose canaries entered as examples: the per-example clipping check (clipping.ClippingCheck). Canaries
+    # whose contribution grows with their size void the claim's sensitivity.
+    clipping: object = None
     # What this audit can refute: its headline bound on perfect scores of the same membership (every member above
     # every non-member), the same guess counts, alpha split and headline: the most it could ever report. The one
     # oracle the report's "can refute" line and the pre-training power note read (power.most_certifiable).
@@ -58,7 +63,8 @@ class AuditResult:
 
     @property
     def violation(self) -> bool:
-        return bool(self.unprotected) or self._sampler_refused or (self.claimed_epsilon is not None
+        return bool(self.unprotected) or self._sampler_refused or self._clipping_refused or (
+            self.claimed_epsilon is not None
                                           and self.epsilon_lower_bound > self.claimed_epsilon)
 
     @property
@@ -68,6 +74,9 @@ class AuditResult:
                                                        if len(self.unprotected) > 3 else "")
             return (f"VIOLATION: {len(self.unprotected)} trainable tensors are updated outside DP (no clipping, no "
                     f"noise): {names}")
+        if self._clipping_refused:
+            return (f"VIOLATION: the canaries were not clipped per example: {self.clipping.verdict.split(': ', 1)[1]}"
+                    f"; eps lower bound {self.epsilon_lower_bound:.3f}")
         if self._sampler_refused:
             return (f"VIOLATION: the canaries were not sampled as accounted (Poisson at rate "
                     f"{self.sampler.sample_rate:.4g}): their inclusions look like {self.sampler.looks_like}; "
@@ -86,6 +95,10 @@ class AuditResult:
     @property
     def _sampler_refused(self) -> bool:
         return self.sampler is not None and not self.sampler.poisson_accounting_valid
+
+    @property
+    def _clipping_refused(self) -> bool:
+        return self.clipping is not None and self.clipping.refused
 
     def to_dict(self) -> dict:
         eps = self.epsilon_lower_bound
@@ -107,6 +120,7 @@ class AuditResult:
             "bounds": {k: b.to_dict() for k, b in self.bounds.items()},
             **({"unprotected_parameters": list(self.unprotected)} if self.unprotected else {}),
             **({"canary_sampler_audit": self.sampler.to_dict()} if self.sampler is not None else {}),
+            **({"clipping_check": self.clipping.to_dict()} if self.clipping is not None else {}),
             **({"claim_ceiling": self.ceiling.to_dict(self.roc.tpr_at_fpr)} if self.ceiling is not None else {}),
             **({"refutable_ceiling": self.refutable if math.isfinite(self.refutable) else "inf"}
                if self.refutable is not None else {}),
@@ -114,14 +128,15 @@ class AuditResult:
 
 
 def refutable_bound(members, *, delta: float, alpha: float, guess_counts: list[int] | None = None, seed: int = 0,
-                    score: str = "unnamed", headline: str = "auto", mechanism: str | None = None) -> float:
+                    score: str = "unnamed", headline: str = "auto", mechanism: str | None = None,
+                    model=None) -> float:
     """The most an audit of this membership can report: its headline bound on perfect scores (every member above
     every non-member), the same guess counts, alpha split and headline rule."""
     import numpy as np
 
     members = np.asarray(members, dtype=bool)
     return analyse(members.astype(float), members, delta=delta, alpha=alpha, guess_counts=guess_counts, seed=seed,
-                   score=score, headline=headline, mechanism=mechanism, _perfect=True).epsilon_lower_bound
+                   score=score, headline=headline, mechanism=mechanism, model=model, _perfect=True).epsilon_lower_bound
 
 
 def check_audit_parameters(alpha: float, delta: float, claimed_epsilon: float | None) -> None:
@@ -133,9 +148,11 @@ def check_audit_parameters(alpha: float, delta: float, claimed_epsilon: float | 
         raise DPAuditError(f"claimed eps must be a finite number >= 0, got {claimed_epsilon}")
 
 
-def choose_headline(score: Score, delta: float, headline: str = "auto", mechanism: str | None = None) -> str:
+def choose_headline(score: Score, delta: float, headline: str = "auto", mechanism: str | None = None,
+                    model=None) -> str:
     """The headline bound, fixed before the scores are seen. ``auto`` fits the mechanism: a Gaussian-shaped
-    run (DP-SGD, Gaussian DP-ZO) headlines the Gaussian-family bounds; a Laplace run, whose trade-off curve is
+    run (DP-SGD, Gaussian DP-ZO) headlines the Gaussian-family bounds, read through the run's own family
+    (gaussian-run) where its rate and steps are known (``model``); a Laplace run, whose trade-off curve is
     not Gaussian, one valid for any (eps, delta)-DP mechanism (steinke at delta = 0, else fdp)."""
     if headline not in HEADLINES:
         raise DPAuditError(f"unknown headline bound {headline!r}; use {', '.join(HEADLINES)}")
@@ -144,19 +161,26 @@ def choose_headline(score: Score, delta: float, headline: str = "auto", mechanis
             return "steinke"
         if mechanism is not None and mechanism != "gaussian":
             return "fdp"
-        return "gaussian" if score.gaussian_sum else "fdp-gdp"
+        if score.gaussian_sum:
+            return "gaussian-run" if model is not None else "gaussian"
+        return "fdp-gdp"
     if BOUNDS[headline].needs_delta and delta == 0:
         raise DPAuditError(f"the {headline} bound needs delta > 0 (a Gaussian curve has no finite pure eps)")
+    if BOUNDS[headline].needs_run and model is None:
+        raise DPAuditError(f"the {headline} bound needs a white-box run's rate, steps and scores (a run folder or a "
+                           "probe's), not a score file")
     return headline
 
 
 def analyse(scores, members, *, claimed_epsilon: float | None = None, delta: float = 0.0,
             alpha: float = 0.05, guess_counts: list[int] | None = None, seed: int = 0,
             score: str = "unnamed", headline: str = "auto", mechanism: str | None = None,
-            ceiling=None, _perfect: bool = False) -> AuditResult:
+            ceiling=None, model=None, _perfect: bool = False) -> AuditResult:
     """Audit canary scores (higher = member). Guess counts and the headline rule are fixed before looking
     at the scores; each bound pays for the guess sets it tries (Bonferroni). ``ceiling``: the most TPR the claim
-    allows (ceiling.run_ceiling, from the run's mechanism); by default the claim's own (eps, delta) region."""
+    allows (ceiling.run_ceiling, from the run's mechanism); by default the claim's own (eps, delta) region.
+    ``model``: how white-box scores were formed from a Poisson-sampled Gaussian run (family.ScoreModel), for the
+    gaussian-run bound."""
     from dpaudit.audit.ceiling import claim_ceiling
 
     check_audit_parameters(alpha, delta, claimed_epsilon)
@@ -166,12 +190,14 @@ def analyse(scores, members, *, claimed_epsilon: float | None = None, delta: flo
         raise DPAuditError(f"delta = {delta:g} >= 1/m = {1 / m:.3g}: a claim with delta this large allows "
                            "leaking a canary outright, so no audit of m canaries can bound eps (vacuous)")
     kind = get_score(score)
-    head = choose_headline(kind, delta, headline, mechanism)
+    if model is not None and (not kind.gaussian_sum or (mechanism or "gaussian") != "gaussian"):
+        model = None  # the family is a Gaussian run's white-box sums
+    head = choose_headline(kind, delta, headline, mechanism, model)
     counts = GuessCounts(tuple(guess_counts) if guess_counts else None)
     resolved = counts.resolve(m)
     if resolved[0] < 1 or resolved[-1] > m:
         raise DPAuditError(f"guess counts must lie in [1, m={m}], got {resolved}")
-    auditor = CanaryScoreAuditor.from_labels(scores, members, seed)
+    auditor = CanaryScoreAuditor.from_labels(scores, members, seed, model)
     n_in, n_out = int(members.sum()), int((~members).sum())
     bounds = {}
     for name, spec in BOUNDS.items():  # every bound the registry holds that applies here
@@ -179,11 +205,14 @@ def analyse(scores, members, *, claimed_epsilon: float | None = None, delta: flo
             continue
         if spec.white_box_only and not ((kind.gaussian_sum or head == name) and min(n_in, n_out) >= 2):
             continue
+        if spec.needs_run and model is None:
+            continue
         bounds[name] = spec.compute(auditor, alpha, delta, counts)
     if head not in bounds:
         raise DPAuditError("the gaussian bound needs at least 2 members and 2 non-members")
     refutable = None if _perfect else refutable_bound(members, delta=delta, alpha=alpha, guess_counts=guess_counts,
-                                                      seed=seed, score=score, headline=head, mechanism=mechanism)
+                                                      seed=seed, score=score, headline=head, mechanism=mechanism,
+                                                      model=model)
     return AuditResult(m=m, members=n_in, nonmembers=n_out, alpha=alpha, delta=delta,
                        claimed_epsilon=claimed_epsilon, score=kind, bounds=bounds, headline=head,
                        roc=summarise(scores, members), refutable=refutable,

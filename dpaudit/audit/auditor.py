@@ -13,11 +13,11 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from dpaudit.audit import clopper_pearson, fdp, gaussian, gdp, one_run
+from dpaudit.audit import clopper_pearson, family, fdp, gaussian, gdp, one_run
 from dpaudit.audit.guesses import (  # noqa: F401 - the strategies, importable from here as before
     Candidate, HullThresholds, TopGuesses, default_guess_counts, make_guesses, ranking, roc_hull,
 )
-from dpaudit.audit.headlines import ANY_MECHANISM, GAUSSIAN_SHAPE, INDEPENDENT, WHITE_BOX_SUMS
+from dpaudit.audit.headlines import ANY_MECHANISM, GAUSSIAN_SHAPE, INDEPENDENT, RUN_FAMILY, WHITE_BOX_SUMS
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def _suffix(strategy) -> str:
 
 
 class CanaryScoreAuditor:
-    def __init__(self, in_scores, out_scores, seed: int = 0):
+    def __init__(self, in_scores, out_scores, seed: int = 0, model=None):
         self.in_scores = np.asarray(in_scores, dtype=float)
         self.out_scores = np.asarray(out_scores, dtype=float)
         if self.in_scores.size == 0 or self.out_scores.size == 0:
@@ -74,11 +74,12 @@ class CanaryScoreAuditor:
         self.members = np.r_[np.ones(self.in_scores.size, bool), np.zeros(self.out_scores.size, bool)]
         self.m = self.scores.size
         self.seed = seed
+        self.model = model  # family.ScoreModel: how the scores were formed from the run's releases (or None)
 
     @classmethod
-    def from_labels(cls, scores, members, seed: int = 0) -> "CanaryScoreAuditor":
+    def from_labels(cls, scores, members, seed: int = 0, model=None) -> "CanaryScoreAuditor":
         scores, members = np.asarray(scores, float), np.asarray(members, bool)
-        auditor = cls(scores[members], scores[~members], seed)
+        auditor = cls(scores[members], scores[~members], seed, model)
         auditor.scores, auditor.members = scores, members  # keep the canaries' order for seeded tie-breaks
         return auditor
 
@@ -146,6 +147,18 @@ class CanaryScoreAuditor:
                      epsilon=gdp.epsilon_from_mu(mu, delta), delta=delta, alpha=alpha,
                      guesses="none: the mean shift of all scores", mu=mu, mu_estimate=mu_hat,
                      valid_for=WHITE_BOX_SUMS)
+
+    def epsilon_gaussian_run(self, alpha: float, delta: float) -> Bound:
+        """The continuous statistic's mu lower limit read through the run's own mechanism family (family.py)."""
+        if self.model is None:
+            raise ValueError("the gaussian-run bound needs the run's family (rate, steps, how scores were formed)")
+        mu, mu_hat = gaussian.mu_lower_bound(self.in_scores, self.out_scores, alpha)
+        eps, sigma = family.epsilon_lower_bound(self.model, mu, self.in_scores.size, self.out_scores.size, delta)
+        return Bound(name="gaussian-run", method="continuous statistic read through the run's mechanism family ("
+                     + self.model.describe() + ")", epsilon=eps, delta=delta, alpha=alpha,
+                     guesses="none: the mean shift of all scores", mu=mu, mu_estimate=mu_hat,
+                     at=f"family member refuted down to sigma = {sigma:.4g}" if math.isfinite(sigma) else None,
+                     valid_for=RUN_FAMILY)
 
     def epsilon_clopper_pearson(self, alpha: float, delta: float, strategy=TopGuesses()) -> Bound:
         """TPR/FPR intervals at each threshold (Jagielski et al. 2020). Treats canaries as independent trials:

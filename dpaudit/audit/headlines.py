@@ -22,6 +22,8 @@ WHITE_BOX_SUMS = ("white-box scores that are sums of canary-aligned signals over
                   "CLT), from a mu-GDP mechanism or a Poisson-subsampled Gaussian one (G_mu at the score's shift "
                   "is below its accounted eps: tests/audit/test_audit_bounds.py)")
 INDEPENDENT = "independent canaries (many runs); indicative in one run"
+RUN_FAMILY = ("white-box sums from a run whose canaries are Poisson-sampled at its rate with Gaussian noise, each "
+              "member adding at most C a step (the probes and the bundled white-box runs; audit/family.py)")
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class BoundSpec:
     compute: Callable            # (CanaryScoreAuditor, alpha, delta, GuessCounts) -> Bound named ``name``
     headline: bool = True        # may decide the verdict (clopper-pearson: indicative only)
     white_box_only: bool = False  # computed for Gaussian-sum scores (or when asked for as the headline)
+    needs_run: bool = False       # needs the run's family (rate, steps, the score's per-step function)
 
 
 def _top():
@@ -67,6 +70,12 @@ BOUNDS: dict[str, BoundSpec] = {b.name: b for b in (
                           "of all m scores estimates mu (noncentral-t lower limit), converted to eps at delta "
                           "through G_mu", WHITE_BOX_SUMS, True,
               lambda a, alpha, delta, counts: a.epsilon_gaussian(alpha, delta), white_box_only=True),
+    BoundSpec("gaussian-run", "white-box scores are sums over the run's releases: the mean shift of all m scores "
+                              "(noncentral-t lower limit) is read through the run's own mechanism family (Poisson-"
+                              "subsampled Gaussian at its p and T, exact moments of the score), and eps is the "
+                              "least private member the shift refutes, from the pld accountant", RUN_FAMILY, True,
+              lambda a, alpha, delta, counts: a.epsilon_gaussian_run(alpha, delta), white_box_only=True,
+              needs_run=True),
     BoundSpec("clopper-pearson", "Clopper-Pearson intervals on TPR and FPR at each top-k threshold (Jagielski et "
                                  "al. 2020), treating canaries as independent trials", INDEPENDENT, False,
               lambda a, alpha, delta, counts: a.epsilon_clopper_pearson(alpha, delta, _top()), headline=False),
@@ -74,12 +83,14 @@ BOUNDS: dict[str, BoundSpec] = {b.name: b for b in (
 
 WHY = {name: b.why for name, b in BOUNDS.items()}
 HEADLINES = ("auto", *(name for name, b in BOUNDS.items() if b.headline))
-AUTO_RULE = ("auto: steinke at delta = 0; else fdp for a non-Gaussian mechanism (Laplace); else gaussian for "
-             "white-box sums, fdp-gdp otherwise")
+AUTO_RULE = ("auto: steinke at delta = 0; else fdp for a non-Gaussian mechanism (Laplace); else gaussian-run for "
+             "white-box sums of a run whose rate and steps are known, gaussian for other white-box sums, fdp-gdp "
+             "otherwise")
 
 
 SCOPES = {ANY_MECHANISM: "any mechanism", GAUSSIAN_SHAPE: "Gaussian trade-off curves",
-          WHITE_BOX_SUMS: "white-box sums", INDEPENDENT: "independent canaries"}
+          WHITE_BOX_SUMS: "white-box sums", INDEPENDENT: "independent canaries",
+          RUN_FAMILY: "white-box sums of a Poisson-sampled Gaussian run"}
 
 
 def headline_help() -> str:

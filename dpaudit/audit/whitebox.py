@@ -45,12 +45,18 @@ ROBUST_CUT = 8.0  # robust standard deviations
 BLOCK_VALUES = 1 << 21  # transcript values scored at a time (a few float64 copies of them are held)
 
 
-def _alignment_scores(releases: np.ndarray, canaries, clip: float) -> dict[str, np.ndarray]:
+LIKELIHOOD = "likelihood ratio"  # family.likelihood_ratio of each step's x, at the transcript's robust scale
+
+
+def _alignment_scores(releases: np.ndarray, canaries, clip: float, rate: float | None = None
+                      ) -> tuple[dict[str, np.ndarray], float]:
     """The raw and the robust alignment of every canary, reading the (memory-mapped) releases a block of steps at
     a time, so memory is O(block), not O(transcript) (issue 36: a 100 MB transcript took 850 MB). The robust cut
     comes from an evenly strided sample of at most 2^20 entries (a function of the transcript, blind to
-    membership, like the cut itself)."""
+    membership, like the cut itself). With the Poisson ``rate``, a third statistic: each canary's log-likelihood
+    ratio under the run's family at the entries' robust scale (family.py). Also returns that scale, in units of C."""
     from dpaudit.core import limits as budget
+    from dpaudit.audit.family import likelihood_ratio_step
     from dpaudit.audit.whitebox_canaries import step_signs
 
     steps, m = releases.shape
@@ -59,13 +65,18 @@ def _alignment_scores(releases: np.ndarray, canaries, clip: float) -> dict[str, 
     stride = max(1, steps * m // (1 << 20))
     sample = np.asarray(releases.reshape(-1)[::stride], float)
     centre, cut = _robust_cut(sample)
-    raw, robust = np.zeros(m), np.zeros(m)
+    scale = cut / ROBUST_CUT / clip
+    likely = rate is not None and scale > 0
+    raw, robust, llr = np.zeros(m), np.zeros(m), np.zeros(m)
     for start in range(0, steps, block):
         part = np.asarray(releases[start:start + block], float)
         signs = np.stack([step_signs(canaries.seed, t, m) for t in range(start, start + part.shape[0])])
         raw += (signs * part).sum(0)
         robust += (signs * (np.clip(part, centre - cut, centre + cut) if cut > 0 else part)).sum(0)
-    return {"alignment": raw / clip, ROBUST: robust / clip}
+        if likely:
+            llr += likelihood_ratio_step(signs * part / clip, rate, scale).sum(0)
+    stats = {"alignment": raw / clip, ROBUST: robust / clip}
+    return ({**stats, LIKELIHOOD: llr} if likely else stats), scale
 
 
 def _pipeline_scores(moves: np.ndarray) -> dict[str, np.ndarray]:
@@ -128,6 +139,8 @@ def transcript_scores(run_dir: Path, meta: dict | None = None
     if probe is not None:
         if canaries.run_id != probe["run_id"] or canaries.m != probe["m"]:
             raise DPAuditError(f"{run_dir}: the canary manifest and probe.json come from different probe runs")
+    rate = _poisson_rate(meta)
+    scale = None
     if release == "pipeline-rows":  # a PipelineProbe: each step's movement of the canaries' own rows
         rows = _transcript_rows(run_dir, canaries.m)
         steps, stats, name = len(rows), _pipeline_scores(rows), "white-box-pipeline"
@@ -137,10 +150,13 @@ def transcript_scores(run_dir: Path, meta: dict | None = None
         steps = len(sums)
         signs = np.stack([step_signs(canaries.seed, t, canaries.m) for t in range(steps)]) if steps else None
         stats = {"correlation": signs.T @ sums / clip} if steps else {}
+        if steps:
+            stats, scale = _scalar_likelihood(stats, signs, sums / clip, rate)
         name = "white-box-dp-zo"
     elif release == "gradient-transcript":
         rows = _transcript_rows(run_dir, canaries.m)
-        steps, stats, name = len(rows), _alignment_scores(rows, canaries, clip), "white-box-dp-sgd"
+        (stats, scale), name = _alignment_scores(rows, canaries, clip, rate), "white-box-dp-sgd"
+        steps = len(rows)
     elif release == "zo-log":
         seeds, scalars = run_folder.zo_log(run_dir)
         steps = len(scalars)
@@ -152,13 +168,65 @@ def transcript_scores(run_dir: Path, meta: dict | None = None
         if sigma:
             known = public_noise(seeds, cfg["mechanism"], clip * float(sigma))
             stats["correlation, public-seed noise removed"] = signs.T @ (sums - known) / clip
+        if cfg.get("mechanism") == "gaussian":
+            stats, scale = _scalar_likelihood(stats, signs, sums / clip, rate)
         name = "white-box-dp-zo"
     else:
         raise DPAuditError(f"{run_dir}: its method releases nothing a white-box audit reads (only the final model)")
     if steps == 0:
         raise DPAuditError(f"{run_dir} has no released steps to audit")
     facts = {"steps": steps, "white-box canaries": canaries.m}
+    if scale is not None and LIKELIHOOD in stats:
+        facts["likelihood-ratio scale (x C)"] = scale
     return stats, canaries.members, name, facts if release == "pipeline-rows" else {**facts, "canary gain (x C)": canaries.gain}
+
+
+def _poisson_rate(meta: dict) -> float | None:
+    """The rate at which the run Poisson-samples its white-box canaries: a probe's own (it samples them), a bundled
+    run's (white-box runs are Poisson only); None where the folder does not say it."""
+    probe = meta.get("probe")
+    rate = probe.get("sample_rate") if probe is not None else meta.get("sampling_rate")
+    sampling = (meta.get("config") or {}).get("sampling", "poisson")
+    if probe is None and sampling != "poisson":
+        return None
+    try:
+        rate = float(rate)
+    except (TypeError, ValueError):
+        return None
+    return rate if 0 < rate <= 1 else None
+
+
+def _scalar_likelihood(stats: dict, signs: np.ndarray, x: np.ndarray, rate: float | None):
+    """A scalar release's likelihood-ratio statistic (each canary's signed view of the step's sum, in units of C),
+    at the sums' robust scale; (stats, scale), the stats unchanged without a rate."""
+    from dpaudit.audit.family import likelihood_ratio_step
+
+    centre = float(np.median(x))
+    scale = 1.4826 * float(np.median(np.abs(x - centre)))
+    if rate is None or not scale > 0:
+        return stats, None
+    return {**stats, LIKELIHOOD: likelihood_ratio_step(signs * x[:, None], rate, scale).sum(0)}, scale
+
+
+def score_models(meta: dict, stats: dict, facts: dict) -> dict:
+    """{statistic: family.ScoreModel} for the statistics the gaussian-run bound can read: the linear ones and the
+    likelihood ratio, in a Gaussian run whose canaries are Poisson-sampled at a known rate (not the robust
+    statistic, whose cut depends on the transcript; not a pipeline probe's, whose steps are standardised)."""
+    from dpaudit.audit import family
+
+    rate = _poisson_rate(meta)
+    mechanism = (meta.get("config") or {}).get("mechanism", "gaussian")
+    if rate is None or mechanism != "gaussian" or run_folder.release_of(meta) == "pipeline-rows":
+        return {}
+    steps = int(facts["steps"])
+    scale = facts.get("likelihood-ratio scale (x C)")
+    models = {}
+    for key in stats:
+        if key == LIKELIHOOD and scale:
+            models[key] = family.likelihood_ratio(rate, steps, scale)
+        elif key in ("alignment", "correlation", "correlation, public-seed noise removed"):
+            models[key] = family.linear(rate, steps, scale or 1.0)
+    return models
 
 
 def _run_ceiling(meta: dict, steps: int, claimed_epsilon, delta: float):
@@ -212,6 +280,15 @@ def audit_run_folder(run_dir: Path, *, claimed_epsilon: float | None, delta: flo
 
     meta = _run_config(Path(run_dir))  # read once
     stats, members, name, facts = transcript_scores(run_dir, meta)
+    clipping = None
+    if meta.get("probe") is not None:
+        from dpaudit.audit.clipping import CLIP_SHARE, check, read_tally
+
+        tally = read_tally(run_dir, meta["probe"]["run_id"])
+        if tally is not None:  # the canaries entered as examples: the per-example clipping check pays alpha x share
+            clipping = check(tally, alpha * CLIP_SHARE)
+            alpha = alpha * (1 - CLIP_SHARE)
+            facts = {**facts, "per-example clipping check": f"at alpha {clipping.alpha:g} (the rest at {alpha:g})"}
     logged = run_folder.release_of(meta) == "pipeline-rows" and (Path(run_dir) / CANARY_BATCHES).is_file()
     sampler = None
     if logged and sample_rate is not None:
@@ -220,19 +297,23 @@ def audit_run_folder(run_dir: Path, *, claimed_epsilon: float | None, delta: flo
     elif logged:
         facts = {**facts, "canaries' sampler audit": "not made: the batches were logged; give the sample rate the "
                                                       "run is accounted with to test them"}
-    share = (alpha / 2 if sampler is not None else alpha) / len(stats)
     mechanism = meta["config"].get("mechanism")
     ceiling = _run_ceiling(meta, facts["steps"], claimed_epsilon, delta)
+    models = score_models(meta, stats, facts)
+    if headline == "gaussian-run":  # asked for by name: the statistics it can read
+        stats = {k: v for k, v in stats.items() if k in models} or stats
+    share = (alpha / 2 if sampler is not None else alpha) / len(stats)
     results = {k: analyse(v, members, claimed_epsilon=claimed_epsilon, delta=delta, alpha=share, score=name,
                           mechanism=mechanism if isinstance(mechanism, str) else None,
-                          headline=headline, ceiling=ceiling) for k, v in stats.items()}
+                          headline=headline, ceiling=ceiling, model=models.get(k)) for k, v in stats.items()}
     best = max(results, key=lambda k: results[k].epsilon_lower_bound)
     facts = {**facts, "statistic": best, "statistics tried": len(stats),
              "alpha per statistic": share,
              "other statistics": {k: r.epsilon_lower_bound for k, r in results.items() if k != best}}
     result = results[best]
-    result.alpha = alpha  # the family-wise level; each bound inside was computed at its share of it
-    result.sampler = sampler
+    result.alpha = alpha + (clipping.alpha if clipping is not None else 0.0)  # the family-wise level; each bound
+    result.sampler = sampler                                                  # inside was computed at its share
+    result.clipping = clipping
     unprotected = (meta.get("probe") or {}).get("unprotected_parameters") or []
     result.unprotected = tuple(str(n) for n in unprotected)
     return result, stats[best], members, facts

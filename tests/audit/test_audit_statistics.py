@@ -159,9 +159,14 @@ def test_every_registered_bound_is_computed_named_and_explained_as_the_registry_
     rng = np.random.default_rng(3)
     members = rng.random(400) < 0.5
     scores = rng.normal(0, 1, 400) + members
+    from dpaudit.audit.family import linear
+
     result = analyse(scores, members, claimed_epsilon=1.0, delta=1e-5, score="white-box-dp-sgd")
-    assert list(result.bounds) == list(BOUNDS)
-    for name, bound in result.bounds.items():
+    assert list(result.bounds) == [n for n, b in BOUNDS.items() if not b.needs_run]  # no run's family given
+    run = analyse(scores, members, claimed_epsilon=1.0, delta=1e-5, score="white-box-dp-sgd",
+                  model=linear(0.1, 100, 1.0))
+    assert list(run.bounds) == list(BOUNDS) and run.headline == "gaussian-run"
+    for name, bound in run.bounds.items():
         assert bound.name == name and bound.valid_for == BOUNDS[name].valid_for
     pure = analyse(scores, members, claimed_epsilon=1.0, delta=0.0, score="neg-loss")
     assert set(pure.bounds) == {n for n, b in BOUNDS.items() if not b.needs_delta and not b.white_box_only}

@@ -58,7 +58,9 @@ def test_correct_dp_zo_run_is_consistent(tmp_path, tiny_model_dir):
     folder = run(tmp_path, tiny_model_dir, "zo", method="dp-zo", target_epsilon=1.0, steps=40, white_box=200,
                  lr=1e-5)
     result, _, _, facts = audit_run_folder(folder, claimed_epsilon=1.0, delta=1e-5)
-    assert not result.violation and facts["statistics tried"] == 2  # plain and public-noise replayed
+    # plain, public-noise replayed, and the family's likelihood ratio
+    assert not result.violation and facts["statistics tried"] == 3
+    assert result.headline == "gaussian-run"
 
 
 def test_planted_bugs_are_gated_hidden_and_named(tmp_path, tiny_model_dir, monkeypatch):
