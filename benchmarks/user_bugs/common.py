@@ -18,6 +18,8 @@ BUGS = {
     "accountant-n-10x": "accountant told N ten times too large (p/10)",
     "accountant-per-epoch": "accountant stepped once per epoch",
     "no-clipping": "clipping disabled (max_grad_norm = inf), noise for C",
+    "batch-sum-clipping": "the batch's summed gradient clipped to C instead of each example's (plain only; "
+                          "sensitivity 2C: the true eps is sigma/2's)",
     "shuffle-as-poisson": "fixed-size shuffled batches accounted as Poisson (opacus#80)",
     "floor-normalisation": "opacus#819: the average taken over floor(N p)",
     "lora-group-left-out": "an adapter group left out of the noised parameters (opacus#820)",

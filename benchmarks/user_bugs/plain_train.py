@@ -57,6 +57,10 @@ def main() -> None:
         norms = torch.sqrt(sum((t.reshape(rows, -1) ** 2).sum(1) for t in g.values()))
         factor = torch.ones_like(norms) if args.bug == "no-clipping" else (C / (norms + 1e-6)).clamp(max=1.0)
         summed = {k: torch.einsum("i,i...", factor, t) for k, t in g.items()}
+        if args.bug == "batch-sum-clipping":  # the sum of the raw rows, clipped as one vector
+            summed = {k: t.sum(0) for k, t in g.items()}
+            total = torch.sqrt(sum((t ** 2).sum() for t in summed.values()))
+            summed = {k: t * min(1.0, C / (float(total) + 1e-6)) for k, t in summed.items()}
         std = sigma * C / (B if args.bug == "sigma-over-batch" else 1) / (10 if args.bug == "noise-other-clip" else 1)
         released = {k: s + std * torch.randn(s.shape, generator=gen) for k, s in summed.items()}
         expected = math.floor(N * p - 0.5) if args.bug == "floor-normalisation" else N * p

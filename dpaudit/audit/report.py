@@ -64,6 +64,8 @@ def markdown(result: AuditResult, context: dict, verdict: tuple[str, bool] | Non
         f"- canaries: m = {result.m} ({result.members} members, {result.nonmembers} non-members)",
         *([f"- the member canaries' inclusions in the steps' batches (sampler audit at alpha / 2, the eps bounds at "
            f"the other half): {result.sampler.verdict}"] if result.sampler is not None else []),
+        *([f"- per-example clipping (canaries of two sizes, at alpha {result.clipping.alpha:g}): "
+           f"{result.clipping.verdict}"] if getattr(result, "clipping", None) is not None else []),
         *([f"- never-inserted controls among the ROC's non-members: {result.roc.negatives - result.nonmembers} (in the "
            "AUC and TPR only, never in a bound)"] if result.roc.negatives > result.nonmembers else []),
         f"- score: {result.score.name}: {result.score.description}", "",

@@ -33,6 +33,8 @@ from dpaudit.audit.whitebox_canaries import GAIN, TRANSCRIPT, WhiteBoxCanaries
 KINDS = ("gradient", "scalar")  # a PipelineProbe (pipeline_probe.py) is the third kind of probe folder
 BLOCK_ROWS = 64  # steps whose rows wait on the device before one copy to the transcript (probe.flush)
 SAMPLING_DOMAIN = 0x77627370  # "wbsp": the canaries' per-step sampling, apart from membership's stream
+SIZE_RATIO = 8.0  # canary_examples: odd canaries' rows are this much larger (the per-example clipping check)
+CLIP_TALLY = "clipping_check.json"  # the sampled canaries' contributions by size (0600: from the members)
 
 
 class WhiteBoxProbe:
@@ -140,6 +142,11 @@ class WhiteBoxProbe:
             self.where = self._locate(self.canaries.coordinates)
         size = (self.out / TRANSCRIPT).stat().st_size if (self.out / TRANSCRIPT).exists() else 0
         self.step = size // (4 * self.width)
+        from dpaudit.audit.clipping import read_tally
+
+        tally = read_tally(self.out, self.run_id)
+        if tally is not None:  # what was tallied up to its last save (never past the transcript's rows)
+            self._clip_tally = np.array([tally["small"], tally["large"]], float)
         self._cut_transcript(self.step)  # a crash mid-row: that row was never complete, so its release was not read
 
     def _place(self, m: int) -> list[int]:
@@ -277,7 +284,11 @@ class WhiteBoxProbe:
         gradients itself: one tensor per parameter, shaped (k, *parameter shape) for the k canaries sampled
         this step (each gain x C on its coordinate). Put them beside the batch's per-example gradients, so
         your own clipping acts on them (a loop that does not clip then shows); k rows of every parameter:
-        where memory is short, add ``canary_gradients`` after your clipping instead."""
+        where memory is short, add ``canary_gradients`` after your clipping instead.
+
+        Odd canaries' rows are SIZE_RATIO times larger: per-example clipping makes every canary C whatever its
+        size, so the audit's clipping check (audit/clipping.py) reads whether the larger ones moved the release
+        more: a loop that clips the batch's sum, or clips at a norm above C, or not at all, shows there."""
         import torch
 
         self._need("gradient")
@@ -285,7 +296,8 @@ class WhiteBoxProbe:
         rows = [torch.zeros((len(sampled), *p.shape), dtype=p.dtype, device=p.device) for p in self.params]
         for r, i in enumerate(sampled):
             k, off = self.where[i]
-            rows[k][r].view(-1)[off] = self.canaries.gain * self.clip * signs[i]
+            rows[k][r].view(-1)[off] = self.canaries.gain * self.clip * signs[i] * (SIZE_RATIO if i % 2 else 1.0)
+        self._examples_step = step  # this step's release is tallied for the clipping check
         return rows
 
     def canary_sum(self, step: int) -> float:
@@ -320,6 +332,8 @@ class WhiteBoxProbe:
         if self._fh is not None:
             pending = self.__dict__.setdefault("_pending", [])
             pending.append(row)
+            self.__dict__.setdefault("_pending_sampled", []).append(
+                (step, self._sampled.copy()) if getattr(self, "_examples_step", None) == step else None)
             if not isinstance(row, np.ndarray) and len(pending) < BLOCK_ROWS:
                 self.step += 1
                 return
@@ -336,10 +350,37 @@ class WhiteBoxProbe:
 
         on_device = [r for r in pending if not isinstance(r, np.ndarray)]
         host = iter(torch.stack(on_device).cpu().numpy()) if on_device else iter(())
-        for r in pending:
-            self._fh.write(np.asarray(r if isinstance(r, np.ndarray) else next(host)).astype("<f4").tobytes())
+        sampled = self.__dict__.get("_pending_sampled") or [None] * len(pending)
+        for r, drawn in zip(pending, sampled):
+            row = np.asarray(r if isinstance(r, np.ndarray) else next(host))
+            self._fh.write(row.astype("<f4").tobytes())
+            if drawn is not None:
+                self._tally(*drawn, row)
         self._fh.flush()
         pending.clear()
+        sampled.clear()
+        if self.step % BLOCK_ROWS == 0 or on_device:
+            self.save_tally()
+
+    def _tally(self, step: int, sampled: np.ndarray, row: np.ndarray) -> None:
+        """Add the sampled canaries' contributions (signed, in units of C) to the clipping check's count, sum and
+        sum of squares, by size (even canaries: gain x C; odd: SIZE_RATIO times that)."""
+        if sampled.size == 0:
+            return
+        x = self.canaries.signs(step)[sampled] * np.asarray(row, float)[sampled] / self.clip
+        big = sampled % 2 == 1
+        tally = self.__dict__.setdefault("_clip_tally", np.zeros((2, 3)))
+        for c, chosen in enumerate((~big, big)):
+            tally[c] += (chosen.sum(), x[chosen].sum(), (x[chosen] ** 2).sum())
+
+    def save_tally(self) -> None:
+        """Write the clipping check's tally beside the transcript (0600: it is made from the members)."""
+        tally = self.__dict__.get("_clip_tally")
+        if tally is None:
+            return
+        atomic_write_json(self.out / CLIP_TALLY, private=True, data={
+            "run_id": self.run_id, "size_ratio": SIZE_RATIO, "steps": self.step,
+            "small": [float(v) for v in tally[0]], "large": [float(v) for v in tally[1]]})
 
     def _need(self, kind: str) -> None:
         if self.kind != kind:
@@ -362,6 +403,7 @@ class WhiteBoxProbe:
     def close(self) -> None:
         if self._fh is not None and not self._fh.closed:
             self.flush()
+            self.save_tally()
             self._fh.close()
 
     def audit(self, claimed_eps: float | None = None, delta: float | None = None, *, accountant=None,
@@ -374,6 +416,7 @@ class WhiteBoxProbe:
 
         if self._fh is not None and not self._fh.closed:
             self.flush()
+            self.save_tally()
         if delta is None:
             raise DPAuditError("give the delta the run claims (the bound depends on it; 0 would inflate it)")
         accountant = accountant if accountant is not None else getattr(self, "accountant", None)
