@@ -50,6 +50,9 @@ except ImportError:  # pragma: no cover - the train extra is missing
 MANIFEST = "canaries.json"
 CONTROLS = "controls.json"   # never-inserted canaries: more non-members for the FPR, at no training cost
 SETTINGS = "hf_audit.json"
+# The white-box probe's canaries: 5000, as `audit run --white-box` plants (issue 55: at m = 1000 the bound read 66 %
+# of a claim of 3.9 on an opacus_trainer run; the noncentral-t limit tightens as 1 / sqrt(m)).
+WHITE_BOX_M = 5000
 REPORT = "report"
 WHITE_BOX = "white-box"
 CANARY_BUDGET = 0.05     # inserted member rows at most this share of the dataset's rows
@@ -80,6 +83,7 @@ class _Settings:
     regurgitation: bool
     inserted_rows: int
     dataset_rows: int
+    white_box_m: int = 0     # the white-box probe's gradient canaries (a DP optimizer seen), 0: none
 
 
 class DPAuditCallback(TrainerCallback):
@@ -103,7 +107,7 @@ class DPAuditCallback(TrainerCallback):
                 secret_length: int = SECRET_LENGTH, controls: int = CONTROLS_DEFAULT,
                 canary_budget: float = CANARY_BUDGET, preflight: str = "refuse",
                 reference=None, regurgitation: bool = False, alpha: float = 0.05, seed: int = 0,
-                secret_seed: int | None = None):
+                secret_seed: int | None = None, white_box_m: int = WHITE_BOX_M):
         """(callback, the dataset with the member canaries inserted). ``out`` holds the manifest (0600) and,
         after training, the report; preparing again into the same ``out`` (a resumed Trainer) keeps the same
         canaries and membership. ``repeats``: how many times a member is inserted, an int or exposure tiers (canary
@@ -111,11 +115,15 @@ class DPAuditCallback(TrainerCallback):
         ``controls``: existing-kind canaries never inserted (out/controls.json): extra non-members for the AUC and
         TPR at low FPR, which cost no training tokens; they take no part in an eps bound, whose one-run theorem
         needs each canary's membership to be a fair coin.
-        ``secret_seed`` makes membership reproducible: tests and benchmarks only."""
+        ``secret_seed`` makes membership reproducible: tests and benchmarks only.
+        ``white_box_m``: the gradient canaries of the white-box probe put on a DP optimizer (they cost no rows: 4
+        bytes each a step of transcript; 0: no white-box probe)."""
         from dpaudit.canaries.manifest import load_manifest
 
         repeats = _tiers(repeats)
         _check_arguments(m, kind, secret_length, canary_budget, preflight, claimed_eps, delta, alpha)
+        if isinstance(white_box_m, bool) or not isinstance(white_box_m, int) or white_box_m < 0 or white_box_m == 1:
+            raise DPAuditError(f"white_box_m must be 0 (no white-box probe) or an integer >= 2, got {white_box_m!r}")
         if delta * m >= 1:
             raise DPAuditError(f"delta = {delta:g} >= 1/m = {1 / m:.3g}: a claim with delta this large allows leaking "
                                "a canary outright, so no audit of m canaries can bound eps; give the run's delta")
@@ -158,7 +166,8 @@ class DPAuditCallback(TrainerCallback):
         settings = _Settings(m=m, kind=kind, row_format=row_format, text_field=text_field, repeats=repeats,
                              claimed_eps=claimed_eps, delta=delta, alpha=alpha, preflight=preflight,
                              reference=str(reference) if reference is not None else None,
-                             regurgitation=regurgitation, inserted_rows=len(new_rows), dataset_rows=len(rows))
+                             regurgitation=regurgitation, inserted_rows=len(new_rows), dataset_rows=len(rows),
+                             white_box_m=white_box_m)
         from dpaudit.core.atomic import atomic_write_json
 
         atomic_write_json(out / SETTINGS, dict(settings.__dict__))
@@ -180,13 +189,16 @@ class DPAuditCallback(TrainerCallback):
                 raise DPAuditError(problems[0])
             self.preflight_notes = problems
         dp = _dp_optimizer(optimizer)
-        if dp is not None:
+        if dp is not None and self.settings.white_box_m >= 2:
+            from dpaudit.core.run_folder import read_probe_spec
             from dpaudit.training.probe import WhiteBoxProbe
             from dpaudit.training.probe_opacus import hooked_accountant
 
             folder = self.out / WHITE_BOX
             resume = folder.is_dir() and any(folder.iterdir())
-            self.probe = WhiteBoxProbe.attach(dp, m=1000, out=folder, model=model, resume=resume,
+            coordinates = sum(p.numel() for group in dp.param_groups for p in group["params"] if p.requires_grad)
+            m = read_probe_spec(folder)["m"] if resume else min(self.settings.white_box_m, coordinates)
+            self.probe = WhiteBoxProbe.attach(dp, m=m, out=folder, model=model, resume=resume,
                                               accountant=hooked_accountant(dp))
         return control
 
