@@ -66,7 +66,7 @@ def _alignment_scores(releases: np.ndarray, canaries, clip: float, rate: float |
     sample = np.asarray(releases.reshape(-1)[::stride], float)
     centre, cut = _robust_cut(sample)
     scale = cut / ROBUST_CUT / clip
-    likely = rate is not None and scale > 0
+    likely = rate is not None and rate < 1 and scale > 0  # at p = 1 the ratio is affine in x: the alignment
     raw, robust, llr = np.zeros(m), np.zeros(m), np.zeros(m)
     for start in range(0, steps, block):
         part = np.asarray(releases[start:start + block], float)
@@ -203,21 +203,21 @@ def _scalar_likelihood(stats: dict, signs: np.ndarray, x: np.ndarray, rate: floa
 
     centre = float(np.median(x))
     scale = 1.4826 * float(np.median(np.abs(x - centre)))
-    if rate is None or not scale > 0:
+    if rate is None or rate >= 1 or not scale > 0:  # at p = 1 the ratio is affine in x: the correlation itself
         return stats, None
     return {**stats, LIKELIHOOD: likelihood_ratio_step(signs * x[:, None], rate, scale).sum(0)}, scale
 
 
 def score_models(meta: dict, stats: dict, facts: dict) -> dict:
     """{statistic: family.ScoreModel} for the statistics the gaussian-run bound can read: the linear ones and the
-    likelihood ratio, in a Gaussian run whose canaries are Poisson-sampled at a known rate (not the robust
+    likelihood ratio, in a Gaussian run whose canaries are Poisson-sampled at a known rate p < 1 (not the robust
     statistic, whose cut depends on the transcript; not a pipeline probe's, whose steps are standardised)."""
     from dpaudit.audit import family
 
     rate = _poisson_rate(meta)
     mechanism = (meta.get("config") or {}).get("mechanism", "gaussian")
-    if rate is None or mechanism != "gaussian" or run_folder.release_of(meta) == "pipeline-rows":
-        return {}
+    if rate is None or rate >= 1 or mechanism != "gaussian" or run_folder.release_of(meta) == "pipeline-rows":
+        return {}  # at p = 1 the family is G_mu itself: the gaussian bound reads it exactly
     steps = int(facts["steps"])
     scale = facts.get("likelihood-ratio scale (x C)")
     models = {}

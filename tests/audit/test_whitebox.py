@@ -58,9 +58,19 @@ def test_correct_dp_zo_run_is_consistent(tmp_path, tiny_model_dir):
     folder = run(tmp_path, tiny_model_dir, "zo", method="dp-zo", target_epsilon=1.0, steps=40, white_box=200,
                  lr=1e-5)
     result, _, _, facts = audit_run_folder(folder, claimed_epsilon=1.0, delta=1e-5)
-    # plain, public-noise replayed, and the family's likelihood ratio
-    assert not result.violation and facts["statistics tried"] == 3
-    assert result.headline == "gaussian-run"
+    # plain and public-noise replayed; full batches (p = 1): G_mu is the family itself, so no likelihood ratio
+    assert not result.violation and facts["statistics tried"] == 2 and result.headline == "gaussian"
+
+
+def test_a_poisson_sampled_run_is_read_through_its_own_family(tmp_path, tiny_model_dir):
+    folder = run(tmp_path, tiny_model_dir, "poisson", method="dp-sgd", target_epsilon=4.0, steps=30, white_box=300)
+    cfg = TrainConfig(batch_size=4, secret_seed=5, method="dp-sgd", target_epsilon=4.0, steps=30, white_box=300)
+    train(tiny_model_dir, TEXTS, tmp_path / "p", cfg, show_progress=False)
+    result, _, _, facts = audit_run_folder(tmp_path / "p", claimed_epsilon=4.0, delta=1e-5)
+    assert facts["statistics tried"] == 3 and "likelihood-ratio scale (x C)" in facts
+    assert result.headline == "gaussian-run" and not result.violation
+    full, _, _, full_facts = audit_run_folder(folder, claimed_epsilon=4.0, delta=1e-5)
+    assert full.headline == "gaussian" and full_facts["statistics tried"] == 2
 
 
 def test_planted_bugs_are_gated_hidden_and_named(tmp_path, tiny_model_dir, monkeypatch):

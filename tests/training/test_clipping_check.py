@@ -63,6 +63,7 @@ def test_a_loop_that_clips_the_batch_sum_reads_violation_and_one_that_clips_abov
     assert not above.clipping.refused and above.violation and above.epsilon_lower_bound > 4.0
     good = _loop(tmp_path / "good", 0, "per-example").audit(claimed_eps=4.0, delta=1e-5, report=False)
     assert not good.clipping.refused and "consistent with per-example clipping" in good.clipping.verdict
+    assert good.headline == "gaussian-run"  # the probe samples its canaries by Poisson at 0.3: the family's reading
     assert good.alpha == pytest.approx(0.05)  # the check's share and the bounds' add up to the level asked
 
 
