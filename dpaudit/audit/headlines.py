@@ -84,7 +84,7 @@ BOUNDS: dict[str, BoundSpec] = {b.name: b for b in (
 WHY = {name: b.why for name, b in BOUNDS.items()}
 HEADLINES = ("auto", *(name for name, b in BOUNDS.items() if b.headline))
 AUTO_RULE = ("auto: steinke at delta = 0; else fdp for a non-Gaussian mechanism (Laplace); else gaussian-run for "
-             "white-box sums of a run whose rate and steps are known, gaussian for other white-box sums, fdp-gdp "
+             "white-box sums of a run whose rate p < 1 and steps are known, gaussian for other white-box sums, fdp-gdp "
              "otherwise")
 
 
