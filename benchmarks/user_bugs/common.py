@@ -41,6 +41,8 @@ def arguments(description: str) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--budget", type=float, default=0.05, help="PipelineProbe's share of the wall time")
     ap.add_argument("--batches", action="store_true", help="PipelineProbe: give observe() each step's batch")
+    ap.add_argument("--watch", action="store_true", help="the optimizer probe audits as the run trains (looks at "
+                    "16, 32, ... steps, on_violation='warn'): the step of the first alarm is reported")
     ap.add_argument("--probe", default="optimizer", choices=["optimizer", "pipeline"],
                     help="WhiteBoxProbe at the optimizer, or PipelineProbe canaries in the data (opacus script)")
     return ap.parse_args()
@@ -99,7 +101,17 @@ def report(args, script: str, result, seconds: float, extra: dict | None = None)
                           "+batches" if getattr(args, "batches", False) else ""), "bug": args.bug, "eps": args.eps, "seed": args.seed,
                       "bound": result.epsilon_lower_bound, "claimed": result.claimed_epsilon,
                       "violation": result.violation, "verdict": result.verdict, "seconds": round(seconds, 1),
-                      **(extra or {})}))
+                      **(watched(args) if getattr(args, "watch", False) else {}), **(extra or {})}))
+
+
+def watched(args) -> dict:
+    """The looks of a watched probe (its running.jsonl): the step of the first that read VIOLATION, or None."""
+    from pathlib import Path
+
+    path = Path(args.out) / "running.jsonl"
+    looks = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    alarm = next((x["step"] for x in looks if x.get("violation")), None)
+    return {"looks": len(looks), "alarm_step": alarm, "planned_steps": args.steps}
 
 
 def clock() -> float:

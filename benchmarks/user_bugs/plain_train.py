@@ -31,6 +31,8 @@ def main() -> None:
     dp = {k: v for k, v in trainable.items() if k not in left_out}
     frozen = {k: v.detach() for k, v in model.named_parameters() if k not in dp}
     probe = WhiteBoxProbe(list(dp.values()), m=args.m, clip=C, sample_rate=p, out=args.out, model=model)
+    if args.watch:
+        probe.watch(claimed_eps=args.eps, delta=DELTA, on_violation="warn")
 
     def loss_one(params, x, keep):
         logits = functional_call(model, {**params, **frozen}, (x[None],)).logits[0, :-1]

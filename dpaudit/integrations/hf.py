@@ -84,6 +84,7 @@ class _Settings:
     inserted_rows: int
     dataset_rows: int
     white_box_m: int = 0     # the white-box probe's gradient canaries (a DP optimizer seen), 0: none
+    on_violation: str = "stop"  # the white-box probe's looks as the run trains (WhiteBoxProbe.watch); "off": none
 
 
 class DPAuditCallback(TrainerCallback):
@@ -107,7 +108,7 @@ class DPAuditCallback(TrainerCallback):
                 secret_length: int = SECRET_LENGTH, controls: int = CONTROLS_DEFAULT,
                 canary_budget: float = CANARY_BUDGET, preflight: str = "refuse",
                 reference=None, regurgitation: bool = False, alpha: float = 0.05, seed: int = 0,
-                secret_seed: int | None = None, white_box_m: int = WHITE_BOX_M):
+                secret_seed: int | None = None, white_box_m: int = WHITE_BOX_M, on_violation: str = "stop"):
         """(callback, the dataset with the member canaries inserted). ``out`` holds the manifest (0600) and,
         after training, the report; preparing again into the same ``out`` (a resumed Trainer) keeps the same
         canaries and membership. ``repeats``: how many times a member is inserted, an int or exposure tiers (canary
@@ -117,11 +118,15 @@ class DPAuditCallback(TrainerCallback):
         needs each canary's membership to be a fair coin.
         ``secret_seed`` makes membership reproducible: tests and benchmarks only.
         ``white_box_m``: the gradient canaries of the white-box probe put on a DP optimizer (they cost no rows: 4
-        bytes each a step of transcript; 0: no white-box probe)."""
+        bytes each a step of transcript; 0: no white-box probe). ``on_violation``: the probe audits as the run
+        trains (at steps 16, 32, 64, ..., alpha held over every look: ``WhiteBoxProbe.watch``) and, at the first
+        look that reads VIOLATION, writes its report and "stop"s the Trainer, "warn"s, or "raise"s; "off": no looks."""
         from dpaudit.canaries.manifest import load_manifest
 
         repeats = _tiers(repeats)
         _check_arguments(m, kind, secret_length, canary_budget, preflight, claimed_eps, delta, alpha)
+        if on_violation not in ("stop", "warn", "raise", "off"):
+            raise DPAuditError(f"on_violation must be stop, warn, raise or off, got {on_violation!r}")
         if isinstance(white_box_m, bool) or not isinstance(white_box_m, int) or white_box_m < 0 or white_box_m == 1:
             raise DPAuditError(f"white_box_m must be 0 (no white-box probe) or an integer >= 2, got {white_box_m!r}")
         if delta * m >= 1:
@@ -167,7 +172,7 @@ class DPAuditCallback(TrainerCallback):
                              claimed_eps=claimed_eps, delta=delta, alpha=alpha, preflight=preflight,
                              reference=str(reference) if reference is not None else None,
                              regurgitation=regurgitation, inserted_rows=len(new_rows), dataset_rows=len(rows),
-                             white_box_m=white_box_m)
+                             white_box_m=white_box_m, on_violation=on_violation)
         from dpaudit.core.atomic import atomic_write_json
 
         atomic_write_json(out / SETTINGS, dict(settings.__dict__))
@@ -200,6 +205,17 @@ class DPAuditCallback(TrainerCallback):
             m = read_probe_spec(folder)["m"] if resume else min(self.settings.white_box_m, coordinates)
             self.probe = WhiteBoxProbe.attach(dp, m=m, out=folder, model=model, resume=resume,
                                               accountant=hooked_accountant(dp))
+            claim = self.settings.claimed_eps
+            if self.settings.on_violation != "off" and self.settings.delta and (
+                    claim is not None or getattr(self.probe, "accountant", None) is not None):
+                self.probe.watch(delta=self.settings.delta, claimed_eps=claim, alpha=self.settings.alpha,
+                                 on_violation=self.settings.on_violation)
+        return control
+
+    def on_step_end(self, args, state, control, **kwargs):
+        """A watched probe's look read VIOLATION with on_violation="stop": the Trainer stops (the report is written)."""
+        if self.probe is not None and getattr(self.probe, "stop_requested", False):
+            control.should_training_stop = True
         return control
 
     def on_save(self, args, state, control, **kwargs):

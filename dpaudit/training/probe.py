@@ -30,7 +30,10 @@ from dpaudit.core.errors import DPAuditError
 from dpaudit.core.run_folder import PROBE, check_number as _check_number, read_probe_spec as read_spec
 from dpaudit.audit.whitebox_canaries import GAIN, TRANSCRIPT, WhiteBoxCanaries
 
-KINDS = ("gradient", "scalar")  # a PipelineProbe (pipeline_probe.py) is the third kind of probe folder
+KINDS = ("gradient", "scalar")
+ON_VIOLATION = ("warn", "stop", "raise")  # what a watched probe does at its first look that reads VIOLATION
+WATCH_FIRST = 16  # a watched probe's first look (steps); then one at every doubling of the steps
+RUNNING = "running.jsonl"  # a watched probe's looks, one JSON line each  # a PipelineProbe (pipeline_probe.py) is the third kind of probe folder
 BLOCK_ROWS = 64  # steps whose rows wait on the device before one copy to the transcript (probe.flush)
 SAMPLING_DOMAIN = 0x77627370  # "wbsp": the canaries' per-step sampling, apart from membership's stream
 SIZE_RATIO = 8.0  # canary_examples: odd canaries' rows are this much larger (the per-example clipping check)
@@ -199,6 +202,7 @@ class WhiteBoxProbe:
         ``sampled`` (canary ids) where the trainer samples them as examples of its dataset."""
         if step != self.step:
             raise DPAuditError(f"the probe expected step {self.step}, got {step}: steps are observed in order, once")
+        self._maybe_look()  # before this step's draw: the transcript and the accountant both hold `step` steps
         if sampled is None:
             members = self.canaries.member_ids
             sampled = members[self._sampler.random(members.size) < self.rate]
@@ -398,6 +402,80 @@ class WhiteBoxProbe:
 
         return attach(cls, optimizer, m=m, out=out, sample_rate=sample_rate, accountant=accountant, gain=gain,
                       seed=seed, resume=resume, model=model, secret_seed=secret_seed)
+
+    # -- audits as the run trains -----------------------------------------------------------------------
+    def watch(self, *, delta: float, claimed_eps: float | None = None, accountant=None, alpha: float = 0.05,
+              on_violation: str = "warn", first: int = WATCH_FIRST) -> "WhiteBoxProbe":
+        """Audit while the run trains: a look at step ``first``, then at every doubling of the steps (16, 32, 64,
+        ...), each the same audit as ``audit()`` on the steps released so far, held to the claim for those steps
+        (``claimed_eps`` if given, else the accountant's eps after them, the optimizer's when attached). Look j is
+        made at level alpha / (j (j + 1)), which sums to alpha over every look however long the run: a union
+        bound, so a correct run raises a false alarm with probability <= alpha in all. Each look is a line of
+        ``running.jsonl`` in the probe's folder. At the first look that reads VIOLATION the report is written and
+        ``on_violation`` acts: "warn" prints one line; "stop" also sets ``stop_requested`` (the Hugging Face
+        callback then stops the Trainer; a plain loop checks it); "raise" raises ``PrivacyViolation``. The
+        end-of-run ``audit()`` is a separate test at its own alpha."""
+        if on_violation not in ON_VIOLATION:
+            raise DPAuditError(f"on_violation must be one of {', '.join(ON_VIOLATION)}, got {on_violation!r}")
+        if not delta or not 0 < float(delta) < 1:
+            raise DPAuditError("give the delta the run claims (the bound depends on it)")
+        if not 0 < alpha < 1:
+            raise DPAuditError(f"alpha must be in (0, 1), got {alpha}")
+        if isinstance(first, bool) or not isinstance(first, int) or first < 1:
+            raise DPAuditError(f"first must be an integer >= 1, got {first!r}")
+        if claimed_eps is None and accountant is None and getattr(self, "accountant", None) is None:
+            raise DPAuditError("a watched probe needs the claim: claimed_eps= or an accountant")
+        looks = self._running_looks()  # a resumed probe goes on with the looks (and alpha) it has spent
+        nxt = first
+        while nxt <= self.step:
+            nxt *= 2
+        self._watch = {"delta": float(delta), "claimed": claimed_eps, "accountant": accountant, "alpha": alpha,
+                       "on": on_violation, "next": nxt, "look": looks}
+        self.alarm, self.stop_requested = None, False
+        return self
+
+    def _running_looks(self) -> int:
+        path = self.out / RUNNING
+        if not path.is_file():
+            return 0
+        with open(path, encoding="utf-8") as fh:
+            return sum(1 for line in fh if line.strip())
+
+    def _maybe_look(self) -> None:
+        watch = self.__dict__.get("_watch")
+        if watch is None or self.alarm is not None or self.step < watch["next"] or self._fh is None:
+            return
+        import json
+
+        watch["look"] += 1
+        watch["next"] = 2 * self.step
+        level = watch["alpha"] / (watch["look"] * (watch["look"] + 1))
+        try:
+            result = self.audit(watch["claimed"], watch["delta"], accountant=watch["accountant"], alpha=level,
+                                report=False)
+        except DPAuditError as exc:  # e.g. an accountant that cannot answer yet: said in the log, not fatal
+            line = {"step": self.step, "look": watch["look"], "alpha": level, "error": str(exc)}
+            result = None
+        else:
+            eps = result.epsilon_lower_bound
+            line = {"step": self.step, "look": watch["look"], "alpha": level,
+                    "claimed_epsilon": result.claimed_epsilon, "epsilon_lower_bound": eps if eps < 1e300 else "inf",
+                    "headline": result.headline, "violation": result.violation, "verdict": result.verdict}
+        with open(self.out / RUNNING, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(line) + "\n")
+        if result is None or not result.violation:
+            return
+        result = self.audit(watch["claimed"], watch["delta"], accountant=watch["accountant"], alpha=level,
+                            report=True)  # the same look, its report written
+        self.alarm = result
+        words = (f"dpaudit: {result.verdict} (look {watch['look']} at step {self.step}, alpha {level:.3g}; report: "
+                 f"{self.out / 'report' / 'report.md'})")
+        if watch["on"] == "raise":
+            from dpaudit.core.errors import PrivacyViolation
+
+            raise PrivacyViolation(words, result)
+        print(words + (": stopping the run" if watch["on"] == "stop" else ""), flush=True)
+        self.stop_requested = watch["on"] == "stop"
 
     # -- the audit ---------------------------------------------------------------------------------------
     def close(self) -> None:

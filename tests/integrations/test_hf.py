@@ -227,6 +227,32 @@ def test_an_opacus_trainer_is_audited_white_box_and_a_missing_noise_is_caught(ti
     assert audit.white_box.violation and report["verdict"].startswith("VIOLATION")
 
 
+def test_a_broken_opacus_trainer_run_is_stopped_at_the_first_look_that_reads_violation(tiny_model_dir, tmp_path):
+    """The callback's probe is watched (on_violation="stop" by default): no noise at a claim of eps = 1 is stopped
+    at the look at step 16 of 60, with the look's report and the end-of-run audit written."""
+    from transformers import DataCollatorForLanguageModeling, TrainingArguments
+
+    from dpaudit.integrations.hf import DPAuditCallback, opacus_trainer
+    from dpaudit.training.probe import RUNNING
+
+    model, tok = _model(tiny_model_dir)
+    out = tmp_path / "broken"
+    audit, rows = DPAuditCallback.prepare(tok, [{"text": t} for t in TEXTS], m=20, repeats=1, out=out,
+                                          claimed_eps=1.0, delta=1e-5, secret_seed=4)
+    args = TrainingArguments(output_dir=str(tmp_path / "hf-out"), per_device_train_batch_size=32, max_steps=60,
+                             learning_rate=1e-3, save_strategy="no", report_to=[], use_cpu=True,
+                             disable_tqdm=True, seed=0, logging_steps=1000)
+    trainer = opacus_trainer(model=model, args=args, train_dataset=_tokenised(tok, rows),
+                             data_collator=DataCollatorForLanguageModeling(tok, mlm=False), callbacks=[audit],
+                             noise_multiplier=0.0, max_grad_norm=1.0)
+    trainer.train()
+    assert trainer.state.global_step <= 17 and audit.probe.alarm is not None
+    looks = [json.loads(line) for line in (out / "white-box" / RUNNING).read_text().splitlines()]
+    assert looks[0]["step"] == 16 and looks[0]["violation"]
+    report = json.loads((out / "report" / "report.json").read_text())
+    assert report["verdict"].startswith("VIOLATION") and "stopped early" in report["context"]["steps run"]
+
+
 def test_masked_secret_labels_are_refused(tiny_model_dir, tmp_path):
     from transformers import DataCollatorForLanguageModeling
 
