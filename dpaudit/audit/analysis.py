@@ -75,7 +75,7 @@ class AuditResult:
             return (f"VIOLATION: {len(self.unprotected)} trainable tensors are updated outside DP (no clipping, no "
                     f"noise): {names}")
         if self._clipping_refused:
-            return (f"VIOLATION: the canaries were not clipped per example: {self.clipping.verdict.split(': ', 1)[1]}"
+            return (f"VIOLATION: the canaries were not clipped per example: {self.clipping.reason}"
                     f"; eps lower bound {self.epsilon_lower_bound:.3f}")
         if self._sampler_refused:
             return (f"VIOLATION: the canaries were not sampled as accounted (Poisson at rate "

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+TALLY = "clipping_check.json"  # the probe's tally beside its transcript (0600: made from the members)
 CLIP_SHARE = 0.1   # of alpha, where the check is made
 MIN_SAMPLED = 30   # sampled canaries of each size needed to test
 
@@ -44,17 +45,24 @@ class ClippingCheck:
 
     @property
     def verdict(self) -> str:
-        (ns, ms, _), (nl, ml, _) = self.small, self.large
         if self.z is None:
-            return (f"not tested: {int(ns)} and {int(nl)} sampled canaries of each size (at least {MIN_SAMPLED} "
-                    "each are needed)")
-        words = (f"canaries {self.size_ratio:g}x larger moved the release by {ml:.3g} C on average against "
-                 f"{ms:.3g} C (z = {self.z:.2f}, one-sided at alpha {self.alpha:g})")
+            return (f"not tested: {int(self.small[0])} and {int(self.large[0])} sampled canaries of each size (at "
+                    f"least {MIN_SAMPLED} each are needed)")
         if self.refused:
-            return (f"not per-example clipping: {words}; clipping each example at C gives both sizes the same "
-                    "contribution, so the sensitivity the claim is accounted with does not hold (a loop that clips "
-                    "the batch's sum, clips above C, or does not clip)")
-        return f"consistent with per-example clipping: {words}"
+            return f"not per-example clipping: {self.reason}"
+        return f"consistent with per-example clipping: {self._measured}"
+
+    @property
+    def _measured(self) -> str:
+        return (f"canaries {self.size_ratio:g}x larger moved the release by {self.large[1]:.3g} C on average against "
+                f"{self.small[1]:.3g} C (z = {self.z:.2f}, one-sided at alpha {self.alpha:g})")
+
+    @property
+    def reason(self) -> str:
+        """What the check read and what a refusal means (the audit's VIOLATION verdict quotes it)."""
+        return (f"{self._measured}; clipping each example at C gives both sizes the same contribution, so the "
+                "sensitivity the claim is accounted with does not hold (a loop that clips the batch's sum, clips "
+                "above C, or does not clip)")
 
     def to_dict(self) -> dict:
         return {"verdict": self.verdict, "refused": self.refused, "alpha": self.alpha, "z": self.z,
@@ -69,7 +77,7 @@ def read_tally(folder: Path, run_id: str) -> dict | None:
     from dpaudit.core.errors import DPAuditError
     from dpaudit.core.safe_json import load_json_file
 
-    path = Path(folder) / "clipping_check.json"
+    path = Path(folder) / TALLY
     if not path.is_file():
         return None
     data = load_json_file(path, "clipping check tally", max_bytes=1 << 16)

@@ -66,7 +66,7 @@ def _alignment_scores(releases: np.ndarray, canaries, clip: float, rate: float |
     sample = np.asarray(releases.reshape(-1)[::stride], float)
     centre, cut = _robust_cut(sample)
     scale = cut / ROBUST_CUT / clip
-    likely = rate is not None and rate < 1 and scale > 0  # at p = 1 the ratio is affine in x: the alignment
+    likely = rate is not None and scale > 0
     raw, robust, llr = np.zeros(m), np.zeros(m), np.zeros(m)
     for start in range(0, steps, block):
         part = np.asarray(releases[start:start + block], float)
@@ -182,8 +182,9 @@ def transcript_scores(run_dir: Path, meta: dict | None = None
 
 
 def _poisson_rate(meta: dict) -> float | None:
-    """The rate at which the run Poisson-samples its white-box canaries: a probe's own (it samples them), a bundled
-    run's (white-box runs are Poisson only); None where the folder does not say it."""
+    """The rate p < 1 at which the run Poisson-samples its white-box canaries: a probe's own (it samples them), a
+    bundled run's (white-box runs are Poisson only); None where the folder does not say it, or at p = 1, where the
+    family is G_mu itself (the gaussian bound reads it exactly) and the likelihood ratio is affine in x."""
     probe = meta.get("probe")
     rate = probe.get("sample_rate") if probe is not None else meta.get("sampling_rate")
     sampling = (meta.get("config") or {}).get("sampling", "poisson")
@@ -193,7 +194,7 @@ def _poisson_rate(meta: dict) -> float | None:
         rate = float(rate)
     except (TypeError, ValueError):
         return None
-    return rate if 0 < rate <= 1 else None
+    return rate if 0 < rate < 1 else None
 
 
 def _scalar_likelihood(stats: dict, signs: np.ndarray, x: np.ndarray, rate: float | None):
@@ -203,7 +204,7 @@ def _scalar_likelihood(stats: dict, signs: np.ndarray, x: np.ndarray, rate: floa
 
     centre = float(np.median(x))
     scale = 1.4826 * float(np.median(np.abs(x - centre)))
-    if rate is None or rate >= 1 or not scale > 0:  # at p = 1 the ratio is affine in x: the correlation itself
+    if rate is None or not scale > 0:
         return stats, None
     return {**stats, LIKELIHOOD: likelihood_ratio_step(signs * x[:, None], rate, scale).sum(0)}, scale
 
@@ -216,8 +217,8 @@ def score_models(meta: dict, stats: dict, facts: dict) -> dict:
 
     rate = _poisson_rate(meta)
     mechanism = (meta.get("config") or {}).get("mechanism", "gaussian")
-    if rate is None or rate >= 1 or mechanism != "gaussian" or run_folder.release_of(meta) == "pipeline-rows":
-        return {}  # at p = 1 the family is G_mu itself: the gaussian bound reads it exactly
+    if rate is None or mechanism != "gaussian" or run_folder.release_of(meta) == "pipeline-rows":
+        return {}
     steps = int(facts["steps"])
     scale = facts.get("likelihood-ratio scale (x C)")
     models = {}

@@ -28,6 +28,7 @@ import numpy as np
 from dpaudit.core.atomic import atomic_write_json
 from dpaudit.core.errors import DPAuditError
 from dpaudit.core.run_folder import PROBE, check_number as _check_number, read_probe_spec as read_spec
+from dpaudit.audit.clipping import TALLY as CLIP_TALLY
 from dpaudit.audit.whitebox_canaries import GAIN, TRANSCRIPT, WhiteBoxCanaries
 
 KINDS = ("gradient", "scalar")
@@ -37,7 +38,6 @@ RUNNING = "running.jsonl"  # a watched probe's looks, one JSON line each  # a Pi
 BLOCK_ROWS = 64  # steps whose rows wait on the device before one copy to the transcript (probe.flush)
 SAMPLING_DOMAIN = 0x77627370  # "wbsp": the canaries' per-step sampling, apart from membership's stream
 SIZE_RATIO = 8.0  # canary_examples: odd canaries' rows are this much larger (the per-example clipping check)
-CLIP_TALLY = "clipping_check.json"  # the sampled canaries' contributions by size (0600: from the members)
 
 
 class WhiteBoxProbe:
