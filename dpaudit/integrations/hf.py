@@ -125,8 +125,10 @@ class DPAuditCallback(TrainerCallback):
 
         repeats = _tiers(repeats)
         _check_arguments(m, kind, secret_length, canary_budget, preflight, claimed_eps, delta, alpha)
-        if on_violation not in ("stop", "warn", "raise", "off"):
-            raise DPAuditError(f"on_violation must be stop, warn, raise or off, got {on_violation!r}")
+        from dpaudit.training.probe import ON_VIOLATION
+
+        if on_violation not in (*ON_VIOLATION, "off"):
+            raise DPAuditError(f"on_violation must be one of {', '.join(ON_VIOLATION)} or off, got {on_violation!r}")
         if isinstance(white_box_m, bool) or not isinstance(white_box_m, int) or white_box_m < 0 or white_box_m == 1:
             raise DPAuditError(f"white_box_m must be 0 (no white-box probe) or an integer >= 2, got {white_box_m!r}")
         if delta * m >= 1:

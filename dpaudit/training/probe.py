@@ -31,10 +31,10 @@ from dpaudit.core.run_folder import PROBE, check_number as _check_number, read_p
 from dpaudit.audit.clipping import TALLY as CLIP_TALLY
 from dpaudit.audit.whitebox_canaries import GAIN, TRANSCRIPT, WhiteBoxCanaries
 
-KINDS = ("gradient", "scalar")
+KINDS = ("gradient", "scalar")  # a PipelineProbe (pipeline_probe.py) is the third kind of probe folder
 ON_VIOLATION = ("warn", "stop", "raise")  # what a watched probe does at its first look that reads VIOLATION
 WATCH_FIRST = 16  # a watched probe's first look (steps); then one at every doubling of the steps
-RUNNING = "running.jsonl"  # a watched probe's looks, one JSON line each  # a PipelineProbe (pipeline_probe.py) is the third kind of probe folder
+RUNNING = "running.jsonl"  # a watched probe's looks, one JSON line each
 BLOCK_ROWS = 64  # steps whose rows wait on the device before one copy to the transcript (probe.flush)
 SAMPLING_DOMAIN = 0x77627370  # "wbsp": the canaries' per-step sampling, apart from membership's stream
 SIZE_RATIO = 8.0  # canary_examples: odd canaries' rows are this much larger (the per-example clipping check)
