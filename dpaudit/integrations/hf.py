@@ -245,6 +245,8 @@ class DPAuditCallback(TrainerCallback):
         self.result, self.tiers = audit_tiers(scores, members, score, self.settings, claimed, control)
         context = self._context(args, state, steps, claimed, source, score)
         context.update(tier_lines(self.tiers, self.result))
+        if getattr(self.probe, "health", None) is not None:
+            context.update(self.probe.health.lines())  # the update's health check (training/health.py)
         if self.probe is not None and getattr(self.probe, "canaries", None) is not None:
             try:
                 self.white_box = self.probe.audit(claimed, self.settings.delta, report=True, claimed_from=source)

@@ -68,6 +68,7 @@ class PipelineProbe(WhiteBoxProbe):
         self._counted_from = None   # 0 or 1: how the caller counts steps (fixed by its first observe)
         self._start(int(m), 1.0, seed)
         self.ids = self._add_tokens()
+        self.health = self._model_health(model)
         self._batches, self.sample_rate, self._moved = None, None, False
         self._texts = self._canary_ids()
         self.budget, self.probe_seconds, self.refreshed, self._first = float(budget), 0.0, 0, None
@@ -90,6 +91,16 @@ class PipelineProbe(WhiteBoxProbe):
         self.canaries.coordinates = [int(i) for i in ids]
         self.canaries.save(self.out)
         return [int(i) for i in ids]
+
+    @staticmethod
+    def _model_health(model):
+        """The update's health check (training/health.py) on the model's trainable tensors, as they are when the
+        probe is made (freeze what the run does not train before): each must move."""
+        from dpaudit.training.health import UpdateHealth
+
+        health = UpdateHealth([(n, p) for n, p in model.named_parameters() if p.requires_grad])
+        health.bracketed = False
+        return health
 
     def _embedding(self):
         return self.model.get_input_embeddings()
@@ -198,6 +209,9 @@ class PipelineProbe(WhiteBoxProbe):
             raise DPAuditError(f"no canary row moved in {step + 1} steps: the input embeddings are not trained "
                                "(frozen, or LoRA without new-token rows), or observe() is called before the optimizer "
                                "steps; a PipelineProbe reads the canaries from those rows")
+        if self.health.due(step + 1):
+            self.health.look(step + 1)
+            self.save_health()
         self._begun = step
         self._record(step, moved)
         self._previous = rows

@@ -70,6 +70,7 @@ class WhiteBoxProbe:
         noised = {id(p) for p in self.params}
         self.unprotected = [] if model is None or kind != "gradient" else [
             name for name, p in model.named_parameters() if p.requires_grad and id(p) not in noised]
+        self.health = self._plain_health(model) if kind == "gradient" else None
         if resume:
             self._resume(m)
         else:
@@ -91,6 +92,7 @@ class WhiteBoxProbe:
         probe.params, probe.canaries, probe.secret_seed = list(params), canaries, None
         probe.run_id, probe.source, probe.bypass, probe.unprotected = canaries.run_id, "dpaudit train", None, []
         probe._sampler, probe._sampled, probe.step, probe._begun = None, np.zeros(0, int), start_step, None
+        probe.health = None  # the bundled trainer's DP step is its own (training/dp_step.py)
         probe.where = probe._locate(canaries.coordinates)
         probe._fh = None
         if write:
@@ -181,7 +183,7 @@ class WhiteBoxProbe:
         spec = {"format": "dpaudit-probe/1", "kind": self.kind, "run_id": self.run_id, "m": self.canaries.m,
                 "clip": self.clip, "sample_rate": self.rate, "gain": self.canaries.gain, "source": self.source,
                 "canaries_bypass": self.bypass, "transcript": TRANSCRIPT, "floats_per_step": self.width,
-                "unprotected_parameters": self.unprotected,
+                "unprotected_parameters": self._unprotected_now(),
                 **({"parameter_shapes": _shapes(self.params)} if self.kind == "gradient" else {}),
                 "membership": "from secret_seed (reproducible: tests and benchmarks only)"
                 if self.secret_seed is not None else "OS entropy", **extra}
@@ -202,6 +204,9 @@ class WhiteBoxProbe:
         ``sampled`` (canary ids) where the trainer samples them as examples of its dataset."""
         if step != self.step:
             raise DPAuditError(f"the probe expected step {self.step}, got {step}: steps are observed in order, once")
+        if self.health is not None and not self.health.bracketed and step and self.health.due(step):
+            self.health.look(step)  # a plain loop: moves since the start (an attached probe brackets each step)
+            self.save_health()
         self._maybe_look()  # before this step's draw: the transcript and the accountant both hold `step` steps
         if sampled is None:
             members = self.canaries.member_ids
@@ -386,6 +391,35 @@ class WhiteBoxProbe:
             "run_id": self.run_id, "size_ratio": SIZE_RATIO, "steps": self.step,
             "small": [float(v) for v in tally[0]], "large": [float(v) for v in tally[1]]})
 
+    def _plain_health(self, model):
+        """The update's health check for a plain loop (training/health.py): the noised tensors must move, the
+        model's other trainable tensors must not (looked at every ``EVERY`` steps, at ``begin``)."""
+        from dpaudit.training.health import UpdateHealth
+
+        names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        others = [(n, p) for n, p in model.named_parameters() if n in self.unprotected] if model is not None else []
+        health = UpdateHealth([(names.get(id(p), f"parameter {k}"), p) for k, p in enumerate(self.params)], others)
+        health.bracketed = False
+        return health
+
+    def save_health(self) -> None:
+        """Write the health check's findings beside the transcript."""
+        if getattr(self, "health", None) is not None and self.out.is_dir():
+            from dpaudit.training.health import HEALTH
+
+            atomic_write_json(self.out / HEALTH, self.health.to_dict())
+
+    def _unprotected_now(self) -> list[str]:
+        """The trainable tensors updated outside DP: those the DP optimizer does not hold, less those the health
+        check has seen never move (nothing leaks from a tensor left where it started), plus any the check saw move
+        outside the DP step. Before the first checked step: every tensor the optimizer does not hold."""
+        health = getattr(self, "health", None)
+        if health is None or health.steps == 0:
+            return list(self.unprotected)
+        still = set(health.untouched_others)
+        return [n for n in self.unprotected if n not in still] + [n for n in health.outside
+                                                                  if n not in self.unprotected]
+
     def _need(self, kind: str) -> None:
         if self.kind != kind:
             raise DPAuditError(f"this is a {self.kind} probe")
@@ -509,6 +543,9 @@ class WhiteBoxProbe:
             taken = sum(int(h[2]) for h in history) if isinstance(history, list) else None
             source = f"{type(accountant).__name__}.get_epsilon(delta={delta:g})" + (
                 f" after the {taken} steps taken" if taken is not None else "")
+        if getattr(self, "health", None) is not None:
+            self.health.look(self.step)  # the moves up to now, whatever the last checked step saw
+            self.save_health()
         self._write_spec(claimed_epsilon=claimed_eps, delta=delta, claimed_epsilon_source=source)
         result, scores, members, facts = audit_run_folder(self.out, claimed_epsilon=claimed_eps, delta=delta,
                                                           alpha=alpha, sample_rate=self._sampler_rate(accountant))
@@ -530,8 +567,10 @@ class WhiteBoxProbe:
 
     def _context(self) -> dict:
         """What the report says of where the canaries enter."""
+        health = getattr(self, "health", None)
         return {"sampling rate p": self.rate, "clip C": self.clip,
-                "canaries bypass": self.bypass or "nothing: the optimizer's own clipping acts on them"}
+                "canaries bypass": self.bypass or "nothing: the optimizer's own clipping acts on them",
+                **(health.lines() if health is not None else {})}
 
 
 def _shapes(params) -> list[list[int]]:

@@ -57,7 +57,27 @@ def attach(cls, optimizer, *, m, out, sample_rate, accountant, gain, seed, resum
     mixin = ProbedDistributed if hasattr(optimizer, "reduce_gradients") else Probed
     optimizer.__class__ = type(f"{mixin.__name__}{kind.__name__}", (mixin, kind), {})
     optimizer.dpaudit_probe, optimizer.dpaudit_probe_ghost, optimizer.dpaudit_injected = probe, ghost, False
+    probe.health = _health(optimizer, probe, model)
+    optimizer.dpaudit_health, optimizer.dpaudit_steps, optimizer.dpaudit_in_step = probe.health, 0, False
+    original = getattr(optimizer, "original_optimizer", None)
+    if original is not None and hasattr(original, "register_step_pre_hook"):
+        def outside(opt, args, kwargs):  # the optimizer under the DP one, stepped by itself
+            if not optimizer.dpaudit_in_step:
+                probe.health.stepped_outside(opt)
+        original.register_step_pre_hook(outside)
     return probe
+
+
+def _health(optimizer, probe, model):
+    """The update's health check (training/health.py) on the DP optimizer's tensors and the model's other
+    trainable ones, named as the model names them."""
+    from dpaudit.training.health import UpdateHealth
+
+    names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+    held = {id(p) for p in optimizer.params}
+    others = [] if model is None else [(n, p) for n, p in model.named_parameters()
+                                       if p.requires_grad and id(p) not in held]
+    return UpdateHealth([(names.get(id(p), f"parameter {k}"), p) for k, p in enumerate(optimizer.params)], others)
 
 
 class Probed:
@@ -68,6 +88,27 @@ class Probed:
     dpaudit_probe = None
     dpaudit_probe_ghost = False
     dpaudit_injected = False
+    dpaudit_health = None
+    dpaudit_steps = 0
+    dpaudit_in_step = False
+
+    def step(self, closure=None):
+        """Opacus' step, bracketed for the update's health check (what moved in the step, and between steps)."""
+        health = self.dpaudit_health
+        if health is None:
+            return super().step(closure)
+        health.before(self.dpaudit_steps)
+        self.dpaudit_in_step = True
+        try:
+            result = super().step(closure)
+        finally:
+            self.dpaudit_in_step = False
+        if not self._is_last_step_skipped:
+            health.after(self.dpaudit_steps, self.original_optimizer, [p.grad for p in self.params])
+            self.dpaudit_steps += 1
+            if health.due(self.dpaudit_steps):
+                self.dpaudit_probe.save_health()
+        return result
 
     def clip_and_accumulate(self):
         super().clip_and_accumulate()
@@ -87,6 +128,9 @@ class Probed:
 
     def _join_once(self) -> None:
         if not self.dpaudit_injected:  # gradient accumulation clips several times a step; canaries enter once
+            if self.dpaudit_health is not None:  # the clipped sums before any canary joins
+                self.dpaudit_health.gradient_sums(self.dpaudit_steps,
+                                                  [getattr(p, "summed_grad", None) for p in self.params])
             inject(self.dpaudit_probe, self, self.dpaudit_probe_ghost)
             self.dpaudit_injected = True
 
