@@ -3,6 +3,12 @@ and Poisson batches (B 64, T 300, claimed eps 4, m 1000 new-token canaries), ove
 secret seeds, several runs at once. Prints each run's bound and AUC, then the median per rate.
 
     .venv/bin/python benchmarks/user_recipe.py --out /tmp/ur [--lrs 5e-3,2e-2] [--seeds 1,2,3] [--jobs 2]
+    .venv/bin/python benchmarks/user_recipe.py --ceiling [--batches 64,256,1024]
+
+``--ceiling``: what a perfect black-box canary could read on this schedule (N 1497: the embedded default's 1000
+examples and the members), simulated: its whole clipped gradient on its own row, so its score is the sum of its
+releases along that row (the number of steps that sampled it, plus the noise), the best a score of the final
+model can do with a linear statistic; 9 simulated runs of m = 1000 through the same analysis.
 """
 
 from __future__ import annotations
@@ -33,14 +39,42 @@ def one(out: Path, lr: str, seed: int, extra: list[str]) -> dict:
             "seconds": round(time.perf_counter() - start, 1)}
 
 
+def perfect_canary(batch: int, examples: int = 1497, steps: int = 300, eps: float = 4.0, runs: int = 9) -> str:
+    import numpy as np
+
+    from dpaudit.api import calibrate
+    from dpaudit.audit.analysis import analyse
+
+    rate = batch / examples
+    sigma = calibrate(eps, delta=1e-5, p=rate, steps=steps).sigma
+    bounds = []
+    for seed in range(runs):
+        rng = np.random.default_rng(seed)
+        members = rng.random(1000) < 0.5
+        scores = rng.binomial(steps, rate, 1000) * members + sigma * np.sqrt(steps) * rng.standard_normal(1000)
+        bounds.append(analyse(scores, members, claimed_epsilon=eps, delta=1e-5, alpha=0.05,
+                              score="neg-loss").epsilon_lower_bound)
+    return (f"B {batch} (p {rate:.3f}, sigma {sigma:.3f}, T {steps}): separation p sqrt(T) / sigma = "
+            f"{rate * steps ** 0.5 / sigma:.3f}; a perfect canary's bound, median of {runs} runs "
+            f"{float(np.median(bounds)):.3f} (range {min(bounds):.2f}-{max(bounds):.2f})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out")
     ap.add_argument("--lrs", default="5e-3,2e-2")
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--ceiling", action="store_true", help="only the perfect canary's bound, simulated")
+    ap.add_argument("--batches", default="64,256,1024")
     ap.add_argument("extra", nargs="*", help="more `audit run` options (after --)")
     args = ap.parse_args()
+    if args.ceiling:
+        for batch in args.batches.split(","):
+            print(perfect_canary(int(batch)), flush=True)
+        return
+    if not args.out:
+        ap.error("--out is required (except with --ceiling)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     grid = [(lr, int(s)) for lr in args.lrs.split(",") for s in args.seeds.split(",")]

@@ -199,6 +199,7 @@ class PipelineProbe(WhiteBoxProbe):
         step -= self._counted_from
         if step and (batch is None) != (self._batches is None):
             raise DPAuditError("give observe() the step's batch at every step or at none")
+        self._maybe_look()  # a watched probe (probe.watch): the `step` releases recorded so far, outside the budget
         began = time.perf_counter()
         if batch is not None:
             self._note_batch(batch)

@@ -31,7 +31,8 @@ def _model_and_texts(seed: int = 0):
     return model, tok, sentences(N, seed=1)
 
 
-def _run(tmp_path, bug: str = "none", steps: int = 40, sigma: float = 1.0, batches: bool = True, seed: int = 1):
+def _run(tmp_path, bug: str = "none", steps: int = 40, sigma: float = 1.0, batches: bool = True, seed: int = 1,
+         watch: dict | None = None):
     """An Opacus (hooks) loop over the probe's texts; ``bug``: "reuse" (each batch for 4 steps) or "aux" (a plain
     SGD step on the batch after each DP step). ``seed`` fixes the model and Opacus' Poisson batches (torch's
     global generator): the sampler audit refuses a correct loop with probability alpha / 2 (2 in 100 seeds of
@@ -43,6 +44,8 @@ def _run(tmp_path, bug: str = "none", steps: int = 40, sigma: float = 1.0, batch
     model, tok, texts = _model_and_texts(seed)
     probe = PipelineProbe(model, tok, m=M, out=tmp_path / "probe", secret_seed=3)
     texts = probe.insert(texts)
+    if watch is not None:
+        probe.watch(**watch)
     full = tokenize(tok, texts, SEQ).batch(range(len(texts)))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(full["input_ids"], full["attention_mask"]),
                                          batch_size=B)
@@ -59,10 +62,10 @@ def _run(tmp_path, bug: str = "none", steps: int = 40, sigma: float = 1.0, batch
         return (token.sum(1) / keep[:, 1:].sum(1).clamp(min=1)).mean()
 
     step = 0
-    while step < steps:
+    while step < steps and not getattr(probe, "stop_requested", False):
         for x, keep in loader:
             for _ in range(4 if bug == "reuse" else 1):
-                if step == steps:
+                if step == steps or getattr(probe, "stop_requested", False):
                     break
                 optimizer.zero_grad()
                 loss(x, keep).backward()
@@ -75,7 +78,7 @@ def _run(tmp_path, bug: str = "none", steps: int = 40, sigma: float = 1.0, batch
                     optimizer.zero_grad()
                 probe.observe(step, batch=x if batches else None)
                 step += 1
-            if step == steps:
+            if step == steps or getattr(probe, "stop_requested", False):
                 break
     return probe, engine
 
@@ -176,3 +179,15 @@ def test_observe_takes_the_step_a_user_has_from_0_or_from_1_or_none(tmp_path):
         if first is not None:
             with pytest.raises(DPAuditError, match=f"expected step {first + 3}, got {first + 5}"):
                 probe.observe(first + 5)
+
+
+def test_a_watched_pipeline_probe_stops_a_side_step_early_with_its_report(tmp_path):
+    """PipelineProbe.watch: looks at 8, 16, 32 (alpha / (j (j + 1)) each); the un-noised side step is stopped at a
+    look before the 40 planned steps (at 32: m = 60 here), with the report written. The looks' time is kept out
+    of the probe's budget, so watching does not starve the canaries' directions."""
+    watch = {"delta": 1e-5, "claimed_eps": 2.0, "on_violation": "stop", "first": 8}
+    probe, _ = _run(tmp_path, bug="aux", batches=False, watch=watch)
+    assert probe.alarm is not None and probe.alarm.violation and probe.step < 40
+    assert (tmp_path / "probe" / "report" / "report.md").is_file()
+    looks = [json.loads(line) for line in (tmp_path / "probe" / "running.jsonl").read_text().splitlines()]
+    assert looks[-1]["violation"] and looks[-1]["step"] <= 32 and looks[0]["step"] == 8
