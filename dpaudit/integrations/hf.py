@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dpaudit.core.errors import DPAuditError
+from dpaudit.core.errors import DPAuditError, PrivacyViolation
 from dpaudit.integrations.hf_preflight import preflight_problems
 from dpaudit.integrations.hf_rows import canary_row, contexts, row_format as find_format, rows_of
 from dpaudit.training.distributed import launch_rank
@@ -252,6 +252,9 @@ class DPAuditCallback(TrainerCallback):
                 self.white_box = self.probe.audit(claimed, self.settings.delta, report=True, claimed_from=source)
             except DPAuditError as exc:
                 context["white-box audit"] = f"not made: {exc}"
+            except PrivacyViolation as exc:  # the DP optimizer never stepped, yet the model was trained
+                context["white-box audit"] = str(exc)
+                print(f"dpaudit: {exc}")
             finally:
                 self.probe.close()
         if self.settings.regurgitation:

@@ -174,3 +174,28 @@ def test_fingerprints_see_one_changed_coordinate_in_the_sums():
     h.look(1)
     assert h.moved == [True] and not h.findings
     assert np.isfinite(h.first).sum() == 2 + 64
+
+
+def test_a_loop_that_steps_only_the_optimizer_built_before_make_private_is_a_violation_not_a_refusal(tmp_path):
+    """The DP optimizer never steps, so nothing is released; the model trains all the same, without clipping or
+    noise. The audit says VIOLATION (PrivacyViolation), never 'no released steps' (a refusal would hide it)."""
+    from opacus import PrivacyEngine
+
+    from dpaudit.core.errors import PrivacyViolation
+
+    torch.manual_seed(0)
+    X = torch.randn(N, 20)
+    y = (X[:, 0] > 0).long()
+    model = Adapted()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, y), batch_size=B)
+    dp_model, dp_opt, loader = PrivacyEngine(accountant="prv").make_private(
+        module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
+        poisson_sampling=False)
+    probe = WhiteBoxProbe.attach(dp_opt, m=20, out=tmp_path / "probe", model=model, secret_seed=0)
+    for xb, yb in list(loader)[:3]:
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(dp_model(xb), yb).backward()
+        optimizer.step()  # the optimizer built before make_private, not the DP one
+    with pytest.raises(PrivacyViolation, match="VIOLATION: the DP optimizer released no step"):
+        probe.audit(4.0, 1e-5)
