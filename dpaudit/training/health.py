@@ -33,7 +33,6 @@ SAMPLES = 64         # strided values a tensor's fingerprint keeps (besides its 
 EVERY = 50           # DP steps between checks (and the first step)
 TOO_LARGE = 10.0     # a checked update this many times the optimizer's bound is "too large"
 HEALTH = "health.json"  # the findings, beside a probe's transcript
-KINDS = ("never-moved", "moved-outside", "stepped-outside", "no-gradient", "too-large")
 
 
 def fingerprints(tensors):
@@ -93,6 +92,19 @@ def update_bound(optimizer, param, released=None) -> float | None:
     return lr * biggest  # the buffer holds g + wd theta already
 
 
+def for_tensors(params, model=None, *, bracketed: bool = True) -> "UpdateHealth":
+    """The check on ``params`` (the tensors the DP step releases), named as ``model`` names them, and on the
+    model's other trainable tensors (they must not move). ``bracketed``: the caller reports each DP step's start
+    and end (an attached Opacus probe); else it only looks (a plain loop, a pipeline probe)."""
+    names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+    held = {id(p) for p in params}
+    others = [] if model is None else [(n, p) for n, p in model.named_parameters()
+                                       if p.requires_grad and id(p) not in held]
+    health = UpdateHealth([(names.get(id(p), f"parameter {k}"), p) for k, p in enumerate(params)], others)
+    health.bracketed = bracketed
+    return health
+
+
 class UpdateHealth:
     """The checks above on ``named`` (name, tensor) pairs: the tensors the DP step releases (``dp`` True), and
     the model's other trainable tensors (``dp`` False: they must not move at all). ``bracket`` True: the caller
@@ -126,10 +138,10 @@ class UpdateHealth:
     @property
     def outside(self) -> list[str]:
         """Tensors updated outside the DP step (their updates saw no clipping or noise)."""
+        moved = [n for k, n in self.findings if k == "moved-outside"]
         if any(k == "stepped-outside" for k, _ in self.findings):  # every tensor it holds moved so
-            return self.names[:self.dp] + [n for k, n in self.findings if k == "moved-outside" and
-                                           n not in self.names[:self.dp]]
-        return [n for k, n in self.findings if k == "moved-outside"]
+            return self.names[:self.dp] + [n for n in moved if n not in self.names[:self.dp]]
+        return moved
 
     @property
     def untouched_others(self) -> list[str]:

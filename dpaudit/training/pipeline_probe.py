@@ -68,7 +68,10 @@ class PipelineProbe(WhiteBoxProbe):
         self._counted_from = None   # 0 or 1: how the caller counts steps (fixed by its first observe)
         self._start(int(m), 1.0, seed)
         self.ids = self._add_tokens()
-        self.health = self._model_health(model)
+        from dpaudit.training.health import for_tensors
+
+        # the update's health check: the model's trainable tensors as they are now (freeze first) must each move
+        self.health = for_tensors([p for p in model.parameters() if p.requires_grad], model, bracketed=False)
         self._batches, self.sample_rate, self._moved = None, None, False
         self._texts = self._canary_ids()
         self.budget, self.probe_seconds, self.refreshed, self._first = float(budget), 0.0, 0, None
@@ -91,16 +94,6 @@ class PipelineProbe(WhiteBoxProbe):
         self.canaries.coordinates = [int(i) for i in ids]
         self.canaries.save(self.out)
         return [int(i) for i in ids]
-
-    @staticmethod
-    def _model_health(model):
-        """The update's health check (training/health.py) on the model's trainable tensors, as they are when the
-        probe is made (freeze what the run does not train before): each must move."""
-        from dpaudit.training.health import UpdateHealth
-
-        health = UpdateHealth([(n, p) for n, p in model.named_parameters() if p.requires_grad])
-        health.bracketed = False
-        return health
 
     def _embedding(self):
         return self.model.get_input_embeddings()

@@ -70,7 +70,10 @@ class WhiteBoxProbe:
         noised = {id(p) for p in self.params}
         self.unprotected = [] if model is None or kind != "gradient" else [
             name for name, p in model.named_parameters() if p.requires_grad and id(p) not in noised]
-        self.health = self._plain_health(model) if kind == "gradient" else None
+        from dpaudit.training.health import for_tensors
+
+        # the update's health check (training/health.py): a plain loop's probe looks every EVERY steps, at begin
+        self.health = for_tensors(self.params, model, bracketed=False) if kind == "gradient" else None
         if resume:
             self._resume(m)
         else:
@@ -390,17 +393,6 @@ class WhiteBoxProbe:
         atomic_write_json(self.out / CLIP_TALLY, private=True, data={
             "run_id": self.run_id, "size_ratio": SIZE_RATIO, "steps": self.step,
             "small": [float(v) for v in tally[0]], "large": [float(v) for v in tally[1]]})
-
-    def _plain_health(self, model):
-        """The update's health check for a plain loop (training/health.py): the noised tensors must move, the
-        model's other trainable tensors must not (looked at every ``EVERY`` steps, at ``begin``)."""
-        from dpaudit.training.health import UpdateHealth
-
-        names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
-        others = [(n, p) for n, p in model.named_parameters() if n in self.unprotected] if model is not None else []
-        health = UpdateHealth([(names.get(id(p), f"parameter {k}"), p) for k, p in enumerate(self.params)], others)
-        health.bracketed = False
-        return health
 
     def save_health(self) -> None:
         """Write the health check's findings beside the transcript."""

@@ -57,7 +57,7 @@ def attach(cls, optimizer, *, m, out, sample_rate, accountant, gain, seed, resum
     mixin = ProbedDistributed if hasattr(optimizer, "reduce_gradients") else Probed
     optimizer.__class__ = type(f"{mixin.__name__}{kind.__name__}", (mixin, kind), {})
     optimizer.dpaudit_probe, optimizer.dpaudit_probe_ghost, optimizer.dpaudit_injected = probe, ghost, False
-    probe.health = _health(optimizer, probe, model)
+    probe.health.bracketed = True  # each DP step bracketed (Probed.step): moves in and between steps
     optimizer.dpaudit_health, optimizer.dpaudit_steps, optimizer.dpaudit_in_step = probe.health, 0, False
     original = getattr(optimizer, "original_optimizer", None)
     if original is not None and hasattr(original, "register_step_pre_hook"):
@@ -66,18 +66,6 @@ def attach(cls, optimizer, *, m, out, sample_rate, accountant, gain, seed, resum
                 probe.health.stepped_outside(opt)
         original.register_step_pre_hook(outside)
     return probe
-
-
-def _health(optimizer, probe, model):
-    """The update's health check (training/health.py) on the DP optimizer's tensors and the model's other
-    trainable ones, named as the model names them."""
-    from dpaudit.training.health import UpdateHealth
-
-    names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
-    held = {id(p) for p in optimizer.params}
-    others = [] if model is None else [(n, p) for n, p in model.named_parameters()
-                                       if p.requires_grad and id(p) not in held]
-    return UpdateHealth([(names.get(id(p), f"parameter {k}"), p) for k, p in enumerate(optimizer.params)], others)
 
 
 class Probed:
