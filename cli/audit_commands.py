@@ -251,8 +251,17 @@ def audit_transcript(
     if report is not None:
         refuse_overlap(report, {"run": run}, folder_output=True)
     claimed_eps, delta, context = resolve_claims(run, claimed_eps, delta)
-    result, scores, members, facts = audit_run_folder(run, claimed_epsilon=claimed_eps, delta=delta, alpha=alpha,
-                                                      headline=headline, sample_rate=sample_rate)
+    from dpaudit.core.errors import PrivacyViolation
+
+    try:
+        result, scores, members, facts = audit_run_folder(run, claimed_epsilon=claimed_eps, delta=delta,
+                                                          alpha=alpha, headline=headline, sample_rate=sample_rate)
+    except PrivacyViolation as exc:  # no release to score, but the model was trained outside DP
+        if as_json:
+            emit_json({"command": "audit transcript", "run": str(run), "violation": True, "verdict": str(exc)})
+        else:
+            console.print(f"[bold red]{escape(str(exc))}[/bold red]", highlight=False)
+        raise typer.Exit(1) from None
     context.update({k: v for k, v in facts.items() if not isinstance(v, dict)})
     present(result, {"run": str(run), **context}, as_json, report=report, force=force, scores=scores,
             members=members)

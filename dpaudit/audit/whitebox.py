@@ -110,6 +110,22 @@ def public_noise(seeds: np.ndarray, kind: str, scale: float) -> np.ndarray:
     return np.array([draw(np.random.default_rng(int(s)), scale) for s in seeds])
 
 
+def _outside_without_releases(run_dir: Path) -> None:
+    """A probe folder with no release whose health check saw the model trained outside DP (the DP optimizer never
+    stepped, yet tensors moved): VIOLATION (``PrivacyViolation``), never the refusal of an empty transcript."""
+    from dpaudit.core.errors import PrivacyViolation
+    from dpaudit.core.run_folder import HEALTH, OUTSIDE_DP, read_json
+
+    try:
+        findings = (read_json(run_dir / HEALTH, "health check") or {}).get("findings") or []
+    except (DPAuditError, OSError):
+        return
+    outside = [str(f.get("tensor")) for f in findings if isinstance(f, dict) and f.get("kind") in OUTSIDE_DP]
+    if outside:
+        raise PrivacyViolation(f"VIOLATION: {run_dir} released no step, yet its health check saw the model trained "
+                               f"outside DP (no clipping, no noise): {', '.join(outside[:3])}")
+
+
 def _transcript_rows(run_dir: Path, m: int) -> np.ndarray:
     """A transcript of m floats a step (gradient probes and trainers, pipeline probes), memory-mapped: (steps, m)."""
     from dpaudit.audit.whitebox_canaries import TRANSCRIPT
@@ -119,6 +135,7 @@ def _transcript_rows(run_dir: Path, m: int) -> np.ndarray:
     if size % (4 * m):
         raise DPAuditError(f"{path} is truncated")
     if size == 0:
+        _outside_without_releases(run_dir)
         raise DPAuditError(f"{run_dir} has no released steps to audit")
     return np.memmap(path, dtype="<f4", mode="r", shape=(size // (4 * m), m))
 

@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import math
 
+from dpaudit.core.run_folder import OUTSIDE_DP
+
 SAMPLES = 64         # strided values a tensor's fingerprint keeps (besides its sum and sum of squares)
 EVERY = 50           # DP steps between checks (and the first step)
 TOO_LARGE = 10.0     # a checked update this many times the optimizer's bound is "too large"
-HEALTH = "health.json"  # the findings, beside a probe's transcript
 
 
 def fingerprints(tensors):
@@ -138,8 +139,8 @@ class UpdateHealth:
     @property
     def outside(self) -> list[str]:
         """Tensors updated outside the DP step (their updates saw no clipping or noise)."""
-        moved = [n for k, n in self.findings if k == "moved-outside"]
-        if any(k == "stepped-outside" for k, _ in self.findings):  # every tensor it holds moved so
+        moved = [n for k, n in self.findings if k == OUTSIDE_DP[0]]
+        if any(k == OUTSIDE_DP[1] for k, _ in self.findings):  # every tensor it holds moved so
             return self.names[:self.dp] + [n for n in moved if n not in self.names[:self.dp]]
         return moved
 

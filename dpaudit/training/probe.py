@@ -397,7 +397,7 @@ class WhiteBoxProbe:
     def save_health(self) -> None:
         """Write the health check's findings beside the transcript."""
         if getattr(self, "health", None) is not None and self.out.is_dir():
-            from dpaudit.training.health import HEALTH
+            from dpaudit.core.run_folder import HEALTH
 
             atomic_write_json(self.out / HEALTH, self.health.to_dict())
 

@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from cli_helpers import dpaudit
 from dpaudit import WhiteBoxProbe
-from dpaudit.training.health import EVERY, HEALTH, UpdateHealth, update_bound
+from dpaudit.core.run_folder import HEALTH
+from dpaudit.training.health import EVERY, UpdateHealth, update_bound
 
 warnings.filterwarnings("ignore", module="opacus")
 N, B, STEPS = 256, 32, EVERY + 10
@@ -199,3 +201,6 @@ def test_a_loop_that_steps_only_the_optimizer_built_before_make_private_is_a_vio
         optimizer.step()  # the optimizer built before make_private, not the DP one
     with pytest.raises(PrivacyViolation, match="VIOLATION: the DP optimizer released no step"):
         probe.audit(4.0, 1e-5)
+    probe.close()
+    out = dpaudit("audit", "transcript", "--run", tmp_path / "probe", "--claimed-eps", "4", "--delta", "1e-5")
+    assert out.returncode == 1 and "VIOLATION" in out.stdout and "no released steps" not in out.stderr
