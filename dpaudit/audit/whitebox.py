@@ -122,8 +122,9 @@ def _outside_without_releases(run_dir: Path) -> None:
         return
     outside = [str(f.get("tensor")) for f in findings if isinstance(f, dict) and f.get("kind") in OUTSIDE_DP]
     if outside:
-        raise PrivacyViolation(f"VIOLATION: {run_dir} released no step, yet its health check saw the model trained "
-                               f"outside DP (no clipping, no noise): {', '.join(outside[:3])}")
+        raise PrivacyViolation(f"VIOLATION: the DP optimizer released no step ({run_dir}), yet {len(outside)} "
+                               f"trainable tensors moved outside it (no clipping, no noise): {', '.join(outside[:3])}; "
+                               f"health: {run_dir / HEALTH}")
 
 
 def _transcript_rows(run_dir: Path, m: int) -> np.ndarray:

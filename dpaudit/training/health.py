@@ -107,9 +107,9 @@ def for_tensors(params, model=None, *, bracketed: bool = True) -> "UpdateHealth"
 
 
 class UpdateHealth:
-    """The checks above on ``named`` (name, tensor) pairs: the tensors the DP step releases (``dp`` True), and
-    the model's other trainable tensors (``dp`` False: they must not move at all). ``bracket`` True: the caller
-    reports the start and end of each DP step (``before`` and ``after``); else only ``look`` (a plain loop)."""
+    """The checks above on ``dp_named`` (name, tensor) pairs, the tensors the DP step releases, and on
+    ``other_named``, the model's other trainable tensors (they must not move at all). ``bracketed`` (set by
+    ``for_tensors``): the caller reports each DP step's start and end (``before``, ``after``); else only ``look``."""
 
     def __init__(self, dp_named, other_named=(), *, every: int = EVERY, say=print):
         self.names = [n for n, _ in dp_named] + [n for n, _ in other_named]
