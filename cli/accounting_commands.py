@@ -18,7 +18,8 @@ from dpaudit.core.atomic import guard_new_file
 from dpaudit.core.errors import DPAuditError
 from dpaudit.cli.common import (
     AccountantOpt, BatchOpt, DatasetOpt, DeltaOpt, EpochsOpt, ForceOpt, JsonOpt, McBackendOpt, McSamplesOpt, McWorkersOpt, MechOpt,
-    PhaseOpt, POpt, SamplingOpt, SeedOpt, StepsOpt, accountant_options, assumptions, bounded, console, emit_json, event_from,
+    NoiseOpt, PhaseOpt, POpt, SamplingOpt, SeedOpt, StepsOpt, accountant_options, assumptions, bounded, console, emit_json,
+    event_from,
     fmt, resolve_delta, schedule, shuffle_lines,
 )
 
@@ -48,13 +49,13 @@ def calibrate(
     epochs: EpochsOpt = None, accountant: AccountantOpt = None,
     rtol: Annotated[float, typer.Option(help="Relative tolerance on sigma (never on the wrong side).")] = 1e-3,
     mc_samples: McSamplesOpt = None, seed: SeedOpt = 0, sampling: SamplingOpt = "poisson", phase: PhaseOpt = None,
-    as_json: JsonOpt = False,
+    noise_spec: NoiseOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Smallest noise whose accounted epsilon is <= the target (one release when no schedule is given). With
     --phase: the smallest multiplier of every phase's sigma (each phase's sigma=S is its share; default 1)."""
     check_epsilon(eps)
     d = resolve_delta(mech, delta)
-    template = event_from(mech, 1.0, p, batch_size, dataset_size, steps, epochs, sampling, phase)
+    template = event_from(mech, 1.0, p, batch_size, dataset_size, steps, epochs, sampling, phase, noise_spec)
     name = accountant or default_accountant(template, d)
     cal = calibrate_sigma(template, eps, d, name, rtol=rtol, options=accountant_options(name, mc_samples, seed, not as_json))
     calibrated = template.with_sigma(cal.sigma)
@@ -63,7 +64,7 @@ def calibrate(
     phase_sigmas = [m.sigma for m in calibrated.phases] if len(calibrated.phases) > 1 else None
     if as_json:
         emit_json({
-            "command": "calibrate", "mechanism": mech, "sampling": template.sampling,
+            "command": "calibrate", "mechanism": mech, "sampling": template.sampling, **_noise_json(calibrated, cal.result),
             "sampling_rate": template.sampling_rate,
             "steps": template.steps, "delta": d, "target_epsilon": eps, "accountant": cal.result.accountant,
             "requested_accountant": name,
@@ -96,6 +97,16 @@ McThreadsOpt = Annotated[Optional[int], typer.Option(
     "--threads", help="CPU threads for torch with --mc-backend torch (the only accounting path that runs torch).")]
 
 
+def _noise_json(mech, result) -> dict:
+    """The strategy and its error, for --json, when the noise is correlated."""
+    if getattr(mech, "strategy", None) is None:
+        return {}
+    from dpaudit.accounting.matrix.strategy import error_summary
+
+    return {"noise": mech.strategy.spec(), **{k: v for k, v in error_summary(mech, result.accountant).items()
+                                              if k != "noise"}}
+
+
 def _torch_threads(backend: str, threads: int | None) -> None:
     if backend == "torch":  # torch is never imported otherwise: the accounting core is torch-free
         from dpaudit.core.threads import set_threads
@@ -110,18 +121,19 @@ def epsilon_cmd(
     epochs: EpochsOpt = None, accountant: AccountantOpt = None, mc_samples: McSamplesOpt = None,
     seed: SeedOpt = 0, mc_workers: McWorkersOpt = 1, mc_backend: McBackendOpt = "numpy",
     threads: McThreadsOpt = None, sampling: SamplingOpt = "poisson", phase: PhaseOpt = None,
-    as_json: JsonOpt = False,
+    noise_spec: NoiseOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Epsilon (an upper bound) spent by a given noise level and schedule, or by phases (--phase, repeated)."""
     _torch_threads(mc_backend, threads)
     d = resolve_delta(mech, delta)
-    m = event_from(mech, sigma, p, batch_size, dataset_size, steps, epochs, sampling, phase)
+    m = event_from(mech, sigma, p, batch_size, dataset_size, steps, epochs, sampling, phase, noise_spec)
     name = accountant or default_accountant(m, d)
     res = epsilon(m, d, name, accountant_options(name, mc_samples, seed, not as_json, mc_workers, mc_backend))
     lines = assumptions(m, d, res) + _one_step_note(m, steps, epochs)
     extra, shuffled = shuffle_lines(m, d, res)
     if as_json:
         emit_json({"command": "epsilon", "sigma": sigma, "sampling": m.sampling, "sampling_rate": m.sampling_rate,
+                   **_noise_json(m, res),
                    "steps": m.steps, "phases": len(m.phases), **({"shuffle": shuffled} if shuffled else {}),
                    "result": res.to_json(), "assumptions": lines})
         return
@@ -176,15 +188,18 @@ def delta_cmd(
 def max_steps_cmd(
     sigma: SigmaOpt, eps: EpsOpt, mech: MechOpt = "gaussian", delta: DeltaOpt = None, p: POpt = None,
     batch_size: BatchOpt = None, dataset_size: DatasetOpt = None, accountant: AccountantOpt = None,
-    sampling: SamplingOpt = "poisson", as_json: JsonOpt = False,
+    sampling: SamplingOpt = "poisson", noise_spec: NoiseOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Largest number of steps that stays within the target epsilon at a given noise level."""
+    from dpaudit.accounting.matrix.strategy import parse
+
     d = resolve_delta(mech, delta)
-    template = schedule(mech, sigma, p, batch_size, dataset_size, 1, None, sampling)
+    template = schedule(mech, sigma, p, batch_size, dataset_size, 1, None, sampling, parse(noise_spec))
     ans = max_steps(template, eps, d, accountant)
     lines = assumptions(template.with_steps(ans.steps), d, ans.result)
     if as_json:
         emit_json({"command": "max-steps", "sigma": sigma, "sampling": sampling, "sampling_rate": template.sampling_rate,
+                   **_noise_json(template.with_steps(ans.steps), ans.result),
                    "target_epsilon": eps, "delta": d, "max_steps": ans.steps, "at_cap": ans.at_cap,
                    "epsilon": json_float(ans.result.epsilon),
                    "epsilon_next": None if ans.epsilon_next is None else json_float(ans.epsilon_next),
@@ -206,10 +221,16 @@ def compare(
     dataset_size: DatasetOpt = None, steps: StepsOpt = None, epochs: EpochsOpt = None,
     mc_samples: McSamplesOpt = None, seed: SeedOpt = 0,
     include_slow: Annotated[bool, typer.Option(help="With --eps: also calibrate with prv (~40 s per evaluation).")] = False,
-    sampling: SamplingOpt = "poisson", phase: PhaseOpt = None, as_json: JsonOpt = False,
+    sampling: SamplingOpt = "poisson", phase: PhaseOpt = None,
+    noise_spec: Annotated[Optional[list[str]], typer.Option(
+        "--noise", help="Compare noise strategies instead of accountants (repeat: --noise independent --noise "
+                        "bandmf,b=16 --noise blt,...): each one's sigma at --eps (or eps at --sigma) from its default "
+                        "accountant, with the noise it adds and its expected error.")] = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Every applicable accountant side by side, with timings (eps for --sigma, or sigma for --eps); the
-    accountants that do not cover the schedule (its sampler, its phases) say why."""
+    accountants that do not cover the schedule (its sampler, its phases) say why. With --noise: strategies side
+    by side instead."""
     if (sigma is None) == (eps is None) and not (phase and eps is None):  # phases carry their own sigmas
         raise DPAuditError("give exactly one of --sigma (compare epsilons) or --eps (compare calibrated sigmas)")
     accounting = eps is None  # compare epsilons at the given noise (else calibrated sigmas)
@@ -219,6 +240,10 @@ def compare(
         return
     if eps is not None:
         check_epsilon(eps)
+    if noise_spec:
+        _compare_strategies(noise_spec, mech, sigma, eps, d, p, batch_size, dataset_size, steps, epochs, sampling,
+                            phase, as_json)
+        return
     m = event_from(mech, 1.0 if sigma is None else sigma, p, batch_size, dataset_size, steps, epochs, sampling, phase)
     rows = []
     for name, acc in ACCOUNTANTS.items():
@@ -273,6 +298,63 @@ def compare(
     if cut:
         console.print(f"[yellow]cut short (no answer within the budget, or refused): {', '.join(cut)}; "
                       "see their rows (--timeout, --max-memory)[/yellow]", highlight=False)
+
+
+MAX_STRATEGIES = 12
+
+
+def _compare_strategies(specs, mech, sigma, eps, delta, p, batch_size, dataset_size, steps, epochs, sampling, phase,
+                        as_json) -> None:
+    """One row a noise strategy: sigma at the target eps (or eps at sigma) from its default accountant, the noise
+    std it adds per step and the expected squared error of the last prefix sum; the error relative to the first
+    row, so a user can choose at one eps."""
+    from dpaudit.accounting.matrix.strategy import error_summary
+
+    if len(specs) > MAX_STRATEGIES:
+        raise DPAuditError(f"compare at most {MAX_STRATEGIES} strategies at once")
+    rows = []
+    for spec in specs:
+        m = event_from(mech, 1.0 if sigma is None else sigma, p, batch_size, dataset_size, steps, epochs, sampling,
+                       phase, spec)
+        name = default_accountant(m, delta)
+        start = time.perf_counter()
+        with console.status(f"{spec} ...", spinner="dots") if not as_json else nullcontext():
+            try:
+                if eps is None:
+                    res = epsilon(m, delta, name)
+                else:
+                    cal = calibrate_sigma(m, eps, delta, name)
+                    res, m = cal.result, m.with_sigma(cal.sigma)
+            except DPAuditError as exc:
+                rows.append({"noise": spec, "skipped": str(exc)})
+                continue
+        rows.append({"noise": spec, "accountant": res.accountant, "sigma": m.sigma, "epsilon": json_float(res.epsilon),
+                     **{k: v for k, v in error_summary(m, res.accountant).items() if k != "noise"},
+                     "seconds": time.perf_counter() - start, "guarantee": res.guarantee})
+    base = next((r.get("expected_error") for r in rows if "skipped" not in r), None)
+    for r in rows:
+        if "skipped" not in r:
+            r["error_vs_first"] = r["expected_error"] / base if base and r["expected_error"] is not None else None
+    if as_json:
+        emit_json({"command": "compare", "quantity": "strategies", "target_epsilon": eps, "sigma": sigma,
+                   "delta": delta, "rows": rows})
+        return
+    from rich.table import Table
+
+    table = Table(title=f"noise strategies at {'eps = ' + format(eps, 'g') if eps is not None else 'sigma = ' + format(sigma, 'g')}"
+                        f", delta={delta:g}")
+    for col in ("noise", "accountant", "sigma", "eps", "noise std / step", "expected error (last sum)", "vs first"):
+        table.add_column(col)
+    for r in rows:
+        if "skipped" in r:
+            table.add_row(r["noise"], "—", "—", "—", "—", "—", f"[dim]{r['skipped']}[/dim]")
+        else:
+            table.add_row(r["noise"], r["accountant"], fmt(r["sigma"]), fmt(float(r["epsilon"])), f"{r['noise_std']:.4g} C",
+                          "not computed" if r["expected_error"] is None else f"{r['expected_error']:.4g} C^2",
+                          "—" if r["error_vs_first"] is None else f"{r['error_vs_first']:.3g}x")
+    console.print(table)
+    console.print("expected error: of the last released prefix sum of clipped-gradient sums, per coordinate "
+                  "(sigma^2 sens^2 x the strategy's error; independent noise: sigma^2 T)", highlight=False)
 
 
 def _compare_samplers(mech, sigma, delta, p, batch_size, dataset_size, steps, epochs, phase, as_json) -> None:

@@ -94,6 +94,10 @@ PhaseOpt = Annotated[Optional[list[str]], typer.Option(
     "--phase", help="A phase of the schedule, repeated for several: sigma=S,p=P,steps=T (or B=,N=; epochs=E; "
                     "sampling=...; mech=...). Phases are composed in sequence; instead of --sigma/--p/-T.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON only.")]
+NoiseOpt = Annotated[Optional[str], typer.Option(
+    "--noise", help="Correlated noise: bandmf,b=B (banded matrix factorisation; cyclic Poisson batches are "
+                    "amplified) or blt,theta=T1:T2,omega=W1:W2[,order=fixed]; default independent (DP-SGD). sigma is "
+                    "then relative to the strategy's sensitivity.")]
 McSamplesOpt = Annotated[Optional[int], typer.Option(
     "--mc-samples", help="mc accountant: composed samples per direction (default: sized to ~2e8 draws).")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="mc accountant: random seed.")]
@@ -131,20 +135,36 @@ def assumptions(mech: Mechanism, delta: float, result) -> list[str]:
          else mech.sampling_words()),
         f"delta = {delta:g}" + (" (pure eps-DP)" if delta == 0 else ""),
         f"accountant: {answered}; neighbouring relation: {result.relation}",
-    ]
+    ] + _noise_lines(mech, result)
+
+
+def _noise_lines(mech, result) -> list[str]:
+    """Correlated noise: the strategy, and the error it buys at this sigma (what a user chooses a strategy on)."""
+    if not isinstance(mech, Mechanism) or mech.strategy is None:
+        return []
+    from dpaudit.accounting.matrix.strategy import error_summary
+
+    err = error_summary(mech, result.accountant)
+    error = ("not computed (the banded strategy is optimised up to T = 20,000)" if err["expected_error"] is None
+             else f"{err['expected_error']:.4g} C^2 per coordinate")
+    return [f"noise: {mech.strategy.words()}; sigma is relative to its sensitivity",
+            f"noise added: std {err['noise_std']:.4g} C per step; expected squared error of the last prefix sum "
+            f"{error} (compare strategies at one eps: dpaudit compare --eps E --noise independent --noise SPEC)"]
 
 
 def event_from(mech: str, sigma: float | None, p, batch_size, dataset_size, steps, epochs, sampling: str,
-               phases: list[str] | None):
+               phases: list[str] | None, noise_spec: str | None = None):
     """The event a command describes: one schedule from the flags, or the --phase list composed in sequence
     (each phase's sigma defaults to --sigma, or 1 when calibrating: then it is the phase's share)."""
+    from dpaudit.accounting.matrix.strategy import parse
     from dpaudit.accounting.mechanism import event, parse_phase
 
     if not phases and steps is None and epochs is None and (p is not None or batch_size is not None):
         note_after("note: no -T/--steps or --epochs given: one step (T = 1) is accounted")
     return event(mech, sigma, p, batch_size, dataset_size, steps, epochs, sampling,
                  [parse_phase(text) for text in phases] if phases else None,
-                 ("--sigma", "--phase sigma=...,p=...,steps=...", "--p/-B/-N/-T/--epochs/--sampling"))
+                 ("--sigma", "--phase sigma=...,p=...,steps=...", "--p/-B/-N/-T/--epochs/--sampling"),
+                 strategy=parse(noise_spec))
 
 
 def shuffle_lines(event, delta: float, result) -> tuple[list[str], dict]:

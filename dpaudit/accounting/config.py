@@ -19,7 +19,7 @@ from dpaudit.core.errors import DPAuditError
 KNOWN_KEYS = {
     "mechanism", "sigma", "noise_multiplier", "sampling_rate", "batch_size", "dataset_size",
     "steps", "epochs", "delta", "target_epsilon", "accountant", "calibrate", "sampling", "phases",
-    "claim_accounted_as",
+    "claim_accounted_as", "noise",
 }
 SCHEDULE_KEYS = {"sampling_rate", "batch_size", "steps", "epochs"}  # given per phase when there are phases
 # a phase's keys, as the config spells them -> as --phase spells them
@@ -212,13 +212,15 @@ def load_privacy_config(path: Path) -> PrivacyConfig:
     sampling = _name(data, "sampling", sampler_names(), "poisson")
     claim = _name(data, "claim_accounted_as", sampler_names(), None)
     if "phases" in data:
+        if data.get("noise") is not None:
+            raise DPAuditError("config noise (correlated) is accounted over one schedule, not phases")
         event = _phases(data, mechanism, sigma, n)
     else:
         rate, batch = _number(data, "sampling_rate"), _number(data, "batch_size", int)
         # p with N and no B: p is the rate, N the dataset's size (what a sampler log is checked against)
         sizes_n = None if rate is not None and batch is None else n
         event = schedule(mechanism, 1.0, rate, batch, sizes_n, _number(data, "steps", int), _number(data, "epochs"),
-                         sampling)
+                         sampling, _strategy(data))
         if sigma is not None:
             event = event.with_sigma(sigma)  # validates sigma
     if event.steps > MAX_STEPS:
@@ -227,6 +229,16 @@ def load_privacy_config(path: Path) -> PrivacyConfig:
     if accountant is not None and not isinstance(accountant, str):
         raise DPAuditError("config accountant must be a name")
     return PrivacyConfig(mechanism, sigma, event, delta, target, accountant, n, claim, ignored)
+
+
+def _strategy(data: dict):
+    """``noise:`` (correlated noise, matrix/strategy.py), parsed with its limits; None: independent."""
+    from dpaudit.accounting.matrix.strategy import parse
+
+    value = data.get("noise")
+    if value is not None and not isinstance(value, str):
+        raise DPAuditError("config key 'noise' must be a text such as bandmf,b=16")
+    return parse(value)
 
 
 def _name(data: dict, key: str, choices, default):

@@ -40,9 +40,19 @@ class Mechanism:
     sampling: str = "poisson"
     batch_size: int | None = None
     dataset_size: int | None = None
+    # correlated noise (accounting/matrix/strategy.py): the matrix the noise goes through; None: independent
+    strategy: object = None
 
     def __post_init__(self) -> None:
         noise(self.kind)  # refuses an unknown mechanism
+        if self.strategy is not None:
+            from dpaudit.accounting.matrix.strategy import Strategy
+
+            if not isinstance(self.strategy, Strategy):
+                raise DPAuditError("strategy must be a matrix.strategy.Strategy (or None: independent noise)")
+            if self.kind != "gaussian":
+                raise DPAuditError(f"correlated noise ({self.strategy.family}) is accounted for Gaussian noise, "
+                                   f"not {self.kind}")
         check_sigma(self.sigma)
         check_sampling_rate(self.sampling_rate)
         check_steps(self.steps)
@@ -88,7 +98,8 @@ class Mechanism:
 
     def describe(self) -> str:
         return (f"{self.sampling}-sampled {self.kind} mechanism, {noise(self.kind).axis_label} sigma={self.sigma:g}, "
-                f"sampling rate p={self.sampling_rate:g}, T={self.steps} steps")
+                f"sampling rate p={self.sampling_rate:g}, T={self.steps} steps"
+                + (f", correlated noise {self.strategy.spec()}" if self.strategy is not None else ""))
 
     def sampling_words(self) -> str:
         return scheme(self.sampling).words.format(p=self.sampling_rate, T=self.steps, B=self.batch_size,
@@ -248,9 +259,9 @@ def sampling_rate_from(batch_size: int | None, dataset_size: int | None, p: floa
 
 def schedule(kind: str, sigma: float, p: float | None = None, batch_size: int | None = None,
              dataset_size: int | None = None, steps: int | None = None, epochs: float | None = None,
-             sampling: str = "poisson") -> Mechanism:
+             sampling: str = "poisson", strategy=None) -> Mechanism:
     """The Mechanism a CLI command or API call describes: p directly or as B / N, T directly or as epochs / p;
-    fixed and shuffled batches need B and N."""
+    fixed and shuffled batches need B and N; ``strategy``: correlated noise (matrix/strategy.py), None: independent."""
     if scheme(sampling).needs_sizes and (batch_size is None or dataset_size is None):
         raise DPAuditError(f"{sampling} sampling needs the batch size and the dataset size (-B and -N), not p")
     if scheme(sampling).whole_epochs and epochs is not None and epochs != int(epochs):
@@ -260,18 +271,21 @@ def schedule(kind: str, sigma: float, p: float | None = None, batch_size: int | 
     sizes = {"batch_size": batch_size, "dataset_size": dataset_size} if scheme(sampling).needs_sizes else {}
     # Shuffled epochs are N // B batches each (a partial last batch, if kept, adds nothing to the bound)
     per_epoch = 1 / (dataset_size // batch_size) if scheme(sampling).epochs and batch_size <= dataset_size else rate
-    return Mechanism(kind, sigma, rate, steps_from(steps, epochs, per_epoch), sampling, **sizes)
+    return Mechanism(kind, sigma, rate, steps_from(steps, epochs, per_epoch), sampling, **sizes, strategy=strategy)
 
 
 def event(kind: str, sigma: float | None, p=None, batch_size=None, dataset_size=None, steps=None, epochs=None,
-          sampling: str = "poisson", phases=None, words=("sigma", "phases", "p/batch_size/steps/epochs/sampling")):
+          sampling: str = "poisson", phases=None, words=("sigma", "phases", "p/batch_size/steps/epochs/sampling"),
+          strategy=None):
     """What a command or API call describes: one schedule, or ``phases`` (mappings as ``phase_from`` takes them,
     or Mechanisms) composed in sequence, each phase's sigma defaulting to ``sigma``. ``words``: how the caller
     names sigma, the phases and the one-schedule keys, for its refusals."""
     if phases is None:
         if sigma is None:
             raise DPAuditError(f"give {words[0]} (or the schedule as {words[1]})")
-        return schedule(kind, sigma, p, batch_size, dataset_size, steps, epochs, sampling)
+        return schedule(kind, sigma, p, batch_size, dataset_size, steps, epochs, sampling, strategy)
+    if strategy is not None:
+        raise DPAuditError("correlated noise is accounted over one schedule, not phases")
     if any(x is not None for x in (p, batch_size, dataset_size, steps, epochs)) or sampling != "poisson":
         raise DPAuditError(f"give the schedule either as {words[1]} or as {words[2]}, not both")
     if isinstance(phases, (str, bytes)) or not hasattr(phases, "__iter__"):

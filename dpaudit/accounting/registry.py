@@ -50,6 +50,8 @@ class Accountant:
     search: str | None = None    # "module:function" -> search.SearchHooks (calibrate, max-steps)
     # relations its bound also holds under, beyond the sampler's own (wor-pld: add/remove as well as replace-one)
     also_relations: tuple[NeighboringRelation, ...] = ()
+    # the correlated-noise families it accounts (matrix/strategy.py); (): independent noise only
+    strategies: tuple[str, ...] = ()
 
     def covers(self, sampling: str) -> bool:
         """Whether it accounts ``sampling``: listed here, or among the sampler record's own accountants."""
@@ -74,6 +76,13 @@ class Accountant:
         if isinstance(mech, Phases) and not self.phases:
             others = [n for n, a in ACCOUNTANTS.items() if a.phases and a.covers(sampling)]
             return f"{self.name} accounts one phase; {', '.join(others)} compose phases"
+        families = {m.strategy.family for m in mech.phases if getattr(m, "strategy", None) is not None}
+        if families - set(self.strategies):
+            others = [n for n, a in ACCOUNTANTS.items() if families <= set(a.strategies)]
+            return (f"{self.name} accounts independent noise; correlated noise ({', '.join(sorted(families))}) is "
+                    f"accounted by {', '.join(others)}")
+        if self.strategies and not families:
+            return f"{self.name} accounts correlated noise (--noise {'/'.join(self.strategies)}); this run has none"
         missing = [] if self.mechanisms is None else sorted({m.kind for m in mech.phases} - set(self.mechanisms))
         if missing:
             return f"{self.name} does not cover the {', '.join(missing)} mechanism"
@@ -160,6 +169,20 @@ ACCOUNTANTS: dict[str, Accountant] = {
                    options="dpaudit.accounting.allocation:AllocationOptions", samplings=(), phases=True,
                    limitation=lambda m: _load("dpaudit.accounting.allocation:limitation")(m),
                    search="dpaudit.accounting.allocation:search_hooks"),
+        Accountant("bandmf", ("gaussian",), True,
+                   "banded matrix factorisation under cyclic Poisson sampling: ceil(T/b) rounds of the "
+                   "Poisson-subsampled Gaussian at rate p b (Choquette-Choo et al. 2023), as pld",
+                   "dpaudit.accounting.matrix.bandmf:epsilon", delta_fn="dpaudit.accounting.matrix.bandmf:delta",
+                   options="dpaudit.accounting.pld:PldOptions", strategies=("bandmf",),
+                   limitation=lambda m: _load("dpaudit.accounting.matrix.bandmf:limitation")(m),
+                   search="dpaudit.accounting.matrix.bandmf:search_hooks"),
+        Accountant("matrix", ("gaussian",), True,
+                   "a matrix mechanism (bandmf, blt) without amplification: one Gaussian release at the "
+                   "strategy's sensitivity under the sampler's participation, exact",
+                   "dpaudit.accounting.matrix.single:epsilon", delta_fn="dpaudit.accounting.matrix.single:delta",
+                   sigma_fn=lambda m, e, d: _load("dpaudit.accounting.matrix.single:sigma_closed_form")(m, e, d),
+                   strategies=("bandmf", "blt"), samplings=("poisson", "fixed", "shuffle", "balls-in-bins"),
+                   limitation=lambda m: _load("dpaudit.accounting.matrix.single:limitation")(m)),
         Accountant("shuffle", None, False,
                    "shuffled epochs without amplification: each example in at most one batch an epoch, zero-out",
                    "dpaudit.accounting.shuffle:epsilon", samplings=(), phases=True),
@@ -181,6 +204,11 @@ def default_accountant(mech: Event, delta: float) -> str:
     facts = scheme(mech.sampling)
     if facts.refused:
         raise DPAuditError(facts.refused)
+    if any(getattr(m, "strategy", None) is not None for m in mech.phases):
+        # correlated noise: BandMF on Poisson batches is amplified (cyclic Poisson; bandmf says why not when p b > 1,
+        # rather than a silent switch to the unamplified bound), anything else is one release at the sensitivity
+        bandmf = all(m.strategy is not None and m.strategy.family == "bandmf" for m in mech.phases)
+        return "bandmf" if bandmf and mech.sampling == "poisson" else "matrix"
     if facts.accountants:
         return next((name for name in facts.accountants if ACCOUNTANTS[name].supports(mech, delta) is None),
                     facts.accountants[0])
@@ -199,7 +227,9 @@ def epsilon(mech: Event, delta: float, accountant: str | None = None, options=No
 
 
 def default_delta_accountant(mech: Event) -> str:
-    """delta(eps): exact where there is no subsampling (analytic), else pld."""
+    """delta(eps): exact where there is no subsampling (analytic), else pld (correlated noise: as for eps)."""
+    if any(getattr(m, "strategy", None) is not None for m in mech.phases):
+        return default_accountant(mech, 1e-5)
     return "analytic" if ACCOUNTANTS["analytic"].supports(mech, 0.0) is None and analytic.has_delta(mech) else "pld"
 
 
