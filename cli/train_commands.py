@@ -112,7 +112,7 @@ _RESUMED = {"method": "method", "delta": "delta", "mech": "mechanism", "clip": "
             "direction": "direction", "trainable": "trainable", "bf16": "bf16", "seed": "seed",
             "accountant": "accountant", "save_every": "save_every", "white_box": "white_box",
             "plant_bug": "plant_bug", "per_sample_grads": "per_sample_grads", "micro_batch": "micro_batch",
-            "shard": "shard", "sampling": "sampling"}
+            "shard": "shard", "sampling": "sampling", "noise": "noise"}
 
 
 def _resumed_flags(out: Path, flags: dict) -> dict:
@@ -165,6 +165,10 @@ def train_cmd(
     sampling: Annotated[str, typer.Option(
         "--sampling", help="How a private run draws its batches, and is accounted: poisson (rate B/N) or "
                            "balls-in-bins (each example in one random step of each epoch of N // B steps).")] = "poisson",
+    noise: Annotated[Optional[str], typer.Option(
+        "--noise", help="Correlated noise: bandmf,b=B (banded matrix factorisation, DP-SGD only; batches are then "
+                        "cyclic Poisson in B groups, accounted with amplification; b = 1 is DP-SGD). Memory: "
+                        "b - 1 extra copies of the trainable parameters.")] = None,
     check_inputs: Annotated[bool, typer.Option(
         "--check-inputs", help="Only check the inputs (model, data, options, run folder) and exit: 0 usable, 2 not. "
                                "Run it before torchrun, which turns every rank's exit 2 into its own 1.")] = False,
@@ -181,15 +185,15 @@ def train_cmd(
                                          direction=direction, trainable=trainable, bf16=bf16, seed=seed,
                                          accountant=accountant, save_every=save_every, white_box=white_box,
                                          plant_bug=plant_bug, per_sample_grads=per_sample_grads,
-                                         micro_batch=micro_batch, shard=shard, sampling=sampling))
+                                         micro_batch=micro_batch, shard=shard, sampling=sampling, noise=noise))
         (method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction, trainable, bf16,
          seed, accountant, save_every, white_box, plant_bug, per_sample_grads, micro_batch, shard,
-         sampling) = given.values()
+         sampling, noise) = given.values()
     cfg = make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction,
                       trainable, bf16, seed, secret_seed, accountant, save_every=save_every, white_box=white_box,
                       plant_bug=plant_bug, allow_overspend=allow_overspend, per_sample_grads=per_sample_grads,
                       micro_batch=micro_batch, max_memory=max_memory, shard=shard, sampling=sampling,
-                      stop_on_divergence=stop_on_divergence, model=model)
+                      stop_on_divergence=stop_on_divergence, model=model, noise=noise)
     refuse_overlap(out, {"model": model, "dataset": data}, folder_output=True)
     set_threads(threads)
     texts = read_texts(data, detect_format(data, data_format), field)

@@ -98,6 +98,40 @@ class DistributedDPStep(DPStep):
         self.on_release(self.expected_batch_size * self.accumulated_iterations * self.world_size)
 
 
+class CorrelatedNoise:
+    """Mixin: BandMF's noise (accounting/matrix/bandmf.py). The mechanism releases C x + z with z ~ N(0, s^2 I) per
+    step and C lower-triangular banded Toeplitz (coefficients c_0..c_{b-1}, column norm 1); a trainer that updates
+    with each step's estimate C^-1 (C x + z) = x + C^-1 z adds, at step t, w_t = C^-1 z at t, which solves C w = z:
+
+        w_t = (z_t - sum_{k=1}^{b-1} c_k w_{t-k}) / c_0
+
+    z_t comes from the step's position-addressable stream (the seam below, as for independent noise), and the last
+    b - 1 noises are kept: memory (b - 1) x the trainable parameters, in the parameters' dtype and device. With
+    b = 1 (c = [1]) this is DP-SGD's noise exactly. Steps must come in order from 0 (a resumed run is refused)."""
+
+    noise_coefs: tuple = (1.0,)
+    _past: list | None = None
+
+    def draw_noise(self, tensors: list, std: float) -> None:
+        import torch
+
+        if tuple(self.noise_coefs) == (1.0,):   # one band: C = I, DP-SGD's noise, drawn as DP-SGD draws it
+            return super().draw_noise(tensors, std)
+        z = [torch.zeros_like(t) for t in tensors]
+        super().draw_noise(z, std)
+        past = self._past if self._past is not None else []
+        c = self.noise_coefs
+        for k, earlier in enumerate(past, start=1):   # past[0] is w_{t-1}
+            for zi, wi in zip(z, earlier):
+                zi.sub_(wi, alpha=c[k])
+        if c[0] != 1.0:
+            for zi in z:
+                zi.div_(c[0])
+        for t, zi in zip(tensors, z):
+            t.add_(zi)
+        self._past = ([z] + past)[:len(c) - 1]
+
+
 class InPlace:
     """Mixin for Opacus' fast-gradient-clipping optimizer without its gradient-sized copy: p.grad already holds
     the clipped sum, which Opacus copies to p.summed_grad before adding the noise; here the sum is p.grad

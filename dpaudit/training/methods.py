@@ -112,7 +112,16 @@ def _dp_sgd(s: TrainerSetup) -> Trainer:
                              noise_seed=step_key(s.secret, s.start),
                              optimizer=cfg.optimizer, world_size=s.world.size, probe=probe, bug=cfg.bug,
                              per_sample_grads=cfg.per_sample_grads, micro_batch=cfg.micro_batch,
-                             sharding=s.sharding)
+                             sharding=s.sharding, noise_coefs=_noise_coefs(cfg))
+
+
+def _noise_coefs(cfg):
+    """BandMF's strategy for the run (the max-error-optimal banded Toeplitz coefficients at T, norm 1), or None."""
+    if getattr(cfg, "strategy", None) is None:
+        return None
+    from dpaudit.accounting.matrix.strategy import banded_coefs
+
+    return banded_coefs(cfg.steps, cfg.strategy.bands)
 
 
 # Defaults tuned on the embedded default (see docs/trainers.md); every one can be overridden.

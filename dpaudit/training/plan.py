@@ -35,11 +35,11 @@ class PrivacyPlan:
     @classmethod
     def build(cls, *, kind: str, rate: float, steps: int, delta: float, target_epsilon: float,
               sigma: float | None, accountant: str | None, bug: Bug = NO_BUG, sampling: str = "poisson",
-              examples: int | None = None) -> "PrivacyPlan":
+              examples: int | None = None, strategy=None) -> "PrivacyPlan":
         if sigma is None and not math.isfinite(target_epsilon):
             return cls(None, delta, None, math.inf, False)
         calibrated = sigma is None
-        template = _template(kind, rate, steps, sampling, examples)
+        template = replace(_template(kind, rate, steps, sampling, examples), strategy=strategy)
         if calibrated:
             sigma = (_remove_only_sigma(template, target_epsilon, delta) if bug.remove_only
                      else calibrate_sigma(template, target_epsilon, delta, accountant).sigma)

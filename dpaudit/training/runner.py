@@ -57,6 +57,7 @@ class TrainConfig:
     max_memory: int | None = None        # refuse a step estimated above this many bytes (training/memory.py)
     shard: bool = False                  # under torchrun: weights, gradients, optimizer state sharded (FSDP2)
     stop_on_divergence: bool = False     # stop (else warn once) when the loss rises well above its start
+    noise: str | None = None             # correlated noise (accounting/matrix/strategy.py): bandmf,b=B; None: independent
 
     def __post_init__(self) -> None:
         from dpaudit.accounting.noises import NOISES
@@ -100,6 +101,7 @@ class TrainConfig:
         if self.sampling != "poisson" and (self.white_box or not self.private):
             raise DPAuditError(f"--sampling {self.sampling} is for private runs without white-box canaries (their "
                                "audit assumes Poisson sampling; non-private runs shuffle)")
+        self.strategy = _correlated(self, record)
         if self.shard:  # the one list of what sharding does not run with (white-box canaries shard: probe.py)
             why = ("LoRA (its adapters are small; plain torchrun data parallelism suits it)" if self.trainable == "lora"
                    else "--per-sample-grads materialise (sharded DP-SGD uses ghost clipping)"
@@ -111,6 +113,29 @@ class TrainConfig:
     @property
     def private(self) -> bool:
         return self.sigma is not None or math.isfinite(self.target_epsilon)
+
+
+def _correlated(cfg: "TrainConfig", record):
+    """The run's noise strategy (BandMF under cyclic Poisson batches), or None; what it does not run with is
+    refused here, each with its reason."""
+    from dpaudit.accounting.matrix.strategy import parse
+
+    strategy = parse(cfg.noise)
+    if strategy is None:
+        return None
+    why = ("a first-order method (--method dp-sgd)" if not record.per_example_gradients
+           else "bandmf (blt is accounted, not trained: its noise needs the whole history)" if strategy.family != "bandmf"
+           else "Poisson batches (--sampling poisson: cyclic Poisson in b groups)" if cfg.sampling != "poisson"
+           else "a private run" if not cfg.private
+           else "one process (--shard and torchrun are not implemented for it)" if cfg.shard
+           else "no white-box canaries (their one-run bound assumes independent noise across steps; the correlated "
+                "audit is not implemented)" if cfg.white_box
+           else "no checkpoints (--save-every 0): a resumed run would redo steps inside a band, which the cyclic "
+                "accounting does not cover" if cfg.save_every
+           else None)
+    if why:
+        raise DPAuditError(f"correlated noise (--noise {strategy.family}) needs {why}")
+    return strategy
 
 
 @dataclass
@@ -208,8 +233,12 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
     from dpaudit.training.resume import open_run
 
     world = setup_world()
+    if cfg.strategy is not None and world.size > 1:
+        raise DPAuditError("correlated noise runs in one process (torchrun is not implemented for it)")
     run_dir = Path(run_dir)
     opening = open_run(run_dir, model_dir, cfg, resume, world)
+    if cfg.strategy is not None and opening.start:
+        raise DPAuditError("a correlated-noise run cannot be resumed: start it again")
     if len(texts) < 2:
         raise DPAuditError("the training set needs at least 2 examples")
     run = _assemble(opening, texts, run_dir, cfg, world, estimate)
@@ -336,7 +365,7 @@ def privacy_plan(cfg: TrainConfig, rate: float, n: int) -> PrivacyPlan:
     """The run's privacy plan: sigma calibrated to the target (or the one given) for its rate, steps and sampler."""
     return PrivacyPlan.build(kind=cfg.mechanism, rate=rate, steps=cfg.steps, delta=cfg.delta,
                              target_epsilon=cfg.target_epsilon, sigma=cfg.sigma, accountant=cfg.accountant,
-                             bug=cfg.bug, sampling=cfg.sampling, examples=n)
+                             bug=cfg.bug, sampling=cfg.sampling, examples=n, strategy=cfg.strategy)
 
 
 def _privacy(opening, texts: list[str], run_dir: Path, cfg: TrainConfig, world, n: int, rate: float):
@@ -351,7 +380,8 @@ def _privacy(opening, texts: list[str], run_dir: Path, cfg: TrainConfig, world, 
               "delta": cfg.delta, "target_epsilon": cfg.target_epsilon if math.isfinite(cfg.target_epsilon)
               else "inf", "examples": n, "noise_disabled_unsafely": cfg.unsafe_disable_noise,
               "white_box_canaries": cfg.white_box, "planted_bug": cfg.plant_bug,
-              "world_size": world.size, "data_sha256": fingerprint(texts), "sampling": cfg.sampling}
+              "world_size": world.size, "data_sha256": fingerprint(texts), "sampling": cfg.sampling,
+              **({"noise": cfg.strategy.spec()} if cfg.strategy else {})}
     if opening.previous_ledger is not None:
         plan, header = resume_phases(plan, header, opening.previous_ledger, opening.released_before, run_dir)
     # Steps run after the last checkpoint of a killed run are redone with fresh noise, but their
@@ -386,12 +416,13 @@ def _loop(run: _Run, show_progress: bool):
     """The steps: each batch drawn, written ahead in the ledger, run, watched; checkpoints when due.
     Returns (last loss, the divergence watch)."""
     from dpaudit.core.threads import adapt as adapt_threads
-    from dpaudit.training.batches import SOURCES, shuffled_batches
+    from dpaudit.training.batches import SOURCES, cyclic_source, shuffled_batches
     from dpaudit.training.divergence import DivergenceWatch
 
     cfg, world, ledger, canaries = run.cfg, run.world, run.ledger, run.canaries
     batches = None if cfg.private else shuffled_batches(run.n, cfg.batch_size or run.n, run.rng)
-    draw = SOURCES[cfg.sampling](run.n, cfg.batch_size or run.n, run.secret, run.rng) if cfg.private else None
+    source = cyclic_source(cfg.strategy.bands) if cfg.strategy else SOURCES[cfg.sampling]
+    draw = source(run.n, cfg.batch_size or run.n, run.secret, run.rng) if cfg.private else None
     last_loss, interrupted_at, watch = None, run.start, DivergenceWatch()
     label = f"{cfg.method}{'' if cfg.private else ' (non-private)'}"
     try:

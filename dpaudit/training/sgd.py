@@ -32,20 +32,21 @@ from dpaudit.training.streams import step_key
 PER_SAMPLE_GRADS = ("ghost", "materialise")
 
 
-def dp_optimizer_class(ghost: bool, world_size: int = 1, bug=None):
+def dp_optimizer_class(ghost: bool, world_size: int = 1, bug=None, correlated: bool = False):
     """Opacus' optimizer for the route (fast gradient clipping for ghost, else per-example gradients; distributed
     over several ranks), with dpaudit's DP-step seams (dp_step.py) and a planted bug's in front. Ghost in one
     process adds the noise in place into the clipped sum (dp_step.InPlace)."""
     from opacus import optimizers as dp
 
     from dpaudit.training.bugs import seams
-    from dpaudit.training.dp_step import InPlace, dp_optimizer
+    from dpaudit.training.dp_step import CorrelatedNoise, InPlace, dp_optimizer
 
     if ghost:
         cls = dp.DistributedDPOptimizerFastGradientClipping if world_size > 1 else dp.DPOptimizerFastGradientClipping
     else:
         cls = dp.DistributedDPOptimizer if world_size > 1 else dp.DPOptimizer
-    return dp_optimizer(cls, *seams(bug), *((InPlace,) if ghost and world_size == 1 else ()))
+    return dp_optimizer(cls, *seams(bug), *((CorrelatedNoise,) if correlated else ()),
+                        *((InPlace,) if ghost and world_size == 1 else ()))
 
 
 def per_example_module(model, ghost: bool, clip: float, sharded: bool = False):
@@ -82,7 +83,7 @@ class FirstOrderTrainer:
     def __init__(self, model, params, *, lr: float, private: bool, clip: float = 1.0, sigma: float = 0.0,
                  expected_batch_size: int = 1, noise_seed: int = 0, optimizer: str = "adamw",
                  world_size: int = 1, probe=None, bug=None, per_sample_grads: str = "ghost",
-                 micro_batch: int = 0, sharding=None) -> None:
+                 micro_batch: int = 0, sharding=None, noise_coefs=None) -> None:
         if per_sample_grads not in PER_SAMPLE_GRADS:
             raise ValueError(f"unknown per-sample-grads mode {per_sample_grads!r}; use ghost or materialise")
         self.private, self.params = private, params
@@ -92,6 +93,7 @@ class FirstOrderTrainer:
         self.micro_batch = micro_batch
         self.sharding, self.inner = sharding, model
         self.noise_seed, self.step_index = noise_seed, 0
+        self.noise_coefs = noise_coefs   # BandMF's strategy (dp_step.CorrelatedNoise); None: independent noise
         base = (torch.optim.AdamW(params, lr=lr, weight_decay=0.0) if optimizer == "adamw"
                 else torch.optim.SGD(params, lr=lr))
         self.base_optimizer = base
@@ -113,9 +115,11 @@ class FirstOrderTrainer:
             return NoisyShards(base, self.params, sigma * clip, expected_batch_size, clip, probe, self.sharding.sum)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Opacus warns about secure_mode; the noise is ours
-            optimizer = dp_optimizer_class(self.ghost, self.world_size, bug)(
+            optimizer = dp_optimizer_class(self.ghost, self.world_size, bug, self.noise_coefs is not None)(
                 base, noise_multiplier=sigma, max_grad_norm=clip, expected_batch_size=expected_batch_size / self.world_size)
         optimizer.probe = probe
+        if self.noise_coefs is not None:
+            optimizer.noise_coefs = tuple(float(c) for c in self.noise_coefs)
         return optimizer
 
     def _per_example_module(self, model):
