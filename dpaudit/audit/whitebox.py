@@ -171,6 +171,10 @@ def transcript_scores(run_dir: Path, meta: dict | None = None
         if steps:
             stats, scale = _scalar_likelihood(stats, signs, sums / clip, rate)
         name = "white-box-dp-zo"
+    elif release == "gradient-transcript" and _bandmf(meta) is not None:  # correlated noise: read along C
+        rows = _transcript_rows(run_dir, canaries.m)
+        stats, scale, steps = _bandmf_scores(rows, canaries, clip, rate, _bandmf(meta), len(rows))
+        name = "white-box-dp-sgd"
     elif release == "gradient-transcript":
         rows = _transcript_rows(run_dir, canaries.m)
         (stats, scale), name = _alignment_scores(rows, canaries, clip, rate), "white-box-dp-sgd"
@@ -194,9 +198,48 @@ def transcript_scores(run_dir: Path, meta: dict | None = None
     if steps == 0:
         raise DPAuditError(f"{run_dir} has no released steps to audit")
     facts = {"steps": steps, "white-box canaries": canaries.m}
-    if scale is not None and LIKELIHOOD in stats:
+    if BANDMF in stats:
+        facts["steps"] = steps   # rounds: each canary's independent views (correlated.py)
+        facts["BandMF"] = f"{_bandmf(meta).spec()}: {steps} whole rounds read along the strategy's columns"
+    if scale is not None and (LIKELIHOOD in stats or BANDMF in stats):
         facts["likelihood-ratio scale (x C)"] = scale
     return stats, canaries.members, name, facts if release == "pipeline-rows" else {**facts, "canary gain (x C)": canaries.gain}
+
+
+def _bandmf(meta: dict):
+    """A bundled run's BandMF strategy (config noise:), or None."""
+    from dpaudit.accounting.matrix.strategy import parse
+
+    noise = (meta.get("config") or {}).get("noise")
+    strategy = parse(noise) if isinstance(noise, str) else None
+    return strategy if strategy is not None and strategy.family == "bandmf" else None
+
+
+def _bandmf_scores(rows, canaries, clip: float, rate, strategy, steps: int):
+    """A BandMF run's canary releases read along the strategy's columns (correlated.py): each canary's independent
+    round views, scored by the family's likelihood ratio at (p b, R) at their robust scale. Canary i is in group
+    i mod b (the trainer's cyclic batches put it there). Returns (stats, scale, R)."""
+    from dpaudit.accounting.matrix.strategy import banded_coefs
+    from dpaudit.audit import correlated
+    from dpaudit.audit.whitebox_canaries import step_signs
+    from dpaudit.core import limits as budget
+
+    budget.current().require(4 * 8 * steps * canaries.m, "the BandMF white-box audit")
+    b = strategy.bands
+    signs = np.stack([step_signs(canaries.seed, t, canaries.m) for t in range(steps)])
+    views = correlated.round_view(np.asarray(rows, float), signs, banded_coefs(steps, b), np.arange(canaries.m) % b,
+                                  clip)
+    if views.shape[0] == 0:
+        raise DPAuditError(f"a BandMF run of {steps} steps with b = {b} has no whole round to audit (T >= 2b - 1)")
+    centre = float(np.median(views))
+    scale = 1.4826 * float(np.median(np.abs(views - centre)))
+    from dpaudit.audit.family import likelihood_ratio_step
+
+    q = min(1.0, rate * b) if rate else 1.0
+    return {BANDMF: likelihood_ratio_step(views, q, scale).sum(0)}, scale, views.shape[0]
+
+
+BANDMF = "BandMF round views, likelihood ratio"
 
 
 def _poisson_rate(meta: dict) -> float | None:
@@ -239,6 +282,9 @@ def score_models(meta: dict, stats: dict, facts: dict) -> dict:
         return {}
     steps = int(facts["steps"])
     scale = facts.get("likelihood-ratio scale (x C)")
+    strategy = _bandmf(meta)
+    if strategy is not None:   # the family at (p b, R rounds): correlated.py
+        return {BANDMF: family.likelihood_ratio(min(1.0, rate * strategy.bands), steps, scale)} if scale else {}
     models = {}
     for key in stats:
         if key == LIKELIHOOD and scale:
@@ -254,6 +300,9 @@ def _run_ceiling(meta: dict, steps: int, claimed_epsilon, delta: float):
     sigma, rate, kind = meta.get("sigma"), meta.get("sampling_rate"), (meta.get("config") or {}).get("mechanism")
     if claimed_epsilon is None or not delta or not sigma or not rate or not isinstance(kind, str):
         return None
+    strategy = _bandmf(meta)
+    if strategy is not None:   # ``steps`` are the rounds, each at rate p b (correlated.py)
+        rate = min(1.0, float(rate) * strategy.bands)
     from dpaudit.accounting.mechanism import Mechanism
     from dpaudit.audit.ceiling import run_ceiling
 

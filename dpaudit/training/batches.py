@@ -29,16 +29,19 @@ def _balls_in_bins_source(n: int, batch_size: int, secret: int, rng: np.random.G
     return AllocationSchedule(n, batch_size, secret)
 
 
-def cyclic_source(bands: int):
-    """Cyclic Poisson batches for BandMF (accounting/matrix/bandmf.py): the examples in b fixed groups (index mod b,
-    public: the accounting holds for any fixed partition), step t a Poisson sample of group t mod b at rate p b, so
-    an example can take part only at steps b apart. The expected batch is p N, as with plain Poisson."""
+def cyclic_source(bands: int, groups: np.ndarray | None = None):
+    """Cyclic Poisson batches for BandMF (accounting/matrix/bandmf.py): the examples in b fixed groups (``groups``,
+    by default index mod b; public: the accounting holds for any fixed partition), step t a Poisson sample of group
+    t mod b at rate p b, so an example can take part only at steps b apart. The expected batch is p N, as with
+    plain Poisson."""
 
     def source(n: int, batch_size: int, secret: int, rng: np.random.Generator):
         rate = min(1.0, batch_size / n * bands)
+        assigned = np.arange(n) % bands if groups is None else np.asarray(groups)
+        members = [np.flatnonzero(assigned == g) for g in range(bands)]
 
         def draw(step: int) -> np.ndarray:
-            group = np.arange(step % bands, n, bands)
+            group = members[step % bands]
             return group[rng.random(group.size) < rate]
 
         return draw

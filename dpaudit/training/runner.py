@@ -128,8 +128,6 @@ def _correlated(cfg: "TrainConfig", record):
            else "Poisson batches (--sampling poisson: cyclic Poisson in b groups)" if cfg.sampling != "poisson"
            else "a private run" if not cfg.private
            else "one process (--shard and torchrun are not implemented for it)" if cfg.shard
-           else "no white-box canaries (their one-run bound assumes independent noise across steps; the correlated "
-                "audit is not implemented)" if cfg.white_box
            else "no checkpoints (--save-every 0): a resumed run would redo steps inside a band, which the cyclic "
                 "accounting does not cover" if cfg.save_every
            else None)
@@ -421,7 +419,10 @@ def _loop(run: _Run, show_progress: bool):
 
     cfg, world, ledger, canaries = run.cfg, run.world, run.ledger, run.canaries
     batches = None if cfg.private else shuffled_batches(run.n, cfg.batch_size or run.n, run.rng)
-    source = cyclic_source(cfg.strategy.bands) if cfg.strategy else SOURCES[cfg.sampling]
+    # BandMF: cyclic groups, example i in i mod b and canary k in k mod b (the white-box audit reads it there)
+    groups = None if cfg.strategy is None else np.concatenate(
+        [np.arange(run.n_real), canaries.member_ids if canaries else np.zeros(0, int)]) % cfg.strategy.bands
+    source = cyclic_source(cfg.strategy.bands, groups) if cfg.strategy else SOURCES[cfg.sampling]
     draw = source(run.n, cfg.batch_size or run.n, run.secret, run.rng) if cfg.private else None
     last_loss, interrupted_at, watch = None, run.start, DivergenceWatch()
     label = f"{cfg.method}{'' if cfg.private else ' (non-private)'}"

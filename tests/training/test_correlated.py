@@ -90,7 +90,18 @@ def test_a_banded_run_is_accounted_and_recorded(tiny_model_dir, tmp_path):
     assert header.get("noise") == "bandmf,b=3" and header.get("accountant") == "bandmf"
 
 
-@pytest.mark.parametrize("extra,why", [({"white_box": 20}, "white-box"), ({"save_every": 2}, "checkpoints"),
+def test_a_white_box_banded_run_is_audited_along_its_strategy(tiny_model_dir, tmp_path):
+    """White-box canaries in a BandMF run: the audit reads their releases along C's columns (audit/correlated.py),
+    as rounds at rate p b, and its bound stays below the claim."""
+    from dpaudit.audit.whitebox import BANDMF, audit_run_folder
+
+    run = _train(tiny_model_dir, tmp_path / "wb", noise="bandmf,b=2", white_box=400)
+    result, _, _, facts = audit_run_folder(run.run_dir, claimed_epsilon=run.epsilon, delta=1e-5)
+    assert facts["statistic"] == BANDMF and facts["steps"] == 2   # T = 6, b = 2: whole rounds s + b <= T
+    assert result.epsilon_lower_bound <= run.epsilon
+
+
+@pytest.mark.parametrize("extra,why", [({"save_every": 2}, "checkpoints"),
                                        ({"method": "dp-zo"}, "first-order"), ({"noise": "blt,theta=0.9,omega=0.5"}, "blt")])
 def test_what_correlated_noise_does_not_run_with_is_refused(extra, why):
     from dpaudit.training.runner import TrainConfig
