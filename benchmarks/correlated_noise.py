@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=None, help="default: the trainer's (5e-3 for dp-sgd, AdamW)")
     args = ap.parse_args()
 
     import torch
@@ -52,10 +53,12 @@ def main() -> None:
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         base = build_embedded_default(Path(tmp) / "base")
+        print(f"base model: held-out loss {held_out_loss(base, held_out):.4f}", flush=True)
         for seed in range(args.seeds):
             for noise in [None] + [f"bandmf,b={b}" for b in args.bands]:
                 cfg = TrainConfig(method="dp-sgd", target_epsilon=args.eps, steps=args.steps,
-                                  batch_size=args.batch_size, secret_seed=1000 + seed, seed=seed, noise=noise)
+                                  batch_size=args.batch_size, secret_seed=1000 + seed, seed=seed, noise=noise,
+                                  **({"lr": args.lr} if args.lr else {}))
                 began = time.perf_counter()
                 result = train(base, texts, Path(tmp) / f"run-{seed}-{noise}", cfg, show_progress=False)
                 loss = held_out_loss(result.model_dir, held_out)
@@ -63,7 +66,7 @@ def main() -> None:
                 print(f"seed {seed} {noise or 'independent':12s} sigma {result.sigma:.4f} eps {result.epsilon:.4f} "
                       f"held-out loss {loss:.4f} ({time.perf_counter() - began:.0f} s)", flush=True)
     base_losses = rows["independent"]
-    print(f"\nheld-out loss at eps = {args.eps:g}, T = {args.steps}, B = {args.batch_size} (median over "
+    print(f"\nheld-out loss at eps = {args.eps:g}, T = {args.steps}, B = {args.batch_size}, lr {args.lr or 'default'} (median over "
           f"{args.seeds} seeds)")
     for name, losses in rows.items():
         ratios = [a / b for a, b in zip(losses, base_losses)]
