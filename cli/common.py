@@ -143,9 +143,10 @@ def _noise_lines(mech, result) -> list[str]:
     if not isinstance(mech, Mechanism) or mech.strategy is None:
         return []
     from dpaudit.accounting.matrix.strategy import error_summary
+    from dpaudit.accounting.matrix.toeplitz import MAX_OPTIMISE
 
     err = error_summary(mech, result.accountant)
-    error = ("not computed (the banded strategy is optimised up to T = 20,000)" if err["expected_error"] is None
+    error = (f"not computed (the banded strategy is optimised up to T = {MAX_OPTIMISE:,})" if err["expected_error"] is None
              else f"{err['expected_error']:.4g} C^2 per coordinate")
     return [f"noise: {mech.strategy.words()}; sigma is relative to its sensitivity",
             f"noise added: std {err['noise_std']:.4g} C per step; expected squared error of the last prefix sum "

@@ -43,8 +43,10 @@ def _details(mech: Mechanism) -> dict:
 
 
 def _single(mech: Mechanism) -> Mechanism:
-    if limitation(mech):
-        raise DPAuditError(limitation(mech))
+    """The release it is accounted as: one Gaussian at sigma (sigma is relative to the sensitivity)."""
+    reason = limitation(mech)
+    if reason:
+        raise DPAuditError(reason)
     return Mechanism("gaussian", mech.sigma)
 
 
