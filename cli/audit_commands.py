@@ -281,12 +281,20 @@ def audit_sampler(
         "--sampling", help="The sampler the run accounts (poisson, fixed, shuffle, balls-in-bins): exit 0 when the "
                            "log matches it.")] = "poisson",
     alpha: AlphaOpt = 0.05,
+    bands: Annotated[Optional[int], typer.Option(
+        "--bands", help="A BandMF run (--noise bandmf,b=B): check the cyclic separation its accounting needs, every "
+                        "example's participations at least B steps apart (exact; exit 1 naming the first that is "
+                        "not).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Test whether a run's batches are what its accounting assumes (Poisson by default, or --sampling NAME);
     exit 1 when they are not, naming what the sampler looks like (Poisson, fixed-size, shuffled epochs, cyclic,
     balls-in-bins, with replacement)."""
     from dpaudit.audit.sampler import analyse_as, read_log
+
+    if bands is not None:
+        _cyclic_separation(log, bands, as_json)
+        return
 
     verdict, matches, observed = analyse_as(read_log(log), sampling, dataset_size, p, batch_size, alpha)
     if as_json:
@@ -308,6 +316,30 @@ def audit_sampler(
         for note in verdict.notes:
             console.print(f"  note: {escape(note)}", highlight=False)
     if not matches:
+        raise typer.Exit(1)
+
+
+def _cyclic_separation(log: Path, bands: int, as_json: bool) -> None:
+    """``audit sampler --bands B``: the exact separation check of audit/correlated.py on the log."""
+    from dpaudit.audit.correlated import separation_violations
+    from dpaudit.audit.sampler import read_log
+
+    if bands < 1:
+        raise DPAuditError(f"--bands must be >= 1, got {bands}")
+    found = separation_violations(read_log(log), bands)
+    if as_json:
+        emit_json({"command": "audit sampler", "log": str(log), "bands": bands, "matches": not found,
+                   "violations": len(found), "first": list(found[0]) if found else None})
+    elif found:
+        example, step, earlier = found[0]
+        console.print(f"[bold red]VIOLATION: {len(found)} participation(s) closer than b = {bands} steps; the first: "
+                      f"example {example} at steps {earlier} and {step}. BandMF's accounting needs every example's "
+                      "participations at least b steps apart[/bold red]", highlight=False)
+    else:
+        console.print(f"[green]every example's participations are at least b = {bands} steps apart (the cyclic "
+                      "separation BandMF's accounting needs; the rate within the groups is not tested here)[/green]",
+                      highlight=False)
+    if found:
         raise typer.Exit(1)
 
 

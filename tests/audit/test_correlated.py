@@ -88,3 +88,16 @@ def test_independent_noise_at_the_banded_sigma_is_not_a_violation():
                                                               independent=True)
         res = cr.audit(cr.round_view(releases, signs, coefs, groups), members, p * bands, 1e-5)
         assert res["epsilon_lower_bound"] <= 4.0
+
+
+def test_audit_sampler_checks_the_cyclic_separation(tmp_path):
+    from cli_helpers import dpaudit
+
+    rng = np.random.default_rng(4)
+    for name, period, code in (("good", 4, 0), ("bad", 2, 1)):
+        log = tmp_path / f"{name}.log"
+        log.write_text("".join(str(np.flatnonzero((np.arange(100) % period == t % period)
+                                                  & (rng.random(100) < 0.5)).tolist()) + "\n" for t in range(30)))
+        out = dpaudit("audit", "sampler", "--log", log, "--bands", 4)
+        assert out.returncode == code, out.stderr
+        assert ("VIOLATION" in out.stdout) == (code == 1)
