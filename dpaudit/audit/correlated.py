@@ -17,7 +17,7 @@ i.i.d. N(0, sigma^2) over the rounds, and the signed views x_r = sign_s v_r are 
 lies wholly inside the run are read (s + b <= T), the same R for every canary (exchangeable scores); dropping rounds
 is post-processing, and the family at R rounds is below the run's own eps, so the bound stays a lower bound.
 
-Validity is tested by simulating the exact mechanism (tests/audit/test_correlated.py: 200 audits at the true claim).
+Validity is tested by simulating the exact mechanism (tests/audit/test_correlated_audit.py: 200 audits at the true claim).
 Written here: no library audits a correlated-noise run.
 """
 
