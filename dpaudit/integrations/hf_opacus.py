@@ -30,8 +30,10 @@ MODES = ("ghost", "hooks")
 
 
 def opacus_trainer(trainer_class=None, *, noise_multiplier: float, max_grad_norm: float = 1.0,
-                   grad_sample_mode: str = "ghost", accountant: str = "prv", **trainer_kwargs):
-    """An instance of ``trainer_class`` (default ``transformers.Trainer``) that trains with DP-SGD."""
+                   grad_sample_mode: str = "ghost", accountant: str = "prv", noise_seed: int | None = None,
+                   **trainer_kwargs):
+    """An instance of ``trainer_class`` (default ``transformers.Trainer``) that trains with DP-SGD. ``noise_seed``:
+    reproducible noise, for tests and benchmarks only (default: fresh OS entropy, the only private choice)."""
     from transformers import Trainer
 
     if grad_sample_mode not in MODES:
@@ -50,7 +52,7 @@ def opacus_trainer(trainer_class=None, *, noise_multiplier: float, max_grad_norm
         args.max_grad_norm = 0.0  # the DP optimizer clips each example; clipping the noisy sum again is not DP's
     trainer = cls(**trainer_kwargs)
     trainer.dp_settings = dict(noise_multiplier=float(noise_multiplier), max_grad_norm=float(max_grad_norm),
-                               mode=grad_sample_mode, accountant=accountant)
+                               mode=grad_sample_mode, accountant=accountant, noise_seed=noise_seed)
     return trainer
 
 
@@ -94,7 +96,8 @@ class OpacusTrainerMixin:
         self.accountant = PRVAccountant() if settings["accountant"] == "prv" else RDPAccountant()
         rate = getattr(self, "sample_rate", None) or self.args.per_device_train_batch_size / len(self.train_dataset)
         self.dp_optimizer.attach_step_hook(self.accountant.get_optimizer_hook_fn(sample_rate=rate))
-        self.noise_secret = int.from_bytes(os.urandom(8), "little")
+        seed = settings.get("noise_seed")
+        self.noise_secret = int(seed) if seed is not None else int.from_bytes(os.urandom(8), "little")
         self.optimizer = self.dp_optimizer
         return self.optimizer
 

@@ -214,10 +214,12 @@ def test_an_opacus_trainer_is_audited_white_box_and_a_missing_noise_is_caught(ti
                                  disable_tqdm=True, seed=0, logging_steps=1000)
         trainer = opacus_trainer(model=model, args=args, train_dataset=_tokenised(tok, rows),
                                  data_collator=DataCollatorForLanguageModeling(tok, mlm=False), callbacks=[audit],
-                                 noise_multiplier=sigma, max_grad_norm=1.0, grad_sample_mode=mode)
+                                 noise_multiplier=sigma, max_grad_norm=1.0, grad_sample_mode=mode, noise_seed=12)
         trainer.train()
         return audit, json.loads((out / "report" / "report.json").read_text())
 
+    # One seeded run each way (with fresh noise the correct run reads VIOLATION up to alpha of the time, by design:
+    # the bounds' validity at alpha is tested statistically in tests/audit; here: the plumbing and the broken run)
     audit, report = run(tmp_path / "dp", 1.0, None)
     assert audit.white_box is not None and "the white-box audit" in report["context"]["verdict from"]
     claimed = report["context"]["claimed eps"]
