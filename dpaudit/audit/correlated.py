@@ -56,16 +56,23 @@ def round_view(releases: np.ndarray, signs: np.ndarray, coefs: np.ndarray, group
     return signs[at, cols] * along[at, cols] / clip
 
 
+def scored(views: np.ndarray, rate: float):
+    """(family.ScoreModel, scores): each canary's sum over its rounds of the family's likelihood ratio at (rate, R),
+    at the views' robust scale (1.4826 x their median absolute deviation: blind to membership, the same for every
+    canary, so the scores stay exchangeable)."""
+    centre = float(np.median(views))
+    scale = 1.4826 * float(np.median(np.abs(views - centre)))
+    model = family.likelihood_ratio(rate, views.shape[0], scale)
+    return model, model.step(views).sum(0)
+
+
 def audit(views: np.ndarray, members: np.ndarray, rate: float, delta: float, alpha: float = 0.05,
           bound: bool = True) -> dict:
     """The family audit (family.py) of the round views: the likelihood-ratio score at the views' robust scale
     (blind to membership), its (1 - alpha) lower confidence limit on the standardised shift, and (``bound``) the
     largest eps of the Poisson-subsampled Gaussian at (q, R) it refutes."""
-    n_rounds = views.shape[0]
-    centre = float(np.median(views))
-    scale = 1.4826 * float(np.median(np.abs(views - centre)))
-    model = family.likelihood_ratio(rate, n_rounds, scale)
-    scores = model.step(views).sum(0)
+    model, scores = scored(views, rate)
+    n_rounds, scale = model.steps, model.scale
     inside, outside = scores[members], scores[~members]
     mu_lb, _ = mu_lower_bound(inside, outside, alpha)
     eps, sigma = (family.epsilon_lower_bound(model, mu_lb, inside.size, outside.size, delta) if bound

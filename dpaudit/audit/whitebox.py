@@ -158,6 +158,7 @@ def transcript_scores(run_dir: Path, meta: dict | None = None
         if canaries.run_id != probe["run_id"] or canaries.m != probe["m"]:
             raise DPAuditError(f"{run_dir}: the canary manifest and probe.json come from different probe runs")
     rate = _poisson_rate(meta)
+    strategy = _bandmf(meta)
     scale = None
     if release == "pipeline-rows":  # a PipelineProbe: each step's movement of the canaries' own rows
         rows = _transcript_rows(run_dir, canaries.m)
@@ -171,9 +172,9 @@ def transcript_scores(run_dir: Path, meta: dict | None = None
         if steps:
             stats, scale = _scalar_likelihood(stats, signs, sums / clip, rate)
         name = "white-box-dp-zo"
-    elif release == "gradient-transcript" and _bandmf(meta) is not None:  # correlated noise: read along C
+    elif release == "gradient-transcript" and strategy is not None:  # correlated noise: read along C
         rows = _transcript_rows(run_dir, canaries.m)
-        stats, scale, steps = _bandmf_scores(rows, canaries, clip, rate, _bandmf(meta), len(rows))
+        stats, scale, steps = _bandmf_scores(rows, canaries, clip, rate, strategy, len(rows))
         name = "white-box-dp-sgd"
     elif release == "gradient-transcript":
         rows = _transcript_rows(run_dir, canaries.m)
@@ -199,8 +200,7 @@ def transcript_scores(run_dir: Path, meta: dict | None = None
         raise DPAuditError(f"{run_dir} has no released steps to audit")
     facts = {"steps": steps, "white-box canaries": canaries.m}
     if BANDMF in stats:
-        facts["steps"] = steps   # rounds: each canary's independent views (correlated.py)
-        facts["BandMF"] = f"{_bandmf(meta).spec()}: {steps} whole rounds read along the strategy's columns"
+        facts["BandMF"] = f"{strategy.spec()}: {steps} whole rounds read along the strategy's columns"
     if scale is not None and (LIKELIHOOD in stats or BANDMF in stats):
         facts["likelihood-ratio scale (x C)"] = scale
     return stats, canaries.members, name, facts if release == "pipeline-rows" else {**facts, "canary gain (x C)": canaries.gain}
@@ -231,12 +231,8 @@ def _bandmf_scores(rows, canaries, clip: float, rate, strategy, steps: int):
                                   clip)
     if views.shape[0] == 0:
         raise DPAuditError(f"a BandMF run of {steps} steps with b = {b} has no whole round to audit (T >= 2b - 1)")
-    centre = float(np.median(views))
-    scale = 1.4826 * float(np.median(np.abs(views - centre)))
-    from dpaudit.audit.family import likelihood_ratio_step
-
-    q = min(1.0, rate * b) if rate else 1.0
-    return {BANDMF: likelihood_ratio_step(views, q, scale).sum(0)}, scale, views.shape[0]
+    model, scores = correlated.scored(views, min(1.0, rate * b) if rate else 1.0)
+    return {BANDMF: scores}, model.scale, model.steps
 
 
 BANDMF = "BandMF round views, likelihood ratio"

@@ -107,10 +107,7 @@ def sensitivity_squared(mech) -> float:
     k, sep, _ = participation(mech)
     if mech.strategy.family == "bandmf" and mech.strategy.bands <= sep:
         return float(k)   # columns of norm 1 with disjoint supports: k of them add in squares, no coefficients needed
-    coefs = mech.strategy.coefs(mech.steps)
-    if mech.strategy.family == "bandmf":
-        coefs = coefs / max(1e-300, float((coefs @ coefs) ** 0.5))
-    return toeplitz.minsep_sensitivity_squared(coefs, sep, k)
+    return toeplitz.minsep_sensitivity_squared(mech.strategy.coefs(mech.steps), sep, k)  # banded: already norm 1
 
 
 def expected_error(mech, sensitivity2: float = 1.0) -> float:
