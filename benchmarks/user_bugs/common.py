@@ -111,7 +111,8 @@ def watched(args) -> dict:
     path = Path(args.out) / "running.jsonl"
     looks = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
     alarm = next((x["step"] for x in looks if x.get("violation")), None)
-    return {"looks": len(looks), "alarm_step": alarm, "planned_steps": args.steps}
+    final = next((x.get("epsilon_lower_bound") for x in looks if x.get("final")), None)
+    return {"looks": len(looks), "alarm_step": alarm, "planned_steps": args.steps, "final_look_bound": final}
 
 
 def clock() -> float:

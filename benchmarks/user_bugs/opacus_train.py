@@ -66,7 +66,7 @@ def main() -> None:
         optimizer.expected_batch_size = math.floor(N * (B / N) - 0.5)
     probe = pipe or WhiteBoxProbe.attach(optimizer, m=args.m, out=args.out, sample_rate=B / n, model=model)
     if args.watch and pipe is None:
-        probe.watch(claimed_eps=args.eps, delta=DELTA, on_violation="warn")
+        probe.watch(claimed_eps=args.eps, delta=DELTA, on_violation="warn", planned_steps=args.steps)
     aux = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05) \
         if args.bug == "aux-step" else None
     uses = 4 if args.bug == "batch-reused-4x" else 1  # optimizer steps per drawn batch

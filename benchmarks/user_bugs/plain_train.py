@@ -32,7 +32,7 @@ def main() -> None:
     frozen = {k: v.detach() for k, v in model.named_parameters() if k not in dp}
     probe = WhiteBoxProbe(list(dp.values()), m=args.m, clip=C, sample_rate=p, out=args.out, model=model)
     if args.watch:
-        probe.watch(claimed_eps=args.eps, delta=DELTA, on_violation="warn")
+        probe.watch(claimed_eps=args.eps, delta=DELTA, on_violation="warn", planned_steps=args.steps)
 
     def loss_one(params, x, keep):
         logits = functional_call(model, {**params, **frozen}, (x[None],)).logits[0, :-1]

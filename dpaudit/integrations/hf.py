@@ -211,7 +211,8 @@ class DPAuditCallback(TrainerCallback):
             if self.settings.on_violation != "off" and self.settings.delta and (
                     claim is not None or getattr(self.probe, "accountant", None) is not None):
                 self.probe.watch(delta=self.settings.delta, claimed_eps=claim, alpha=self.settings.alpha,
-                                 on_violation=self.settings.on_violation)
+                                 on_violation=self.settings.on_violation,
+                                 planned_steps=int(state.max_steps) if (state.max_steps or 0) > 0 else None)
         return control
 
     def on_step_end(self, args, state, control, **kwargs):

@@ -348,9 +348,10 @@ class WhiteBoxProbe:
                 (step, self._sampled.copy()) if getattr(self, "_examples_step", None) == step else None)
             if not isinstance(row, np.ndarray) and len(pending) < BLOCK_ROWS:
                 self.step += 1
-                return
+                return self.final_look()
             self.flush()
         self.step += 1
+        self.final_look()
 
     def flush(self) -> None:
         """Write the rows kept on the device to the transcript (one copy to the host) and flush the file: at every
@@ -431,7 +432,8 @@ class WhiteBoxProbe:
 
     # -- audits as the run trains -----------------------------------------------------------------------
     def watch(self, *, delta: float, claimed_eps: float | None = None, accountant=None, alpha: float = 0.05,
-              on_violation: str = "warn", first: int = WATCH_FIRST) -> "WhiteBoxProbe":
+              on_violation: str = "warn", first: int = WATCH_FIRST,
+              planned_steps: int | None = None) -> "WhiteBoxProbe":
         """Audit while the run trains: a look at step ``first``, then at every doubling of the steps (16, 32, 64,
         ...), each the same audit as ``audit()`` on the steps released so far, held to the claim for those steps
         (``claimed_eps`` if given, else the accountant's eps after them, the optimizer's when attached). Look j is
@@ -440,7 +442,13 @@ class WhiteBoxProbe:
         ``running.jsonl`` in the probe's folder. At the first look that reads VIOLATION the report is written and
         ``on_violation`` acts: "warn" prints one line; "stop" also sets ``stop_requested`` (the Hugging Face
         callback then stops the Trainer; a plain loop checks it); "raise" raises ``PrivacyViolation``. The
-        end-of-run ``audit()`` is a separate test at its own alpha."""
+        end-of-run ``audit()`` is a separate test at its own alpha.
+
+        Given ``planned_steps`` (the Hugging Face callback passes the Trainer's ``max_steps``), one more look is
+        made at that step, at level alpha / 2, and the looks before it share the other half (look j at
+        alpha / (2 j (j + 1))): still alpha over every look, and the last look, over the whole planned run, is
+        nearly as strong as the end-of-run audit (alpha / 2 against alpha) instead of seeing only the steps up to
+        the last doubling. Looks after it (a run that goes on) keep to the first half's series."""
         if on_violation not in ON_VIOLATION:
             raise DPAuditError(f"on_violation must be one of {', '.join(ON_VIOLATION)}, got {on_violation!r}")
         if not delta or not 0 < float(delta) < 1:
@@ -449,42 +457,74 @@ class WhiteBoxProbe:
             raise DPAuditError(f"alpha must be in (0, 1), got {alpha}")
         if isinstance(first, bool) or not isinstance(first, int) or first < 1:
             raise DPAuditError(f"first must be an integer >= 1, got {first!r}")
+        if planned_steps is not None and (isinstance(planned_steps, bool) or not isinstance(planned_steps, int)
+                                          or planned_steps < 1):
+            raise DPAuditError(f"planned_steps must be an integer >= 1, got {planned_steps!r}")
         if claimed_eps is None and accountant is None and getattr(self, "accountant", None) is None:
             raise DPAuditError("a watched probe needs the claim: claimed_eps= or an accountant")
-        looks = self._running_looks()  # a resumed probe goes on with the looks (and alpha) it has spent
+        looks, final_done = self._running_looks()  # a resumed probe goes on with the looks (and alpha) it has spent
         nxt = first
         while nxt <= self.step:
             nxt *= 2
+        final = None if planned_steps is None or final_done or planned_steps <= self.step else planned_steps
         self._watch = {"delta": float(delta), "claimed": claimed_eps, "accountant": accountant, "alpha": alpha,
-                       "on": on_violation, "next": nxt, "look": looks}
+                       "on": on_violation, "next": nxt, "look": looks, "final": final,
+                       "split": planned_steps is not None}
         self.alarm, self.stop_requested = None, False
         return self
 
-    def _running_looks(self) -> int:
-        path = self.out / RUNNING
-        if not path.is_file():
-            return 0
-        with open(path, encoding="utf-8") as fh:
-            return sum(1 for line in fh if line.strip())
-
-    def _maybe_look(self) -> None:
-        watch = self.__dict__.get("_watch")
-        if watch is None or self.alarm is not None or self.step < watch["next"] or self._fh is None:
-            return
+    def _running_looks(self) -> tuple[int, bool]:
+        """The looks of the alpha series spent so far, and whether the planned run's final look was made."""
         import json
 
-        watch["look"] += 1
-        watch["next"] = 2 * self.step
-        level = watch["alpha"] / (watch["look"] * (watch["look"] + 1))
+        path = self.out / RUNNING
+        if not path.is_file():
+            return 0, False
+        with open(path, encoding="utf-8") as fh:
+            lines = [json.loads(line) for line in fh if line.strip()]
+        return sum(1 for x in lines if not x.get("final")), any(x.get("final") for x in lines)
+
+    def _maybe_look(self) -> None:
+        """At ``begin``: a look of the alpha series when the steps reach the next doubling."""
+        watch = self.__dict__.get("_watch")
+        if watch is None or self.alarm is not None or self._fh is None:
+            return
+        if watch["final"] is not None and self.step >= watch["final"]:
+            return self._look(final=True)
+        if self.step >= watch["next"]:
+            self._look(final=False)
+
+    def final_look(self, counted: bool = False) -> None:
+        """The planned run's last look (``watch(planned_steps=)``), made once its release is recorded: from
+        ``_record`` when the claim is a given number, or once the accountant has counted the step (``counted``:
+        the attached Opacus optimizer's ``step``, after its accountant hook). An accountant's claim read before
+        it counted the step would be the claim for one step fewer, which the transcript would then exceed."""
+        watch = self.__dict__.get("_watch")
+        if (watch is None or self.alarm is not None or self._fh is None or watch["final"] is None
+                or self.step < watch["final"] or not (counted or watch["claimed"] is not None)):
+            return
+        self._look(final=True)
+
+    def _look(self, final: bool) -> None:
+        import json
+
+        watch = self._watch
+        if final:  # the planned run's last look: half of alpha
+            watch["final"], level = None, watch["alpha"] / 2
+            watch["next"] = max(watch["next"], 2 * self.step)
+        else:
+            watch["look"] += 1
+            level = watch["alpha"] / (watch["look"] * (watch["look"] + 1)) / (2 if watch["split"] else 1)
+            watch["next"] = 2 * self.step
         try:
             result = self.audit(watch["claimed"], watch["delta"], accountant=watch["accountant"], alpha=level,
                                 report=False)
         except DPAuditError as exc:  # e.g. an accountant that cannot answer yet: said in the log, not fatal
-            line = {"step": self.step, "look": watch["look"], "alpha": level, "error": str(exc)}
+            line = {"step": self.step, "look": watch["look"], "alpha": level, "final": final, "error": str(exc)}
             result = None
         else:
             eps = result.epsilon_lower_bound
-            line = {"step": self.step, "look": watch["look"], "alpha": level,
+            line = {"step": self.step, "look": watch["look"], "alpha": level, "final": final,
                     "claimed_epsilon": result.claimed_epsilon, "epsilon_lower_bound": eps if eps < 1e300 else "inf",
                     "headline": result.headline, "violation": result.violation, "verdict": result.verdict}
         with open(self.out / RUNNING, "a", encoding="utf-8") as fh:
@@ -494,7 +534,8 @@ class WhiteBoxProbe:
         result = self.audit(watch["claimed"], watch["delta"], accountant=watch["accountant"], alpha=level,
                             report=True)  # the same look, its report written
         self.alarm = result
-        words = (f"dpaudit: {result.verdict} (look {watch['look']} at step {self.step}, alpha {level:.3g}; report: "
+        which = "the final look" if final else f"look {watch['look']}"
+        words = (f"dpaudit: {result.verdict} ({which} at step {self.step}, alpha {level:.3g}; report: "
                  f"{self.out / 'report' / 'report.md'})")
         if watch["on"] == "raise":
             from dpaudit.core.errors import PrivacyViolation

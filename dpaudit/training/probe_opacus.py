@@ -81,10 +81,13 @@ class Probed:
     dpaudit_in_step = False
 
     def step(self, closure=None):
-        """Opacus' step, bracketed for the update's health check (what moved in the step, and between steps)."""
+        """Opacus' step, bracketed for the update's health check (what moved in the step, and between steps); after
+        it (its accountant hook has counted the step) a watched probe's planned final look."""
         health = self.dpaudit_health
         if health is None:
-            return super().step(closure)
+            result = super().step(closure)
+            self.dpaudit_probe.final_look(counted=True)
+            return result
         health.before(self.dpaudit_steps)
         self.dpaudit_in_step = True
         try:
@@ -96,6 +99,7 @@ class Probed:
             self.dpaudit_steps += 1
             if health.due(self.dpaudit_steps):
                 self.dpaudit_probe.save_health()
+        self.dpaudit_probe.final_look(counted=True)
         return result
 
     def clip_and_accumulate(self):

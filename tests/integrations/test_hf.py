@@ -224,6 +224,12 @@ def test_an_opacus_trainer_is_audited_white_box_and_a_missing_noise_is_caught(ti
     assert audit.white_box is not None and "the white-box audit" in report["context"]["verdict from"]
     claimed = report["context"]["claimed eps"]
     assert 0 < claimed < 50 and "get_epsilon" in report["context"]["claimed eps from"]  # the accountant's eps
+    from dpaudit.training.probe import RUNNING
+
+    # the planned run's final look (max_steps 12), made after the accountant counted the last step: its claim
+    looks = [json.loads(line) for line in (tmp_path / "dp" / "white-box" / RUNNING).read_text().splitlines()]
+    assert [(x["step"], x["final"], x["alpha"]) for x in looks] == [(12, True, 0.025)]
+    assert looks[0]["claimed_epsilon"] == pytest.approx(claimed) and not looks[0]["violation"]
     assert not audit.white_box.violation and not report["violation"]
     audit, report = run(tmp_path / "broken", 0.0, 1.0)  # no noise, a claim of eps = 1: the white-box audit sees it
     assert audit.white_box.violation and report["verdict"].startswith("VIOLATION")

@@ -87,3 +87,31 @@ def test_a_resumed_watch_goes_on_with_the_looks_it_has_spent(tmp_path):
     again = WhiteBoxProbe([torch.zeros(N_PARAMS, requires_grad=True)], m=200, clip=C, sample_rate=RATE, out=out,
                           resume=True).watch(delta=1e-5, claimed_eps=50.0)
     assert again._watch["look"] == 2 and again._watch["next"] == 64
+
+
+def test_a_planned_run_gets_a_final_look_at_half_alpha_and_the_series_the_other_half(tmp_path):
+    """watch(planned_steps=T): looks at 16, 32, 64 at alpha / (2 j (j + 1)), then the last step's look at alpha / 2
+    (the sum stays <= alpha); a resumed probe does not make the final look twice."""
+    out = tmp_path / "run"
+    probe = _probe(out, 3).watch(delta=1e-5, claimed_eps=50.0, planned_steps=100)
+    _loop(probe, 3, 100)
+    looks = [json.loads(line) for line in (out / RUNNING).read_text().splitlines()]
+    assert [x["step"] for x in looks] == [16, 32, 64, 100]
+    assert [x["final"] for x in looks] == [False, False, False, True]
+    assert [x["alpha"] for x in looks] == pytest.approx([0.05 / 4, 0.05 / 12, 0.05 / 24, 0.025])
+    assert sum(x["alpha"] for x in looks) <= 0.05 and all(not x["violation"] for x in looks)
+    probe.close()
+    again = WhiteBoxProbe([torch.zeros(N_PARAMS, requires_grad=True)], m=200, clip=C, sample_rate=RATE, out=out,
+                          resume=True).watch(delta=1e-5, claimed_eps=50.0, planned_steps=100)
+    assert again._watch["final"] is None and again._watch["look"] == 3
+    with pytest.raises(DPAuditError, match="planned_steps"):
+        _probe(tmp_path / "z", 3).watch(delta=1e-5, claimed_eps=4.0, planned_steps=0)
+
+
+def test_a_loop_without_clipping_is_caught_by_the_final_look_when_no_doubling_is_left(tmp_path):
+    """A run too short for a doubling after its first look: the final look (at the last step) reads VIOLATION."""
+    probe = _probe(tmp_path / "run", 4).watch(delta=1e-5, claimed_eps=4.0, planned_steps=24, first=32)
+    _loop(probe, 4, 24, clip=False)
+    looks = [json.loads(line) for line in (tmp_path / "run" / RUNNING).read_text().splitlines()]
+    assert [x["step"] for x in looks] == [24] and looks[0]["final"] and looks[0]["violation"]
+    assert probe.alarm is not None
