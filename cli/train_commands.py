@@ -27,6 +27,10 @@ LrOpt = Annotated[Optional[float], typer.Option("--lr", help=(
     "Learning rate. Default: on the embedded model dp-sgd 5e-3 (AdamW), dp-zo 3e-5; on a pretrained model "
     "dp-sgd 5e-5 (LoRA 5e-4, bias 1e-3), dp-zo 1e-6 (LoRA 1e-5)."))]
 OptimizerOpt = Annotated[str, typer.Option("--optimizer", help="dp-sgd: adamw or sgd.")]
+TrainNoiseOpt = Annotated[Optional[str], typer.Option(
+    "--noise", help="Correlated noise: bandmf,b=B (banded matrix factorisation, DP-SGD only; batches are then "
+                    "cyclic Poisson in B groups, accounted with amplification; b = 1 is DP-SGD). Memory: "
+                    "b - 1 extra copies of the trainable parameters.")]
 TrainStepsOpt = Annotated[Optional[int], typer.Option("--steps", "-T", click_type=WHOLE, help="Training steps (default: dp-sgd 300, dp-zo 3000).")]
 TrainBatchOpt = Annotated[int, typer.Option("--batch-size", "-B", help="Expected batch size (p = B/N).")]
 PhiOpt = Annotated[float, typer.Option("--phi", help="dp-zo perturbation scale.")]
@@ -165,10 +169,7 @@ def train_cmd(
     sampling: Annotated[str, typer.Option(
         "--sampling", help="How a private run draws its batches, and is accounted: poisson (rate B/N) or "
                            "balls-in-bins (each example in one random step of each epoch of N // B steps).")] = "poisson",
-    noise: Annotated[Optional[str], typer.Option(
-        "--noise", help="Correlated noise: bandmf,b=B (banded matrix factorisation, DP-SGD only; batches are then "
-                        "cyclic Poisson in B groups, accounted with amplification; b = 1 is DP-SGD). Memory: "
-                        "b - 1 extra copies of the trainable parameters.")] = None,
+    noise: TrainNoiseOpt = None,
     check_inputs: Annotated[bool, typer.Option(
         "--check-inputs", help="Only check the inputs (model, data, options, run folder) and exit: 0 usable, 2 not. "
                                "Run it before torchrun, which turns every rank's exit 2 into its own 1.")] = False,
@@ -283,6 +284,7 @@ def audit_run(
                             "(DP-SGD gradients, DP-ZO scalars), scored from the run's transcript.")] = False,
     plant_bug: PlantBugOpt = None,
     stop_on_divergence: DivergenceOpt = False,
+    noise: TrainNoiseOpt = None,
     threads: ThreadsOpt = None,
     repeat: Annotated[int, typer.Option("--repeat", "-r", help="Copies of each member canary.")] = 1,
     prefix_length: Annotated[Optional[int], typer.Option(
@@ -320,7 +322,8 @@ def audit_run(
     cfg = make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction,
                       trainable, bf16, seed, secret_seed, accountant, unsafe_disable_noise=unsafe_disable_noise,
                       plant_bug=plant_bug, per_sample_grads=per_sample_grads, micro_batch=micro_batch,
-                      max_memory=max_memory, shard=shard, stop_on_divergence=stop_on_divergence, model=model)
+                      max_memory=max_memory, shard=shard, stop_on_divergence=stop_on_divergence, model=model,
+                      noise=noise)
     if white_box:
         cfg = dataclasses.replace(cfg, white_box=canaries or white_box_canaries(cfg))
     set_threads(threads)

@@ -109,3 +109,19 @@ def test_what_correlated_noise_does_not_run_with_is_refused(extra, why):
     kw = {"method": "dp-sgd", "target_epsilon": 4.0, "steps": 6, "noise": "bandmf,b=2", **extra}
     with pytest.raises(DPAuditError, match=why):
         TrainConfig(**kw)
+
+
+def test_audit_run_takes_correlated_noise_and_audits_along_the_strategy(tmp_path):
+    """`dpaudit audit run --white-box --noise bandmf,b=B`: the run is accounted by bandmf and its transcript read
+    along the strategy's columns; p b > 1 (full batches) is refused in one line."""
+    from cli_helpers import assert_one_line_error, dpaudit
+
+    out = dpaudit("audit", "run", "--white-box", "--method", "dp-sgd", "--eps", "4", "-B", "16", "-T", "24",
+                  "-m", "400", "--noise", "bandmf,b=4", "--secret-seed", "3", "--out", tmp_path / "run", "--json",
+                  "--threads", "1")
+    assert out.returncode == 0, out.stderr[-500:]
+    result = json.loads(out.stdout)
+    assert result["training"]["accountant"] == "bandmf" and not result["violation"]
+    assert "BandMF" in result["context"]["statistic"] and result["epsilon_lower_bound"] <= 4.0
+    assert_one_line_error(dpaudit("audit", "run", "--white-box", "--method", "dp-sgd", "--eps", "4", "--noise",
+                                  "bandmf,b=4", "--out", tmp_path / "full", "--json"))
