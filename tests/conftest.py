@@ -48,8 +48,8 @@ def llama_like_dir(tmp_path_factory) -> Path:
     return save_model_folder(tmp_path_factory.mktemp("llama") / "model", model, tok)
 
 
-# The fast tier (`pytest -m "not slow"`: accounting, statistics, CLI and input handling, under 3 minutes on
-# 2 cores) leaves out whatever builds or trains a model, launches torchrun or trains with Opacus, and the
+# The fast tier (`pytest -m "not slow"`: accounting, statistics, CLI and input handling; 841 s in one process on
+# 2 quiet cores, 2026-11-28) leaves out whatever builds or trains a model, launches torchrun or trains with Opacus, and the
 # tests named in SLOW_TESTS. CI runs everything.
 SLOW_FIXTURES = {"tiny_model_dir", "llama_like_dir"}
 SLOW_MODULES = {"test_bug_zoo", "test_data", "test_distributed", "test_probe", "test_whitebox", "test_audit_run", "test_gguf",
