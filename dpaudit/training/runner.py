@@ -432,13 +432,16 @@ def _loop(run: _Run, show_progress: bool):
                 idx = draw(step) if cfg.private else next(batches)
                 real = idx[idx < run.n_real]
                 sampled = canaries.member_ids[idx[idx >= run.n_real] - run.n_real] if canaries else idx[:0]
-                batch = {k: v.to(world.device) for k, v in run.data.batch(world.shard(real)).items()}
+                mine = world.shard(real)
+                batch = {k: v.to(world.device) for k, v in run.data.batch(mine).items()}
                 if world.is_main:  # written ahead: the step is spent before anything it releases is written
                     ledger.record(step + 1 + run.discarded, steps_in_model=step)
                 interrupted_at = step
                 last_loss = run.trainer.run_step(step, batch, len(idx), sampled)
                 interrupted_at = step + 1
-                _watch_divergence(watch, step, last_loss if len(idx) else None, cfg, ledger, world)
+                # a step with no loss-bearing example here (only canaries, or none: Poisson) has no loss (nan): not a
+                # divergence
+                _watch_divergence(watch, step, last_loss if len(mine) else None, cfg, ledger, world)
                 if world.size == 1 and step % 10 == 9:
                     adapt_threads()  # a core another process took since is left to it (threads.py)
                 advance(1, f"step {step + 1}, loss {last_loss:.4g}, eps spent "

@@ -70,3 +70,20 @@ def test_a_loss_stuck_at_exactly_zero_trips():
     assert said[:2] == [None, None] and "exactly 0 at 3 steps" in said[2]
     assert watch.why == said[2]
     assert _first_trip([0.0, 0.5, 0.0, 0.4, 0.0, 0.45]) is None  # a 0 now and then is not stuck
+
+
+def test_steps_with_only_canaries_have_no_loss_and_are_not_a_divergence(tiny_model_dir, tmp_path):
+    """White-box canaries are sampled as examples but carry no loss: a step that drew only canaries has no loss
+    (nan), which the watch must not read as a divergence (it did: "the training loss is nan at step 1", and
+    --stop-on-divergence stopped a sane run)."""
+    import json
+
+    from cli_helpers import dpaudit
+
+    data = tmp_path / "d.txt"
+    data.write_text("".join(f"Carol number {i} sells maps in Oslo.\n" for i in range(40)))
+    out = dpaudit("train", "--model", tiny_model_dir, "-d", data, "-o", tmp_path / "run", "--sigma", "1", "-B", "4",
+                  "-T", "12", "--white-box", "400", "--stop-on-divergence", "--secret-seed", "1", "--threads", "1",
+                  "--json")
+    assert out.returncode == 0, out.stderr[-400:]
+    assert not json.loads(out.stdout).get("extra", {}).get("divergence")
