@@ -60,8 +60,8 @@ def test_raise_and_warn(tmp_path, capsys):
 
 
 def test_correct_runs_raise_false_alarms_at_most_alpha_over_every_look(tmp_path):
-    """20 correct runs at a claim they meet (sigma 1 at p = 0.3, held to of the 128 steps the looks see): at most 3 alarms (binomial 99.9 % quantile of 20 at alpha = 0.05), and
-    the looks read something."""
+    """20 correct runs at a claim they meet (sigma 1 at p = 0.3, held to the claim for the 128 steps the looks
+    see): at most 3 alarms (binomial 99.9 % quantile of 20 at alpha = 0.05), and the looks read something."""
     from dpaudit.accounting.mechanism import Mechanism
     from dpaudit.accounting import pld
 
