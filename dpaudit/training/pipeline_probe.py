@@ -207,24 +207,16 @@ class PipelineProbe(WhiteBoxProbe):
             self.health.look(step + 1)
             self.save_health()
         self._begun = step
-        self._in_observe = True
-        try:
-            self._record(step, moved)
-        finally:
-            self._in_observe = False
+        self._store(step, moved)
         self._previous = rows
         now = time.perf_counter()
         self.probe_seconds += now - began
         self._first = self._first if self._first is not None else now
         if self.probe_seconds <= self.budget * (now - self._first):  # the directions, as often as the budget allows
             self._direction = self._descent()
-        self.final_look()  # a watched probe's planned last look: outside the budget, as the other looks are
-
-    def final_look(self, counted: bool = False) -> None:
-        """``observe`` comes after the optimizer step, so an accountant has counted it: the planned final look is
-        made at the end of ``observe`` (not inside its budget's clock)."""
-        if not getattr(self, "_in_observe", False):
-            super().final_look(counted=True)
+        # a watched probe's planned last look, outside the budget as the other looks are; observe comes after the
+        # optimizer step, so an accountant has counted it
+        self.final_look(counted=True)
 
     def _note_batch(self, batch) -> None:
         import torch

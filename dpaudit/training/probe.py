@@ -334,6 +334,11 @@ class WhiteBoxProbe:
         self.observe_slices(step, [(r, 0, r.numel()) for r in released], scale)
 
     def _record(self, step: int, row) -> None:
+        """The step's row stored (``_store``), then a watched probe's planned final look if it is due."""
+        self._store(step, row)
+        self.final_look()
+
+    def _store(self, step: int, row) -> None:
         """The step's row (numpy, or a tensor on the release's device, kept until ``flush``)."""
         if step != self.step:
             raise DPAuditError(f"the probe expected the release of step {self.step}, got step {step}")
@@ -348,10 +353,9 @@ class WhiteBoxProbe:
                 (step, self._sampled.copy()) if getattr(self, "_examples_step", None) == step else None)
             if not isinstance(row, np.ndarray) and len(pending) < BLOCK_ROWS:
                 self.step += 1
-                return self.final_look()
+                return
             self.flush()
         self.step += 1
-        self.final_look()
 
     def flush(self) -> None:
         """Write the rows kept on the device to the transcript (one copy to the host) and flush the file: at every
