@@ -107,7 +107,8 @@ class CorrelatedNoise:
 
     z_t comes from the step's position-addressable stream (the seam below, as for independent noise), and the last
     b - 1 noises are kept: memory (b - 1) x the trainable parameters, in the parameters' dtype and device. With
-    b = 1 (c = [1]) this is DP-SGD's noise exactly. Steps must come in order from 0 (a resumed run is refused)."""
+    b = 1 (c = [1]) this is DP-SGD's noise exactly. A checkpoint keeps the b - 1 noises (``noise_state``) and a
+    resumed run continues them with fresh draws (accounting/matrix/bandmf.py: resumed runs)."""
 
     noise_coefs: tuple = (1.0,)
     _past: list | None = None
@@ -130,6 +131,24 @@ class CorrelatedNoise:
         for t, zi in zip(tensors, z):
             t.add_(zi)
         self._past = ([z] + past)[:len(c) - 1]
+
+    def noise_state(self) -> list:
+        """The last b - 1 noises (newest first), for a checkpoint: a resume continues them."""
+        return [[w.detach().clone() for w in step] for step in (self._past or [])]
+
+    def load_noise_state(self, state, params) -> None:
+        """The noises a checkpoint kept, checked against this run's strategy and parameters (one list of tensors
+        per earlier step, newest first, each tensor the shape of its parameter)."""
+        shapes = [tuple(p.shape) for p in params]
+        if not isinstance(state, list) or len(state) > max(0, len(self.noise_coefs) - 1) or not all(
+                isinstance(step, list) and len(step) == len(shapes) and all(
+                    isinstance(w, torch.Tensor) and tuple(w.shape) == shape for w, shape in zip(step, shapes))
+                for step in state):
+            from dpaudit.core.errors import DPAuditError
+
+            raise DPAuditError("the checkpoint's noise state does not fit this run's strategy and parameters; "
+                               "start the run again")
+        self._past = [[w.to(device=p.device, dtype=p.dtype) for w, p in zip(step, params)] for step in state]
 
 
 class InPlace:

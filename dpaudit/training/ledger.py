@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from dataclasses import replace
 from pathlib import Path
 
 from dpaudit.accounting.result import json_float
@@ -37,8 +38,8 @@ class PrivacyLedger:
             self.eps = [r.epsilon for r in results]
             self.relation = results[-1].relation
             self.accountant = results[-1].accountant
-            self.planned = (results[-1].epsilon if total == plan.mechanism.steps
-                            else plan.epsilon_at(plan.mechanism.steps).epsilon)
+            self.planned = (results[-1].epsilon if total == plan.mechanism.steps and not plan.attempts
+                            else replace(plan, attempts=()).epsilon_at(plan.mechanism.steps).epsilon)
         else:
             self.accountant = None
             self.planned = math.inf

@@ -50,6 +50,7 @@ class TrainerSetup:
     sharding: Any            # training.shard.Sharding or None
     rng: Any                 # numpy Generator: batches (and DP-ZO's noise)
     stream: str = ""         # how DP-ZO draws z (streams.py; run_config.json's direction_stream)
+    released: int = 0        # steps the ledger counted before this (re)start (streams.attempt_seed)
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ def _dp_zo(s: TrainerSetup) -> Trainer:
 def _dp_sgd(s: TrainerSetup) -> Trainer:
     from dpaudit.training.probe import WhiteBoxProbe
     from dpaudit.training.sgd import FirstOrderTrainer
-    from dpaudit.training.streams import step_key
+    from dpaudit.training.streams import attempt_seed, step_key
 
     cfg = s.cfg
     probe = None if s.canaries is None else WhiteBoxProbe.for_run(
@@ -109,7 +110,7 @@ def _dp_sgd(s: TrainerSetup) -> Trainer:
                              expected_batch_size=s.batch_size,
                              # fresh for each (re)start: a step redone after --resume must not reuse the
                              # noise its first attempt released with another batch
-                             noise_seed=step_key(s.secret, s.start),
+                             noise_seed=step_key(*attempt_seed(s.secret, s.start, s.released)),
                              optimizer=cfg.optimizer, world_size=s.world.size, probe=probe, bug=cfg.bug,
                              per_sample_grads=cfg.per_sample_grads, micro_batch=cfg.micro_batch,
                              sharding=s.sharding, noise_coefs=_noise_coefs(cfg))

@@ -23,6 +23,9 @@ class PrivacyPlan:
     target_epsilon: float            # inf for non-private
     calibrated: bool                 # sigma chosen by calibration (else given)
     phases: tuple[tuple[int, float], ...] = ()  # (first ledger step, sampling rate) of each phase; () = one
+    # correlated noise resumed from checkpoints: (first step, end step, parent) of each attempt in the order they
+    # ran, the running one last with end None (accounting/matrix/bandmf.py: resumed_epsilon); () = never resumed
+    attempts: tuple = ()
 
     @property
     def private(self) -> bool:
@@ -65,7 +68,22 @@ class PrivacyPlan:
         return compose_phases(parts)
 
     def epsilon_at(self, steps: int):
+        if self.attempts:
+            from dpaudit.accounting.matrix.bandmf import resumed_epsilon
+
+            return resumed_epsilon(self.mechanism, self.attempts_at(steps), self.delta)
         return epsilon(self.event_at(steps), self.delta, self.accountant)
+
+    def attempts_at(self, steps: int) -> list:
+        """The attempts' released rows after ``steps`` ledger steps (each attempt's steps follow the last's)."""
+        out, left = [], steps
+        for first, end, parent in self.attempts:
+            if out and left <= 0:
+                break
+            taken = min(left, (end - first) if end is not None else left)
+            out.append((first, first + taken, parent))
+            left -= taken
+        return out
 
 
 def _template(kind: str, rate: float, steps: int, sampling: str, examples: int | None) -> Mechanism:

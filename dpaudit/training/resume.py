@@ -198,3 +198,43 @@ def has_content(folder: Path) -> bool:
     return any(p.name not in (LOCK, MARKER) for p in folder.iterdir())
 
 
+
+
+MAX_ATTEMPTS = 1000  # resumes one correlated-noise run folder records (the ledger header lists each)
+
+
+def correlated_attempts(previous: dict | None, released: int, start: int, writer, run_dir: Path) -> list:
+    """The attempts of a correlated-noise run resumed at ``start`` (accounting/matrix/bandmf.py: a resumed attempt
+    continues its parent's last b - 1 noises, so the coins drawn there move its rows too): the old ledger's list,
+    its last attempt closed at the ``released`` steps the ledger counts, and the new one, whose parent is the attempt
+    that wrote the checkpoint it resumes (``writer``, from the checkpoint's state; None when it starts over)."""
+    where = run_dir / run_folder.LEDGER
+    listed = previous.get("attempts") if previous else None
+    if listed is None:   # a ledger from before resumes were recorded: one attempt from step 0 (it had no checkpoint)
+        listed = [[0, None, None]] if released else []
+    if not isinstance(listed, list) or len(listed) >= MAX_ATTEMPTS or not all(
+            isinstance(a, list) and len(a) == 3 for a in listed):
+        raise DPAuditError(f"{where} does not list the attempts of this correlated-noise run; refusing to resume a "
+                           "run whose spending is unknown")
+    attempts, done = [], 0
+    for i, (first, end, parent) in enumerate(listed):
+        last = i == len(listed) - 1
+        if last and end is None and type(first) is int:
+            end = first + released - done
+        if not (type(first) is int and type(end) is int and 0 <= first <= end
+                and (parent is None or type(parent) is int)):
+            raise DPAuditError(f"{where} does not say which steps each attempt of this correlated-noise run "
+                               "released; refusing to resume a run whose spending is unknown")
+        attempts.append((first, end, parent))
+        done += end - first
+    if done != released:
+        raise DPAuditError(f"{where} lists attempts that released {done} steps but counts {released}; refusing to "
+                           "resume a run whose spending is unknown")
+    if start and (type(writer) is not int or not 0 <= writer < len(attempts)):
+        raise DPAuditError(f"the checkpoint in {run_dir} does not say which attempt of this correlated-noise run "
+                           "wrote it (its noise state continues that attempt); start the run again")
+    attempts.append((start, None, writer if start else None))
+    from dpaudit.accounting.matrix.bandmf import coin_sensitivities
+
+    coin_sensitivities([1.0], [(f, e if e is not None else f, p) for f, e, p in attempts])  # refuses a broken tree
+    return attempts

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -128,8 +128,6 @@ def _correlated(cfg: "TrainConfig", record):
            else "Poisson batches (--sampling poisson: cyclic Poisson in b groups)" if cfg.sampling != "poisson"
            else "a private run" if not cfg.private
            else "one process (--shard and torchrun are not implemented for it)" if cfg.shard
-           else "no checkpoints (--save-every 0): a resumed run would redo steps inside a band, which the cyclic "
-                "accounting does not cover" if cfg.save_every
            else None)
     if why:
         raise DPAuditError(f"correlated noise (--noise {strategy.family}) needs {why}")
@@ -235,8 +233,6 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
         raise DPAuditError("correlated noise runs in one process (torchrun is not implemented for it)")
     run_dir = Path(run_dir)
     opening = open_run(run_dir, model_dir, cfg, resume, world)
-    if cfg.strategy is not None and opening.start:
-        raise DPAuditError("a correlated-noise run cannot be resumed: start it again")
     if len(texts) < 2:
         raise DPAuditError("the training set needs at least 2 examples")
     run = _assemble(opening, texts, run_dir, cfg, world, estimate)
@@ -273,6 +269,7 @@ def _assemble(opening, texts: list[str], run_dir: Path, cfg: TrainConfig, world,
     from dpaudit.audit.whitebox_canaries import WhiteBoxCanaries
     from dpaudit.training.data import tokenize
     from dpaudit.training.methods import TrainerSetup
+    from dpaudit.training.streams import attempt_seed
     from dpaudit.training.trainable import trainable_parameters
 
     sharded = cfg.shard and world.size > 1
@@ -302,12 +299,12 @@ def _assemble(opening, texts: list[str], run_dir: Path, cfg: TrainConfig, world,
             "sharded": sharded, "estimated_peak_bytes": estimate, "release": METHODS[cfg.method].release})
         if canaries is not None:
             canaries.save(run_dir)
-    rng = np.random.default_rng([int(secret), opening.start])
+    rng = np.random.default_rng(attempt_seed(secret, opening.start, opening.released_before))
     trainer = METHODS[cfg.method].build(TrainerSetup(
         cfg=cfg, model=model, params=params, run_dir=run_dir, rate=batch_size / n, batch_size=batch_size,
         noise_sigma=0.0 if cfg.unsafe_disable_noise else plan.noise_sigma(cfg.bug), secret=int(secret),
         start=opening.start, main=world.is_main, canaries=canaries, world=world, sharding=sharding, rng=rng,
-        stream=stream))
+        stream=stream, released=opening.released_before))
     _load_trainer_state(trainer, run_dir, opening.start, sharded)
     allocation = _allocation_secret(opening, run_dir, cfg, world, int(secret), max(1, n // batch_size))
     return _Run(run_dir=run_dir, cfg=cfg, world=world, start=opening.start, model=model, tokenizer=tokenizer,
@@ -382,6 +379,8 @@ def _privacy(opening, texts: list[str], run_dir: Path, cfg: TrainConfig, world, 
               **({"noise": cfg.strategy.spec()} if cfg.strategy else {})}
     if opening.previous_ledger is not None:
         plan, header = resume_phases(plan, header, opening.previous_ledger, opening.released_before, run_dir)
+    if cfg.strategy is not None and plan.private:
+        plan, header = _correlated_attempts(plan, header, opening, run_dir)
     # Steps run after the last checkpoint of a killed run are redone with fresh noise, but their
     # outputs (the DP-ZO log, the ledger) may have been seen: they are spent, and stay counted.
     discarded = max(0, opening.released_before - opening.start)
@@ -392,11 +391,37 @@ def _privacy(opening, texts: list[str], run_dir: Path, cfg: TrainConfig, world, 
     return plan, ledger, discarded
 
 
+def _correlated_attempts(plan, header: dict, opening, run_dir: Path):
+    """(plan, header) of a correlated-noise run: the header lists its attempts (a resume reads them back), and a
+    resumed run is accounted along them (accounting/matrix/bandmf.py: resumed_epsilon)."""
+    from dpaudit.training.resume import correlated_attempts
+
+    released = opening.released_before if opening.previous_ledger is not None else 0
+    if not released and not opening.start:
+        return plan, {**header, "attempts": [[0, None, None]]}
+    if plan.phases:
+        raise DPAuditError(f"resuming the correlated-noise run in {run_dir} on other data is not accounted (its "
+                           "resumed rows continue the old data's noise); resume on the same data or start a new run "
+                           "folder")
+    if plan.accountant not in (None, "bandmf"):
+        raise DPAuditError(f"a resumed correlated-noise run is accounted by bandmf (per coin across its attempts), "
+                           f"not {plan.accountant}; resume without --accountant or with --accountant bandmf")
+    writer = None
+    if opening.start:
+        state = run_folder.read_json(run_dir / checkpoint.FINAL / checkpoint.STATE, "checkpoint state")
+        writer = state.get("attempt") if isinstance(state, dict) else None
+    attempts = correlated_attempts(opening.previous_ledger, released, opening.start, writer, run_dir)
+    return replace(plan, attempts=tuple(attempts)), {**header, "attempts": [list(a) for a in attempts]}
+
+
 def _load_trainer_state(trainer, run_dir: Path, start: int, sharded: bool) -> None:
     """A resumed run's optimizer state, from the checkpoint it resumes."""
     import torch
 
     saved = run_dir / checkpoint.FINAL
+    if start and getattr(trainer, "noise_coefs", None) is not None and not (saved / checkpoint.OPTIMIZER).is_file():
+        raise DPAuditError(f"the checkpoint in {run_dir} holds no noise state of this correlated-noise run; start "
+                           "the run again")
     if not (start and (saved / checkpoint.OPTIMIZER).is_file()):
         return
     was_sharded = run_folder.read_json(saved / checkpoint.STATE, "checkpoint state").get("sharded", False)
@@ -406,6 +431,8 @@ def _load_trainer_state(trainer, run_dir: Path, start: int, sharded: bool) -> No
     try:
         state = torch.load(saved / checkpoint.OPTIMIZER, weights_only=True)
         trainer.load_state_dict(state)
+    except DPAuditError:
+        raise
     except Exception as exc:  # sealed by our checksum, so only a file made to look like ours gets here
         raise DPAuditError(f"cannot read the optimizer state in {saved}: {type(exc).__name__}") from None
 
@@ -468,8 +495,11 @@ def _checkpoint_if_due(run: _Run, step: int) -> None:
     weights = full_state_dict(run.model) if run.sharded else None  # every rank takes part
     state = run.trainer.state_dict() if run.world.is_main or run.sharded else None
     if run.world.is_main:
+        # a correlated-noise run's checkpoint says which attempt wrote it: a resume continues that attempt's noises
+        attempt = {"attempt": max(0, len(run.plan.attempts) - 1)} if cfg.strategy is not None else {}
         _save_checkpoint(run.run_dir, run.model, run.tokenizer,
-                         {"step": step + 1, "config": config_for_state(cfg), "sharded": run.sharded}, state, weights)
+                         {"step": step + 1, "config": config_for_state(cfg), "sharded": run.sharded, **attempt},
+                         state, weights)
 
 
 def _finish(run: _Run, last_loss, watch, seconds: float) -> TrainResult:

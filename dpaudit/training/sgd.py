@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import torch
 
+from dpaudit.core.errors import DPAuditError
 from dpaudit.training.data import padded_chunks, per_example_loss, split
 from dpaudit.training.heap import release_freed
 from dpaudit.training.per_example import supported_for_dp_sgd
 from dpaudit.training.streams import step_key
 
 PER_SAMPLE_GRADS = ("ghost", "materialise")
+NOISE_STATE = "dpaudit_correlated_noise"  # the key of a correlated run's last noises in its optimizer state
 
 
 def dp_optimizer_class(ghost: bool, world_size: int = 1, bug=None, correlated: bool = False):
@@ -235,11 +237,20 @@ class FirstOrderTrainer:
             from dpaudit.training.shard import full_optimizer_state
 
             return full_optimizer_state(self.inner, self.base_optimizer)
-        return self.optimizer.state_dict()
+        state = self.optimizer.state_dict()
+        if self.noise_coefs is not None:   # correlated noise: the last b - 1 noises, which a resume continues
+            state = {**state, NOISE_STATE: self.optimizer.noise_state()}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if self.sharding is not None:
             from dpaudit.training.shard import load_optimizer_state
 
             return load_optimizer_state(self.inner, self.base_optimizer, state)
+        if self.noise_coefs is not None:
+            if NOISE_STATE not in state:
+                raise DPAuditError("the checkpoint holds no noise state of this correlated-noise run (its resumed "
+                                   "steps would not continue the strategy); start the run again")
+            state = dict(state)
+            self.optimizer.load_noise_state(state.pop(NOISE_STATE), self.optimizer.params)
         self.optimizer.load_state_dict(state)

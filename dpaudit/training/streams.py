@@ -170,12 +170,20 @@ def square_sum(key: int, index: int, length: int, offset: int = 0, total: int | 
     return sum(float(v.double().square().sum()) for _, v in _blocks(key, index, offset, length, total, device))
 
 
-def step_key(seed: int, step: int) -> int:
-    """The key of a step's stream: 64 bits of numpy's SeedSequence of (seed, step)."""
+def step_key(seed: int, step: int, *more: int) -> int:
+    """The key of a step's stream: 64 bits of numpy's SeedSequence of (seed, step[, more])."""
     import numpy as np
 
-    lo, hi = np.random.SeedSequence([int(seed), int(step)]).generate_state(2)
+    lo, hi = np.random.SeedSequence([int(seed), int(step), *map(int, more)]).generate_state(2)
     return int(lo) | int(hi) << 32
+
+
+def attempt_seed(secret: int, start: int, released: int) -> list[int]:
+    """What a (re)start's batches and noise are drawn from: (secret, start), and the steps the ledger counted
+    before it when that is more than ``start``. So two resumes from one checkpoint (the second after the first
+    released steps) never draw the same noise, even under a fixed --secret-seed: a step redone with another
+    attempt's noise would release the difference of the two signals."""
+    return [int(secret), int(start)] + ([int(released)] if released > start else [])
 
 
 # --- counter-v1: one kernel a pass --------------------------------------------------------------------

@@ -101,8 +101,8 @@ def test_a_white_box_banded_run_is_audited_along_its_strategy(tiny_model_dir, tm
     assert result.epsilon_lower_bound <= run.epsilon
 
 
-@pytest.mark.parametrize("extra,why", [({"save_every": 2}, "checkpoints"),
-                                       ({"method": "dp-zo"}, "first-order"), ({"noise": "blt,theta=0.9,omega=0.5"}, "blt")])
+@pytest.mark.parametrize("extra,why", [({"method": "dp-zo"}, "first-order"),
+                                       ({"noise": "blt,theta=0.9,omega=0.5"}, "blt")])
 def test_what_correlated_noise_does_not_run_with_is_refused(extra, why):
     from dpaudit.training.runner import TrainConfig
 
@@ -125,3 +125,157 @@ def test_audit_run_takes_correlated_noise_and_audits_along_the_strategy(tmp_path
     assert "BandMF" in result["context"]["statistic"] and result["epsilon_lower_bound"] <= 4.0
     assert_one_line_error(dpaudit("audit", "run", "--white-box", "--method", "dp-sgd", "--eps", "4", "--noise",
                                   "bandmf,b=4", "--out", tmp_path / "full", "--json"))
+
+
+def test_a_resumed_attempt_continues_the_strategy_with_fresh_draws():
+    """The premise of the resumed accounting (accounting/matrix/bandmf.py): an attempt resumed at step s from a
+    checkpoint's noise state, with fresh draws z', releases what, multiplied by C (the earlier releases public),
+    is z' on its rows: C w = z' at t >= s, with w before s the first attempt's."""
+    rng = np.random.default_rng(1)
+    steps, s, coefs = 10, 4, np.array([0.7, 0.5, 0.3, 0.2])
+    coefs = coefs / np.linalg.norm(coefs)
+    first_draws, fresh = rng.normal(size=(7, 3)), rng.normal(size=(steps - s, 3))
+
+    def noises(noise, n):
+        out = []
+        for _ in range(n):
+            w = torch.zeros(3, dtype=torch.float64)
+            noise.draw_noise([w], 1.0)
+            out.append(w.numpy())
+        return out
+
+    first = _Noise(torch.tensor(first_draws))
+    first.noise_coefs = tuple(coefs)
+    early = noises(first, s)
+    saved = first.noise_state()            # the checkpoint at step s
+    noises(first, 3)                       # steps s .. s + 2 released, then the kill
+    resumed = _Noise(torch.tensor(fresh))
+    resumed.noise_coefs = tuple(coefs)
+    resumed.load_noise_state(saved, [torch.zeros(3, dtype=torch.float64)])
+    w = np.array(early + noises(resumed, steps - s))
+    c = np.zeros((steps, steps))
+    for i in range(steps):
+        for k in range(min(i + 1, coefs.size)):
+            c[i, i - k] = coefs[k]
+    np.testing.assert_allclose((c @ w)[s:], fresh, rtol=1e-10, atol=1e-12)
+    with pytest.raises(DPAuditError, match="noise state"):
+        resumed.load_noise_state(saved, [torch.zeros(4, dtype=torch.float64)])
+
+
+def _killed_banded(tiny_model_dir, run, monkeypatch, kill_at=5, **kw):
+    """A BandMF run (b = 3, T 8, checkpoints every 2 steps) killed at its ``kill_at``-th step."""
+    from dpaudit.models.corpus import sentences
+    from dpaudit.training.runner import TrainConfig, train
+    from dpaudit.training.sgd import FirstOrderTrainer
+
+    cfg = TrainConfig(method="dp-sgd", sigma=1.0, steps=8, batch_size=8, save_every=2, secret_seed=5,
+                      noise="bandmf,b=3", allow_overspend=True, **kw)
+    real, calls = FirstOrderTrainer.run_step, []
+
+    def dies(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == kill_at:
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(FirstOrderTrainer, "run_step", dies)
+        with pytest.raises(Exception, match="interrupted"):
+            train(tiny_model_dir, sentences(80, seed=3), run, cfg, show_progress=False)
+    return cfg
+
+
+def test_a_killed_banded_run_resumes_and_counts_each_coin_across_its_attempts(tiny_model_dir, tmp_path, monkeypatch):
+    from dpaudit.accounting.matrix import bandmf
+    from dpaudit.accounting.matrix.strategy import Strategy
+    from dpaudit.accounting.mechanism import Mechanism
+    from dpaudit.models.corpus import sentences
+    from dpaudit.training.runner import train
+
+    run = tmp_path / "run"
+    cfg = _killed_banded(tiny_model_dir, run, monkeypatch)
+    state = json.loads((run / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] == 4 and state["attempt"] == 0
+    result = train(tiny_model_dir, sentences(80, seed=3), run, cfg, resume=True, show_progress=False)
+    ledger = json.loads((run / "privacy_ledger.json").read_text())
+    assert ledger["attempts"] == [[0, 5, None], [4, None, 0]] and ledger["steps_executed"] == 9
+    mech = Mechanism("gaussian", 1.0, result.sampling_rate, 8, strategy=Strategy("bandmf", bands=3))
+    resumed = bandmf.resumed_epsilon(mech, [(0, 5, None), (4, 8, 0)], cfg.delta).epsilon
+    assert result.epsilon == pytest.approx(resumed, rel=1e-9) and result.accountant == "bandmf"
+    assert result.epsilon > bandmf.epsilon(mech, cfg.delta).epsilon   # the redone step counts
+    assert (run / "model" / "model.safetensors").is_file() and not (run / "checkpoint").exists()
+
+
+def test_a_second_resume_from_the_same_checkpoint_keeps_the_first_attempts_lineage(tiny_model_dir, tmp_path,
+                                                                                      monkeypatch):
+    from dpaudit.models.corpus import sentences
+    from dpaudit.training.runner import train
+    from dpaudit.training.sgd import FirstOrderTrainer
+
+    run = tmp_path / "run"
+    cfg = _killed_banded(tiny_model_dir, run, monkeypatch)
+    real, calls = FirstOrderTrainer.run_step, []
+
+    def dies_at_once(self, *args, **kwargs):
+        calls.append(1)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:   # killed at its first step: no checkpoint of its own
+        m.setattr(FirstOrderTrainer, "run_step", dies_at_once)
+        with pytest.raises(Exception, match="interrupted"):
+            train(tiny_model_dir, sentences(80, seed=3), run, cfg, resume=True, show_progress=False)
+    train(tiny_model_dir, sentences(80, seed=3), run, cfg, resume=True, show_progress=False)
+    ledger = json.loads((run / "privacy_ledger.json").read_text())
+    assert ledger["attempts"] == [[0, 5, None], [4, 5, 0], [4, None, 0]]
+    # the two resumes from step 4 (ledger counts 5, then 6) draw other batches and noise under one --secret-seed
+    from dpaudit.training.streams import attempt_seed, step_key
+
+    assert step_key(*attempt_seed(5, 4, 5)) != step_key(*attempt_seed(5, 4, 6))
+    assert attempt_seed(5, 0, 0) == [5, 0]   # a first start draws as it always did
+
+
+def test_a_checkpoint_without_its_noise_state_is_refused(tiny_model_dir, tmp_path, monkeypatch):
+    import torch as th
+
+    from dpaudit.models.corpus import sentences
+    from dpaudit.training import checkpoint
+    from dpaudit.training.runner import train
+    from dpaudit.training.sgd import NOISE_STATE
+
+    run = tmp_path / "run"
+    cfg = _killed_banded(tiny_model_dir, run, monkeypatch)
+    folder = run / "checkpoint"
+    state = th.load(folder / checkpoint.OPTIMIZER, weights_only=True)
+    state.pop(NOISE_STATE)
+    th.save(state, folder / checkpoint.OPTIMIZER)
+    checkpoint.seal(folder, 4)   # a well-formed checkpoint that lacks the state (as from another tool)
+    with pytest.raises(DPAuditError, match="noise state"):
+        train(tiny_model_dir, sentences(80, seed=3), run, cfg, resume=True, show_progress=False)
+
+
+
+def test_a_resumed_white_box_banded_run_is_audited_along_its_lineage(tiny_model_dir, tmp_path, monkeypatch):
+    """The transcript is cut back to the checkpoint on resume, so the audit reads one lineage of releases (the
+    first attempt's rows before step 4, the resumed one's after): a BandMF run with fresh draws from step 4 on."""
+    from dpaudit.audit.whitebox import BANDMF, audit_run_folder
+    from dpaudit.audit.whitebox_canaries import TRANSCRIPT
+    from dpaudit.models.corpus import sentences
+    from dpaudit.training.runner import train
+
+    run = tmp_path / "run"
+    cfg = _killed_banded(tiny_model_dir, run, monkeypatch, white_box=400)
+    res = train(tiny_model_dir, sentences(80, seed=3), run, cfg, resume=True, show_progress=False)
+    assert (run / TRANSCRIPT).stat().st_size == 8 * 400 * 4   # T rows of m float32, no redone row
+    result, _, _, facts = audit_run_folder(run, claimed_epsilon=res.epsilon, delta=1e-5)
+    assert facts["statistic"] == BANDMF and result.epsilon_lower_bound <= res.epsilon
+
+
+def test_a_banded_run_is_reproduced_bit_for_bit_from_its_secret_seed(tiny_model_dir, tmp_path):
+    """DP-SGD releases whole gradients, so there is no log to replay (``dpaudit replay`` is DP-ZO's); what a
+    correlated run owes instead: its batches and noises are position-addressable, so the same secret seed gives the
+    same weights."""
+    from safetensors.torch import load_file
+
+    a, b = (_train(tiny_model_dir, tmp_path / name, noise="bandmf,b=3", sigma=0.9) for name in ("a", "b"))
+    first, second = (load_file(r.model_dir / "model.safetensors") for r in (a, b))
+    assert all(torch.equal(first[k], second[k]) for k in first)
