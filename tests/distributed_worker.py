@@ -1,5 +1,5 @@
 """Launched by tests/training/test_distributed.py under torchrun: one short training run, same seeds on every rank.
-argv: model run method [options: shard, sphere, bf16, micro, save, resume, stop=K (exit at step K)]."""
+argv: model run method [options: shard, sphere, bf16, micro, save, resume, bandmf, stop=K (exit at step K)]."""
 
 import os
 import sys
@@ -24,6 +24,25 @@ def stop_after(steps: int) -> None:
         return draw(*args, **kwargs)
 
     sampling.poisson_batch = counted
+    cyclic = sampling.cyclic_source
+
+    def counted_cyclic(*args, **kwargs):   # correlated runs draw cyclic Poisson batches
+        source = cyclic(*args, **kwargs)
+
+        def made(*a, **k):
+            draw = source(*a, **k)
+
+            def step(t):
+                calls.append(1)
+                if len(calls) > steps:
+                    raise SystemExit(3)
+                return draw(t)
+
+            return step
+
+        return made
+
+    sampling.cyclic_source = counted_cyclic
 
 
 if __name__ == "__main__":
@@ -36,7 +55,8 @@ if __name__ == "__main__":
                       shard="shard" in options, direction="sphere" if "sphere" in options else "rademacher",
                       bf16="bf16" in options, micro_batch=3 if "micro" in options else 0,
                       save_every=2 if "save" in options else 0, allow_overspend="resume" in options,
-                      white_box=64 if "whitebox" in options else 0)
+                      white_box=64 if "whitebox" in options else 0,
+                      noise="bandmf,b=2" if "bandmf" in options else None)
     try:
         train(model, TEXTS, run, cfg, resume="resume" in options, show_progress=False)
     except SystemExit as stopped:  # stop=K: the killed run's exit status

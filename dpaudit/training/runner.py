@@ -127,7 +127,6 @@ def _correlated(cfg: "TrainConfig", record):
            else "bandmf (blt is accounted, not trained: its noise needs the whole history)" if strategy.family != "bandmf"
            else "Poisson batches (--sampling poisson: cyclic Poisson in b groups)" if cfg.sampling != "poisson"
            else "a private run" if not cfg.private
-           else "one process (--shard and torchrun are not implemented for it)" if cfg.shard
            else None)
     if why:
         raise DPAuditError(f"correlated noise (--noise {strategy.family}) needs {why}")
@@ -229,8 +228,6 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
     from dpaudit.training.resume import open_run
 
     world = setup_world()
-    if cfg.strategy is not None and world.size > 1:
-        raise DPAuditError("correlated noise runs in one process (torchrun is not implemented for it)")
     run_dir = Path(run_dir)
     opening = open_run(run_dir, model_dir, cfg, resume, world)
     if len(texts) < 2:

@@ -114,7 +114,15 @@ class FirstOrderTrainer:
         from dpaudit.training.dp_step import NoisyShards
 
         if self.sharding is not None:
-            return NoisyShards(base, self.params, sigma * clip, expected_batch_size, clip, probe, self.sharding.sum)
+            cls = NoisyShards
+            if self.noise_coefs is not None:   # each rank continues the noises of its own slices
+                from dpaudit.training.dp_step import CorrelatedNoise
+
+                cls = type("CorrelatedNoisyShards", (CorrelatedNoise, NoisyShards), {})
+            optimizer = cls(base, self.params, sigma * clip, expected_batch_size, clip, probe, self.sharding.sum)
+            if self.noise_coefs is not None:
+                optimizer.noise_coefs = tuple(float(c) for c in self.noise_coefs)
+            return optimizer
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Opacus warns about secure_mode; the noise is ours
             optimizer = dp_optimizer_class(self.ghost, self.world_size, bug, self.noise_coefs is not None)(
@@ -234,23 +242,35 @@ class FirstOrderTrainer:
         if self.probe is not None:
             self.probe.flush()
         if self.sharding is not None:
-            from dpaudit.training.shard import full_optimizer_state
+            from dpaudit.training.shard import full_optimizer_state, gathered
 
-            return full_optimizer_state(self.inner, self.base_optimizer)
-        state = self.optimizer.state_dict()
-        if self.noise_coefs is not None:   # correlated noise: the last b - 1 noises, which a resume continues
-            state = {**state, NOISE_STATE: self.optimizer.noise_state()}
+            state = full_optimizer_state(self.inner, self.base_optimizer)
+            noises = ([gathered(step, self.params) for step in self.optimizer.noise_state()]
+                      if self.noise_coefs is not None else None)   # every rank takes part; whole on rank 0
+        else:
+            state = self.optimizer.state_dict()
+            noises = self.optimizer.noise_state() if self.noise_coefs is not None else None
+        if noises is not None:   # correlated noise: the last b - 1 noises, which a resume continues
+            state = {**state, NOISE_STATE: noises}
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        if self.sharding is not None:
-            from dpaudit.training.shard import load_optimizer_state
-
-            return load_optimizer_state(self.inner, self.base_optimizer, state)
         if self.noise_coefs is not None:
             if NOISE_STATE not in state:
                 raise DPAuditError("the checkpoint holds no noise state of this correlated-noise run (its resumed "
                                    "steps would not continue the strategy); start the run again")
             state = dict(state)
-            self.optimizer.load_noise_state(state.pop(NOISE_STATE), self.optimizer.params)
+            noises = state.pop(NOISE_STATE)
+            if self.sharding is not None:   # checked whole, then each rank keeps its slices
+                from dpaudit.training.shard import local_slices, sliced
+
+                self.optimizer.load_noise_state(noises, [torch.empty(p.shape) for p in self.params])
+                noises = [sliced(step, self.params) for step in noises]
+                self.optimizer.load_noise_state(noises, [local for local, _, _ in local_slices(self.params)])
+            else:
+                self.optimizer.load_noise_state(noises, self.optimizer.params)
+        if self.sharding is not None:
+            from dpaudit.training.shard import load_optimizer_state
+
+            return load_optimizer_state(self.inner, self.base_optimizer, state)
         self.optimizer.load_state_dict(state)

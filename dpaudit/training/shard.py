@@ -106,6 +106,29 @@ def full_optimizer_state(model, optimizer) -> dict:
                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def gathered(slices: list, params) -> list:
+    """Whole tensors (on rank 0; every rank calls) from each rank's slices of ``params`` (``slices[i]`` the rank's
+    local part of parameter i, as ``local_slices`` cuts it): each rank places its slice in a zero tensor and the
+    ranks sum them (the slices do not overlap). Memory: one parameter at a time, whole, on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    out = []
+    for part, (local, first, numel), p in zip(slices, local_slices(params), params):
+        whole = torch.zeros(numel, dtype=part.dtype)
+        whole[first:first + part.numel()] = part.detach().reshape(-1).cpu()
+        if dist.is_available() and dist.is_initialized():
+            dist.reduce(whole, dst=0)
+        out.append(whole.view(tuple(p.shape)))
+    return out
+
+
+def sliced(whole: list, params) -> list:
+    """This rank's slices (as ``local_slices`` cuts them) of whole tensors of ``params``."""
+    return [w.reshape(-1)[first:first + local.numel()].view_as(local).to(local.device)
+            for w, (local, first, _) in zip(whole, local_slices(params))]
+
+
 def load_optimizer_state(model, optimizer, state: dict) -> None:
     """Each rank keeps its slices of a state saved by ``full_optimizer_state``."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict

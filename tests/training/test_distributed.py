@@ -156,6 +156,23 @@ def test_a_sharded_dp_sgd_run_checkpoints_and_resumes_as_one_process_does(tiny_m
     assert moved > 1e-3 and gap <= 1e-5 * max(1.0, moved), (gap, moved)
 
 
+def test_a_banded_run_draws_the_same_numbers_sharded_or_data_parallel_and_resumes_so(tiny_model_dir, tmp_path):
+    """Correlated noise (--noise bandmf,b=2) killed after step 5 and resumed from its step-4 checkpoint, in one
+    process, sharded over two (each rank continues the noises of its slices; the checkpoint holds them whole) and
+    data parallel over two (rank 0 adds the noise): the same weights, and the same ledger."""
+    layouts = {"one": (1, ()), "sharded": (2, ("shard",)), "ddp": (2, ())}
+    for name, (procs, extra) in layouts.items():
+        launch(tiny_model_dir, tmp_path / name, "dp-sgd", procs, "bandmf", "micro", "save", "stop=5", *extra)
+        launch(tiny_model_dir, tmp_path / name, "dp-sgd", procs, "bandmf", "micro", "save", "resume", *extra)
+    ledgers = {n: json.loads((tmp_path / n / "privacy_ledger.json").read_text()) for n in layouts}
+    assert all(ledger["attempts"] == [[0, 5, None], [4, None, 0]] and ledger["accountant"] == "bandmf"
+               for ledger in ledgers.values())
+    assert len({ledger["epsilon_spent"] for ledger in ledgers.values()}) == 1
+    for name in ("sharded", "ddp"):
+        moved, gap = weights_gap(tmp_path / "one", tmp_path / name, tiny_model_dir)
+        assert moved > 1e-3 and gap <= 1e-5 * max(1.0, moved), (name, gap, moved)
+
+
 def test_sharded_bf16_keeps_float32_master_weights(tiny_model_dir, tmp_path):
     """--bf16 --shard: computed in bf16, but the shards the optimizer updates stay float32, so the saved
     model is float32 (a single-process --bf16 run holds and saves bf16 weights)."""
