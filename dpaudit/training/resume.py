@@ -198,8 +198,6 @@ def has_content(folder: Path) -> bool:
     return any(p.name not in (LOCK, MARKER) for p in folder.iterdir())
 
 
-
-
 MAX_ATTEMPTS = 1000  # resumes one correlated-noise run folder records (the ledger header lists each)
 
 

@@ -106,9 +106,9 @@ def search_hooks():
 # continued by the resumed attempt too: up to 1 + the column's tail). Adaptivity is covered as in Thm. 4: the mean a
 # coin adds is fixed before its first row. The run is dominated by the composition, over one group's coins, of those
 # mechanisms; rounding each s_j^2 up (to 1 at least, else a multiple of 1 / LEVELS: noise multiplier sigma / s) and
-# taking the largest answer over the b groups covers every example. Without a resume this is ceil(T / b) rounds at sigma, the
-# equivalent above. A coin continued by two attempts is NOT two independent rounds (one coin moving both is a
-# subsampled Gaussian at sqrt(2) the sensitivity, which amplifies less), hence the per-coin sensitivities.
+# taking the largest answer over the b groups covers every example. Without a resume this is ceil(T / b) rounds
+# at sigma, the equivalent above. A coin continued by two attempts is NOT two independent rounds (one coin moving
+# both is a subsampled Gaussian at sqrt(2) the sensitivity, which amplifies less), hence the per-coin sensitivities.
 
 def coin_sensitivities(coefs, attempts) -> dict:
     """{(attempt that drew it, step): squared sensitivity} of every coin the released rows of ``attempts`` depend on.
@@ -166,18 +166,12 @@ def group_rounds(mech: Mechanism, attempts) -> list[dict]:
     if not groups:
         raise DPAuditError("the resumed run released no step")
 
-    def at_least(counts: dict) -> dict:   # coins at or above each level
-        return {level: sum(n for s, n in counts.items() if s >= level) for level in levels}
-
-    levels = sorted({level for counts in groups.values() for level in counts})
-    kept = []
-    for counts in sorted({tuple(sorted(c.items())) for c in groups.values()}):
-        counts = dict(counts)
-        mine = at_least(counts)
-        if not any(all(mine[x] <= other[x] for x in levels) and mine != other
-                   for other in (at_least(dict(o)) for o in {tuple(sorted(c.items())) for c in groups.values()})):
-            kept.append(counts)
-    return kept
+    distinct = [dict(c) for c in sorted({tuple(sorted(c.items())) for c in groups.values()})]
+    levels = sorted({level for counts in distinct for level in counts})
+    # coins at or above each level: a group with no more of them at any level than another's is dominated by it
+    above = [[sum(n for s, n in counts.items() if s >= level) for level in levels] for counts in distinct]
+    return [counts for counts, mine in zip(distinct, above)
+            if not any(other != mine and all(a <= b for a, b in zip(mine, other)) for other in above)]
 
 
 def resumed_epsilon(mech: Mechanism, attempts, delta: float, settings=None):
