@@ -137,7 +137,7 @@ class CanaryScoreAuditor:
         return Bound(name="fdp" + _suffix(strategy), method="Mahloujifar, Melis & Chaudhuri 2025 (f-DP in one run), (eps, delta) curve",
                      epsilon=eps, delta=delta, alpha=alpha, guesses=strategy.name, tests=n,
                      k=c.k if c else None, v=c.v if c else None, at=c.label if c else None,
-                     ceiling=self._ceiling(c, counts, lambda k: fdp.epsilon_lower_bound(self.m, k, k, delta, alpha / n)),
+                     ceiling=self._ceiling(c, counts, lambda k: fdp.epsilon_ceiling(self.m, k, delta, alpha / n)),
                      valid_for=ANY_MECHANISM)
 
     def epsilon_gaussian(self, alpha: float, delta: float) -> Bound:

@@ -22,6 +22,7 @@ jax_privacy's published test values from first principles.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 from scipy import optimize
 from scipy.special import ndtr, ndtri
@@ -75,9 +76,16 @@ def mu_lower_bound(m: int, k: int, v: int, alpha: float, floor: float = 0.0) -> 
     return float(optimize.brentq(lambda mu: rejects(mu, m, k, v, alpha), floor, MU_CEILING, xtol=1e-7))
 
 
+@lru_cache(maxsize=4096)  # pure: asked again at every look and for every guess set's size
 def ceiling(m: int, k: int, alpha: float) -> float:
     """The largest mu any k guesses on m canaries can show (all right)."""
     return mu_lower_bound(m, k, k, alpha)
+
+
+@lru_cache(maxsize=4096)
+def epsilon_ceiling(m: int, k: int, delta: float, alpha: float) -> float:
+    """The largest eps any k guesses on m canaries can show against the (eps, delta) curve (all right)."""
+    return epsilon_lower_bound(m, k, k, delta, alpha)
 
 
 def epsilon_lower_bound(m: int, k: int, v: int, delta: float, alpha: float, floor: float = 0.0) -> float:

@@ -14,6 +14,7 @@ from the statement above; tests reproduce the paper's reference values from firs
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import numpy as np
 from scipy import optimize, stats
@@ -57,6 +58,7 @@ def epsilon_lower_bound(m: int, r: int, v: int, delta: float = 0.0, alpha: float
                                  xtol=1e-10, rtol=1e-12))
 
 
+@lru_cache(maxsize=4096)  # a pure function of its numbers, asked again at every look and for every guess set's size
 def ceiling(m: int, r: int, delta: float = 0.0, alpha: float = 0.05) -> float:
     """The largest bound this audit can ever report: all r guesses correct."""
     return epsilon_lower_bound(m, r, r, delta, alpha)
