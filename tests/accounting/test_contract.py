@@ -36,6 +36,16 @@ DELTA = 1e-5
 CONTRACT = settings(max_examples=4, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
                                            HealthCheck.differing_executors])  # one subclass per accountant
+SLOW_EXAMPLES = 2  # a Monte-Carlo accountant (~5 s an answer) is held to each property at fewer drawn cases
+
+
+def contract(*strategies):
+    """Marks a property of the contract with what it draws; each accountant's subclass gets it as a hypothesis
+    test at that accountant's settings (below)."""
+    def mark(test):
+        test.draws = strategies
+        return test
+    return mark
 SLACK = 1e-9  # float noise allowed on monotonicity (a bound is compared with itself at a neighbouring input)
 
 
@@ -127,8 +137,7 @@ class AccountantContract:
 
     # --- exact answers ----------------------------------------------------------------------------------------
 
-    @CONTRACT
-    @given(st.floats(0.5, 20.0), st.integers(1, 50), st.sampled_from([1e-3, 1e-5, 1e-8]))
+    @contract(st.floats(0.5, 20.0), st.integers(1, 50), st.sampled_from([1e-3, 1e-5, 1e-8]))
     def test_never_below_the_exact_gaussian_without_subsampling(self, sigma, steps, delta):
         self.needs("gaussian", 1.0, "Gaussian steps without subsampling")
         mech = self.event(sigma, 1.0, steps, "gaussian")
@@ -138,8 +147,7 @@ class AccountantContract:
         mu = scheme(mech.sampling).sensitivity * math.sqrt(releases) / sigma
         assert found >= exact_gaussian_epsilon(mu, delta) * (1 - 1e-9) - 1e-12
 
-    @CONTRACT
-    @given(st.floats(0.2, 20.0), st.sampled_from([0.0, 1e-5, 1e-2]))
+    @contract(st.floats(0.2, 20.0), st.sampled_from([0.0, 1e-5, 1e-2]))
     def test_never_below_one_exact_laplace_release(self, scale, delta):
         self.needs("laplace", 1.0, "one Laplace release", steps=1)
         mech = self.event(scale, 1.0, 1, "laplace")
@@ -152,24 +160,21 @@ class AccountantContract:
 
     # --- monotone -----------------------------------------------------------------------------------------------
 
-    @CONTRACT
-    @given(st.floats(0.8, 10.0), st.floats(1.05, 2.0), st.floats(0.01, 0.3), st.integers(1, 40))
+    @contract(st.floats(0.8, 10.0), st.floats(1.05, 2.0), st.floats(0.01, 0.3), st.integers(1, 40))
     def test_monotone_in_sigma(self, sigma, factor, p, steps):
         p = p if self.rate() < 1 else 1.0
         low = self.answer(self.event(sigma, p, steps)).epsilon
         high = self.answer(self.event(sigma * factor, p, steps)).epsilon
         assert high <= low + SLACK
 
-    @CONTRACT
-    @given(st.floats(0.8, 10.0), st.floats(0.01, 0.3), st.integers(1, 30), st.integers(1, 30))
+    @contract(st.floats(0.8, 10.0), st.floats(0.01, 0.3), st.integers(1, 30), st.integers(1, 30))
     def test_monotone_in_steps(self, sigma, p, steps, extra):
         p = p if self.rate() < 1 else 1.0
         fewer = self.answer(self.event(sigma, p, steps)).epsilon
         more = self.answer(self.event(sigma, p, steps + extra)).epsilon
         assert more >= fewer - SLACK
 
-    @CONTRACT
-    @given(st.floats(0.8, 10.0), st.floats(0.01, 0.3), st.floats(1.2, 3.0), st.integers(1, 40))
+    @contract(st.floats(0.8, 10.0), st.floats(0.01, 0.3), st.floats(1.2, 3.0), st.integers(1, 40))
     def test_monotone_in_sampling_rate(self, sigma, p, factor, steps):
         self.needs(p=0.1, what="subsampling")
         small = self.event(sigma, p, steps)
@@ -179,8 +184,7 @@ class AccountantContract:
 
     # --- directions, delta(eps) ---------------------------------------------------------------------------------
 
-    @CONTRACT
-    @given(st.floats(0.8, 10.0), st.floats(0.01, 0.5), st.integers(1, 40))
+    @contract(st.floats(0.8, 10.0), st.floats(0.01, 0.5), st.integers(1, 40))
     def test_answer_is_the_max_of_the_directions_it_reports(self, sigma, p, steps):
         p = p if self.rate() < 1 else 1.0
         result = self.answer(self.event(sigma, p, steps))
@@ -188,8 +192,7 @@ class AccountantContract:
             assert result.epsilon == pytest.approx(max(result.directions.values()), rel=1e-12, abs=1e-15)
             assert set(result.directions) <= {"add", "remove"}
 
-    @CONTRACT
-    @given(st.floats(0.8, 10.0), st.floats(0.01, 0.5), st.integers(1, 40), st.sampled_from([1e-3, 1e-5]))
+    @contract(st.floats(0.8, 10.0), st.floats(0.01, 0.5), st.integers(1, 40), st.sampled_from([1e-3, 1e-5]))
     def test_delta_of_epsilon_and_epsilon_of_delta_agree(self, sigma, p, steps, delta):
         if self.accountant.delta_fn is None:
             pytest.skip(f"{self.name} answers eps(delta) only")
@@ -243,8 +246,15 @@ class AccountantContract:
 
 SLOW_ACCOUNTANTS = {"mc"}  # Monte-Carlo: ~5 s an answer; its class runs in the slow tier (CI runs both)
 
+def _properties(name: str) -> dict:
+    """The contract's drawn properties as hypothesis tests at ``name``'s settings."""
+    chosen = settings(CONTRACT, max_examples=SLOW_EXAMPLES) if name in SLOW_ACCOUNTANTS else CONTRACT
+    return {key: chosen(given(*test.draws)(test)) for key, test in vars(AccountantContract).items()
+            if hasattr(test, "draws")}
+
+
 for _name in ACCOUNTANTS:
-    _cls = type(f"TestContract_{_name.replace('-', '_')}", (AccountantContract,), {"name": _name})
+    _cls = type(f"TestContract_{_name.replace('-', '_')}", (AccountantContract,), {"name": _name, **_properties(_name)})
     if _name in SLOW_ACCOUNTANTS:
         _cls = pytest.mark.slow(_cls)
     globals()[_cls.__name__] = _cls
