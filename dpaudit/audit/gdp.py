@@ -10,8 +10,10 @@ the privacy curve of one Gaussian release with noise multiplier 1/mu, which dp-a
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 
+@lru_cache(maxsize=4096)  # pure; the ceilings ask it for the same mu at every look and guess set's size
 def epsilon_from_mu(mu: float, delta: float) -> float:
     """The smallest eps such that every mu-GDP mechanism is (eps, delta)-DP."""
     if mu <= 0:
