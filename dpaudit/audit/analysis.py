@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 
 from dpaudit.audit.auditor import Bound, CanaryScoreAuditor, GuessCounts
@@ -131,11 +132,30 @@ def refutable_bound(members, *, delta: float, alpha: float, guess_counts: list[i
                     score: str = "unnamed", headline: str = "auto", mechanism: str | None = None,
                     model=None) -> float:
     """The most an audit of this membership can report: its headline bound on perfect scores (every member above
-    every non-member), the same guess counts, alpha split and headline rule."""
+    every non-member), the same guess counts, alpha split and headline rule. On perfect scores the membership
+    matters only through how many members there are (every guess set of a size is as right wherever the members
+    sit; a test holds it), so the answer is computed once per count, on the members first, and cached."""
     import numpy as np
 
     members = np.asarray(members, dtype=bool)
-    return analyse(members.astype(float), members, delta=delta, alpha=alpha, guess_counts=guess_counts, seed=seed,
+    key = (int(members.sum()), int(members.size), float(delta), float(alpha),
+           None if guess_counts is None else tuple(guess_counts), seed, score, headline, mechanism, model)
+    try:
+        return _refutable_by_count(*key)
+    except TypeError:   # an argument that cannot key a cache: computed as it is
+        return _perfect_bound(members, *key[2:])
+
+
+@lru_cache(maxsize=1024)
+def _refutable_by_count(members: int, m: int, *rest) -> float:
+    import numpy as np
+
+    return _perfect_bound(np.arange(m) < members, *rest)
+
+
+def _perfect_bound(members, delta, alpha, guess_counts, seed, score, headline, mechanism, model) -> float:
+    counts = None if guess_counts is None else list(guess_counts)
+    return analyse(members.astype(float), members, delta=delta, alpha=alpha, guess_counts=counts, seed=seed,
                    score=score, headline=headline, mechanism=mechanism, model=model, _perfect=True).epsilon_lower_bound
 
 

@@ -186,3 +186,22 @@ def test_a_consistent_audit_says_what_it_could_have_refuted_even_at_a_zero_bound
     perfect = analyse(members.astype(float), members, claimed_epsilon=1.0, delta=1e-5, score="neg-loss")
     assert head.epsilon == 0.0 and result.refutable == perfect.epsilon_lower_bound > 1.0
     assert f"cannot exceed {result.refutable:.3g}" in markdown(result, {})
+
+
+def test_the_refutable_bound_depends_on_the_membership_only_through_its_count():
+    """refutable_bound caches its answer by the member count (analysis.py): on perfect scores, any membership of
+    that count reads the same bound, whatever the headline and guess counts."""
+    import numpy as np
+
+    from dpaudit.audit.analysis import _perfect_bound, refutable_bound
+
+    rng = np.random.default_rng(4)
+    for m, share, headline, guesses in [(200, 0.5, "auto", None), (101, 0.3, "steinke", (5, 20)),
+                                        (60, 0.7, "fdp", None), (80, 0.5, "fdp-gdp", (3, 9, 27)),
+                                        (90, 0.4, "steinke-hull", None), (70, 0.5, "steinke-two-sided", None)]:
+        members = rng.random(m) < share
+        direct = _perfect_bound(members, 1e-5, 0.05, guesses, 0, "unnamed", headline, None, None)
+        assert direct > 0
+        assert refutable_bound(members, delta=1e-5, alpha=0.05, guess_counts=guesses, headline=headline) == direct
+        assert refutable_bound(rng.permutation(members), delta=1e-5, alpha=0.05, guess_counts=guesses,
+                               headline=headline) == direct
