@@ -137,9 +137,14 @@ class CorrelatedNoise:
         return [[w.detach().clone() for w in step] for step in (self._past or [])]
 
     def load_noise_state(self, state, params) -> None:
-        """The noises a checkpoint kept, checked against this run's strategy and parameters (one list of tensors
-        per earlier step, newest first, each tensor the shape of its parameter)."""
-        shapes = [tuple(p.shape) for p in params]
+        """The noises a checkpoint kept, checked against this run's strategy and parameters, kept as its own."""
+        self.check_noise_state(state, [p.shape for p in params])
+        self._past = [[w.to(device=p.device, dtype=p.dtype) for w, p in zip(step, params)] for step in state]
+
+    def check_noise_state(self, state, shapes) -> None:
+        """One list of tensors per earlier step (at most b - 1), newest first, each tensor of its shape in
+        ``shapes``; else refused in one line."""
+        shapes = [tuple(s) for s in shapes]
         if not isinstance(state, list) or len(state) > max(0, len(self.noise_coefs) - 1) or not all(
                 isinstance(step, list) and len(step) == len(shapes) and all(
                     isinstance(w, torch.Tensor) and tuple(w.shape) == shape for w, shape in zip(step, shapes))
@@ -148,7 +153,6 @@ class CorrelatedNoise:
 
             raise DPAuditError("the checkpoint's noise state does not fit this run's strategy and parameters; "
                                "start the run again")
-        self._past = [[w.to(device=p.device, dtype=p.dtype) for w, p in zip(step, params)] for step in state]
 
 
 class InPlace:

@@ -232,7 +232,7 @@ def correlated_attempts(previous: dict | None, released: int, start: int, writer
         raise DPAuditError(f"the checkpoint in {run_dir} does not say which attempt of this correlated-noise run "
                            "wrote it (its noise state continues that attempt); start the run again")
     attempts.append((start, None, writer if start else None))
-    from dpaudit.accounting.matrix.bandmf import coin_sensitivities
+    from dpaudit.accounting.matrix.bandmf import check_attempts
 
-    coin_sensitivities([1.0], [(f, e if e is not None else f, p) for f, e, p in attempts])  # refuses a broken tree
+    check_attempts([(f, e if e is not None else f, p) for f, e, p in attempts])
     return attempts

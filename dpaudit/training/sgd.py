@@ -120,14 +120,13 @@ class FirstOrderTrainer:
 
                 cls = type("CorrelatedNoisyShards", (CorrelatedNoise, NoisyShards), {})
             optimizer = cls(base, self.params, sigma * clip, expected_batch_size, clip, probe, self.sharding.sum)
-            if self.noise_coefs is not None:
-                optimizer.noise_coefs = tuple(float(c) for c in self.noise_coefs)
-            return optimizer
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # Opacus warns about secure_mode; the noise is ours
-            optimizer = dp_optimizer_class(self.ghost, self.world_size, bug, self.noise_coefs is not None)(
-                base, noise_multiplier=sigma, max_grad_norm=clip, expected_batch_size=expected_batch_size / self.world_size)
-        optimizer.probe = probe
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # Opacus warns about secure_mode; the noise is ours
+                optimizer = dp_optimizer_class(self.ghost, self.world_size, bug, self.noise_coefs is not None)(
+                    base, noise_multiplier=sigma, max_grad_norm=clip,
+                    expected_batch_size=expected_batch_size / self.world_size)
+            optimizer.probe = probe
         if self.noise_coefs is not None:
             optimizer.noise_coefs = tuple(float(c) for c in self.noise_coefs)
         return optimizer
@@ -264,7 +263,7 @@ class FirstOrderTrainer:
             if self.sharding is not None:   # checked whole, then each rank keeps its slices
                 from dpaudit.training.shard import local_slices, sliced
 
-                self.optimizer.load_noise_state(noises, [torch.empty(p.shape) for p in self.params])
+                self.optimizer.check_noise_state(noises, [p.shape for p in self.params])
                 noises = [sliced(step, self.params) for step in noises]
                 self.optimizer.load_noise_state(noises, [local for local, _, _ in local_slices(self.params)])
             else:

@@ -119,17 +119,7 @@ def coin_sensitivities(coefs, attempts) -> dict:
     coefs = np.asarray(coefs, dtype=float)
     b = coefs.size
     tail = np.concatenate([[0.0], np.cumsum(coefs ** 2)])  # tail[k] = sum of c_0^2 .. c_{k-1}^2
-    checked = []
-    for a, (first, end, parent) in enumerate(attempts):
-        if not (isinstance(first, int) and isinstance(end, int) and 0 <= first <= end):
-            raise DPAuditError(f"attempt {a} of the run does not say which steps it released")
-        if parent is None:
-            if first:
-                raise DPAuditError(f"attempt {a} resumed at step {first} from no earlier attempt's checkpoint")
-        elif not (isinstance(parent, int) and 0 <= parent < a
-                  and checked[parent][0] < first <= checked[parent][1]):
-            raise DPAuditError(f"attempt {a} resumed at step {first} from a checkpoint its parent never wrote")
-        checked.append((first, end, parent))
+    checked = check_attempts(attempts)
 
     def owner(a: int, j: int) -> int:
         while j < checked[a][0]:
@@ -144,6 +134,23 @@ def coin_sensitivities(coefs, attempts) -> dict:
                 key = (owner(a, j), j)
                 s2[key] = s2.get(key, 0.0) + float(tail[hi] - tail[lo])
     return s2
+
+
+def check_attempts(attempts) -> list:
+    """``attempts`` as a list, refused in one line unless it is a tree that can have run: the first from step 0,
+    each resumed one from a checkpoint inside its parent's released rows."""
+    checked = []
+    for a, (first, end, parent) in enumerate(attempts):
+        if not (isinstance(first, int) and isinstance(end, int) and 0 <= first <= end):
+            raise DPAuditError(f"attempt {a} of the run does not say which steps it released")
+        if parent is None:
+            if first:
+                raise DPAuditError(f"attempt {a} resumed at step {first} from no earlier attempt's checkpoint")
+        elif not (isinstance(parent, int) and 0 <= parent < a
+                  and checked[parent][0] < first <= checked[parent][1]):
+            raise DPAuditError(f"attempt {a} resumed at step {first} from a checkpoint its parent never wrote")
+        checked.append((first, end, parent))
+    return checked
 
 
 LEVELS = 4  # each coin's squared sensitivity is rounded up to a multiple of 1 / LEVELS (fewer distinct phases)
