@@ -9,6 +9,10 @@ secret seeds, several runs at once. Prints each run's bound and AUC, then the me
 examples and the members), simulated: its whole clipped gradient on its own row, so its score is the sum of its
 releases along that row (the number of steps that sampled it, plus the noise), the best a score of the final
 model can do with a linear statistic; 9 simulated runs of m = 1000 through the same analysis.
+
+``--share``: where a new-token canary's gradient goes on the embedded default (the whole model trainable, as the
+recipe): the median share of its norm on its secret's own row for prefixes of 1, 2 and 8 random tokens (20
+canaries each), and with the 1-token prefix chosen among the tokenizer's prefix pool for the largest share.
 """
 
 from __future__ import annotations
@@ -59,6 +63,40 @@ def perfect_canary(batch: int, examples: int = 1497, steps: int = 300, eps: floa
             f"{float(np.median(bounds)):.3f} (range {min(bounds):.2f}-{max(bounds):.2f})")
 
 
+def gradient_share(canaries: int = 20) -> None:
+    import numpy as np
+    import tempfile
+    import torch
+
+    from dpaudit.canaries.generate import _prefix_pool, make_canaries
+    from dpaudit.canaries.hf import extend_model
+    from dpaudit.models.loading import load_causal_lm
+    from dpaudit.workflows.audit_run import embedded_default
+
+    torch.manual_seed(0)
+    base = embedded_default(Path(tempfile.mkdtemp()) / "base", 0)
+
+    def share(lm, ids: list[int], secret: int) -> float:
+        lm.zero_grad()
+        x = torch.tensor([ids])
+        torch.nn.functional.cross_entropy(lm(input_ids=x).logits[0, :-1].float(), x[0, 1:]).backward()
+        total = sum(float((q.grad.float() ** 2).sum()) for q in lm.parameters() if q.grad is not None)
+        return (float((lm.get_input_embeddings().weight.grad[secret].float() ** 2).sum()) / total) ** 0.5
+
+    for length in (1, 2, 8):
+        lm, tok = load_causal_lm(base)
+        manifest = make_canaries(tok, canaries, seed=0, prefix_length=length, membership_seed=1)
+        secrets = extend_model(lm, tok, manifest)
+        lm.train()
+        got = [share(lm, tok(c.text)["input_ids"], s) for c, s in zip(manifest.canaries, secrets)]
+        print(f"prefix of {length} random token(s): median share of the norm on the secret's row "
+              f"{np.median(got):.3f} ({canaries} canaries)", flush=True)
+    pool = _prefix_pool(tok)  # the 1-token prefix chosen by the share it gives (a public choice, before membership)
+    every = np.array([share(lm, [int(t), secrets[0]], secrets[0]) for t in pool])
+    print(f"1-token prefix over the whole pool ({len(pool)} tokens): median {np.median(every):.3f}, the best "
+          f"{canaries} {np.median(np.sort(every)[-canaries:]):.3f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out")
@@ -67,11 +105,15 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--ceiling", action="store_true", help="only the perfect canary's bound, simulated")
     ap.add_argument("--batches", default="64,256,1024")
+    ap.add_argument("--share", action="store_true", help="only where a canary's gradient goes (embedded default)")
     ap.add_argument("extra", nargs="*", help="more `audit run` options (after --)")
     args = ap.parse_args()
     if args.ceiling:
         for batch in args.batches.split(","):
             print(perfect_canary(int(batch)), flush=True)
+        return
+    if args.share:
+        gradient_share()
         return
     if not args.out:
         ap.error("--out is required (except with --ceiling)")

@@ -21,7 +21,7 @@ from dataclasses import replace
 import numpy as np
 
 from dpaudit.canaries.hf import tokenizer_identity
-from dpaudit.canaries.manifest import MAX_CANARIES, Canary, Manifest
+from dpaudit.canaries.manifest import MAX_CANARIES, NEW_TOKEN_PREFIX, Canary, Manifest
 from dpaudit.core.errors import DPAuditError
 
 SECRET_ALPHABET = np.array(list("abcdefghijklmnopqrstuvwxyz0123456789"))
@@ -119,7 +119,7 @@ def _check_count(m: int) -> None:
         raise DPAuditError(f"at most {MAX_CANARIES} canaries, got m={m} (an audit's power saturates far below)")
 
 
-def make_canaries(tokenizer, m: int, seed: int = 0, prefix_length: int = 8, template: str | None = None,
+def make_canaries(tokenizer, m: int, seed: int = 0, prefix_length: int = NEW_TOKEN_PREFIX, template: str | None = None,
                   name_or_path: str | None = None, membership_seed: int | None = None) -> Manifest:
     _check_count(m)
     if template is None and prefix_length < 1:

@@ -9,6 +9,7 @@ import typer
 
 from dpaudit.core.atomic import guard_new_file, guard_new_folder, refuse_overlap, save_model_folder
 from dpaudit.cli.common import LONG_TIMEOUT, ForceOpt, JsonOpt, ThreadsOpt, bounded, emit
+from dpaudit.canaries.manifest import NEW_TOKEN_PREFIX
 from dpaudit.core.threads import set_threads
 
 app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Make new-token canaries and put them into data and models.")
@@ -23,7 +24,9 @@ def make(
     m: Annotated[int, typer.Option("-m", "--count", help="Number of canaries.")] = 1000,
     seed: Annotated[int, typer.Option("--seed", help="Public seed for secrets and prefixes (membership is drawn "
                                                      "from OS entropy: the bounds' guarantee is over its draw).")] = 0,
-    prefix_length: Annotated[int, typer.Option("--prefix-length", help="Random prefix tokens per canary.")] = 8,
+    prefix_length: Annotated[int, typer.Option("--prefix-length", help=(
+        "Random prefix tokens per canary (default 1: a longer prefix is more loss to learn, whose gradient crowds "
+        "the secret's row out of the clipped norm)."))] = NEW_TOKEN_PREFIX,
     template: Annotated[Optional[str], typer.Option(
         "--template", help="Use this text as every canary's prefix instead of random tokens.")] = None,
     threads: ThreadsOpt = None,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dpaudit.audit.claims import held_claim
+from dpaudit.canaries.manifest import NEW_TOKEN_PREFIX
 from dpaudit.core.atomic import atomic_write_json, atomic_write_text, save_model_folder
 from dpaudit.audit.analysis import AuditResult, analyse
 from dpaudit.audit.report import prepare_folder, write_report
@@ -73,8 +74,7 @@ def black_box_recipe(per_example_gradients: bool, white_box: bool, pretrained: b
     return PRETRAINED_RECIPE if pretrained else EMBEDDED_RECIPE
 
 
-PREFIX_LENGTH = 1               # one random token before the secret: a longer prefix is more loss to learn, and its
-                                # gradient crowds the secret's row out of the clipped norm (issue 39: median 0.15 -> 0.53)
+PREFIX_LENGTH = NEW_TOKEN_PREFIX  # one random token before the secret (issue 39: median 0.15 -> 0.53)
 
 
 @dataclass
