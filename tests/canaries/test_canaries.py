@@ -42,6 +42,21 @@ def test_canaries_are_new_tokens_with_half_members(tokenizer, tmp_path):
     assert load_manifest(tmp_path / "m.json").to_dict() == manifest.to_dict()
 
 
+def test_default_prefix_is_one_token_in_the_library_and_the_cli(tokenizer, tiny_model_dir, tmp_path):
+    """Issue 55 item 4: `canaries make` (and the callback's new-token canaries) used 8 prefix tokens, whose loss
+    crowds the secret's row out of the clipped gradient (a user-recipe run read AUC 0.51 where 1 token read 0.61)."""
+    from cli_helpers import dpaudit
+
+    def lengths(manifest):
+        return {len(tokenizer(c.prefix, add_special_tokens=False)["input_ids"]) for c in manifest.canaries}
+
+    assert make_canaries(tokenizer, 40, seed=1).prefix_length == 1
+    assert lengths(make_canaries(tokenizer, 40, seed=1)) == {1}
+    assert dpaudit("canaries", "make", "-t", tiny_model_dir, "-o", tmp_path / "c.json", "-m", "40").returncode == 0
+    made = load_manifest(tmp_path / "c.json")
+    assert made.prefix_length == 1 and lengths(made) == {1}
+
+
 def test_template_prefix(tokenizer):
     manifest = make_canaries(tokenizer, 10, template="My account number is ")
     assert all(c.text == "My account number is " + c.secret for c in manifest.canaries)
