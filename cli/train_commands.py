@@ -300,7 +300,8 @@ def audit_run(
     from dpaudit.cli.audit_commands import present
 
     from dpaudit.training.methods import METHODS
-    from dpaudit.workflows.audit_run import PREFIX_LENGTH, black_box_recipe, white_box_canaries
+    from dpaudit.canaries.manifest import NEW_TOKEN_PREFIX
+    from dpaudit.workflows.audit_run import black_box_recipe, white_box_canaries
 
     if sigma is not None and eps == "1":
         eps = None  # --sigma replaces the default target
@@ -334,7 +335,7 @@ def audit_run(
     if prefix_length is not None and not 1 <= prefix_length <= 64:
         raise DPAuditError(f"--prefix-length must be in [1, 64], got {prefix_length}")
     settings = AuditRunSettings(canaries=canaries or 1000, repeats=repeat, examples=examples, seed=seed,
-                                prefix_length=prefix_length or PREFIX_LENGTH, logit_step=logit_step,
+                                prefix_length=prefix_length or NEW_TOKEN_PREFIX, logit_step=logit_step,
                                 logit_noise=logit_noise, phi_from_model=phi_from_model)
     audit, result, summary = run_audit(out, cfg, settings, model=model, data=data, data_format=data_format,
                                        field=field, force=force, show_progress=not as_json)

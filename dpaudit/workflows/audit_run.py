@@ -74,16 +74,13 @@ def black_box_recipe(per_example_gradients: bool, white_box: bool, pretrained: b
     return PRETRAINED_RECIPE if pretrained else EMBEDDED_RECIPE
 
 
-PREFIX_LENGTH = NEW_TOKEN_PREFIX  # one random token before the secret (issue 39: median 0.15 -> 0.53)
-
-
 @dataclass
 class AuditRunSettings:
     canaries: int = 500
     repeats: int = 1
     examples: int = 1000          # synthetic examples when no dataset is given
     seed: int = 0
-    prefix_length: int = PREFIX_LENGTH
+    prefix_length: int = NEW_TOKEN_PREFIX
     alpha: float = 0.05
     logit_step: float | None = None  # set: the DP-SGD rate comes from the extended model (``sgd_exposure``)
     logit_noise: float | None = None  # set: the DP-ZO rate and phi come from the extended model (``zo_exposure``)
