@@ -108,14 +108,25 @@ class CorrelatedNoise:
     z_t comes from the step's position-addressable stream (the seam below, as for independent noise), and the last
     b - 1 noises are kept: memory (b - 1) x the trainable parameters, in the parameters' dtype and device. With
     b = 1 (c = [1]) this is DP-SGD's noise exactly. A checkpoint keeps the b - 1 noises (``noise_state``) and a
-    resumed run continues them with fresh draws (accounting/matrix/bandmf.py: resumed runs)."""
+    resumed run continues them with fresh draws (accounting/matrix/bandmf.py: resumed runs).
+
+    BLT (``noise_blt = (theta, omega)``, Dvijotham et al. 2024): C = 1 + sum_i omega_i x / (1 - theta_i x) as a
+    generating function (coefficients 1, then c_k = sum_i omega_i theta_i^(k-1)), so C w = z is solved by
+
+        w_t = z_t - sum_i omega_i s_i,t,   s_i,t = sum_{k>=1} theta_i^(k-1) w_{t-k},   then s_i <- theta_i s_i + w_t
+
+    with d buffers s_i: memory d x the trainable parameters, whatever T (the buffers are the noise state a
+    checkpoint keeps; a resume continues them, accounting/matrix/single.py: resumed runs)."""
 
     noise_coefs: tuple = (1.0,)
+    noise_blt: tuple | None = None
     _past: list | None = None
 
     def draw_noise(self, tensors: list, std: float) -> None:
         import torch
 
+        if self.noise_blt is not None:
+            return self._draw_blt(tensors, std)
         if tuple(self.noise_coefs) == (1.0,):   # one band: C = I, DP-SGD's noise, drawn as DP-SGD draws it
             return super().draw_noise(tensors, std)
         z = [torch.zeros_like(t) for t in tensors]
@@ -132,8 +143,29 @@ class CorrelatedNoise:
             t.add_(zi)
         self._past = ([z] + past)[:len(c) - 1]
 
+    def _draw_blt(self, tensors: list, std: float) -> None:
+        import torch
+
+        theta, omega = self.noise_blt
+        w = [torch.zeros_like(t) for t in tensors]
+        super().draw_noise(w, std)   # z_t, from the step's stream
+        buffers = self._past
+        if buffers:
+            for weight, buffer in zip(omega, buffers):
+                for wi, si in zip(w, buffer):
+                    wi.sub_(si, alpha=weight)
+        else:   # the first step: every buffer is 0
+            buffers = [[torch.zeros_like(t) for t in tensors] for _ in theta]
+        for decay, buffer in zip(theta, buffers):
+            for si, wi in zip(buffer, w):
+                si.mul_(decay).add_(wi)
+        for t, wi in zip(tensors, w):
+            t.add_(wi)
+        self._past = buffers
+
     def noise_state(self) -> list:
-        """The last b - 1 noises (newest first), for a checkpoint: a resume continues them."""
+        """The noise a resume continues, for a checkpoint: BandMF's last b - 1 noises (newest first), BLT's d
+        buffers."""
         return [[w.detach().clone() for w in step] for step in (self._past or [])]
 
     def load_noise_state(self, state, params) -> None:
@@ -142,10 +174,16 @@ class CorrelatedNoise:
         self._past = [[w.to(device=p.device, dtype=p.dtype) for w, p in zip(step, params)] for step in state]
 
     def check_noise_state(self, state, shapes) -> None:
-        """One list of tensors per earlier step (at most b - 1), newest first, each tensor of its shape in
-        ``shapes``; else refused in one line."""
+        """A list of tensor lists (BandMF: one per earlier step, at most b - 1, newest first; BLT: its d buffers, or
+        none before the first step), each tensor of its shape in ``shapes``; else refused in one line."""
         shapes = [tuple(s) for s in shapes]
-        if not isinstance(state, list) or len(state) > max(0, len(self.noise_coefs) - 1) or not all(
+        if not isinstance(state, list):
+            fits = False
+        elif self.noise_blt is not None:
+            fits = len(state) in (0, len(self.noise_blt[0]))
+        else:
+            fits = len(state) <= max(0, len(self.noise_coefs) - 1)
+        if not fits or not all(
                 isinstance(step, list) and len(step) == len(shapes) and all(
                     isinstance(w, torch.Tensor) and tuple(w.shape) == shape for w, shape in zip(step, shapes))
                 for step in state):

@@ -113,16 +113,20 @@ def _dp_sgd(s: TrainerSetup) -> Trainer:
                              noise_seed=step_key(*attempt_seed(s.secret, s.start, s.released)),
                              optimizer=cfg.optimizer, world_size=s.world.size, probe=probe, bug=cfg.bug,
                              per_sample_grads=cfg.per_sample_grads, micro_batch=cfg.micro_batch,
-                             sharding=s.sharding, noise_coefs=_noise_coefs(cfg))
+                             sharding=s.sharding, **_noise_filter(cfg))
 
 
-def _noise_coefs(cfg):
-    """BandMF's strategy for the run (the max-error-optimal banded Toeplitz coefficients at T, norm 1), or None."""
-    if getattr(cfg, "strategy", None) is None:
-        return None
+def _noise_filter(cfg) -> dict:
+    """The run's correlated noise for the trainer: BandMF's strategy (the max-error-optimal banded Toeplitz
+    coefficients at T, norm 1) as ``noise_coefs``, BLT's as ``noise_blt`` (theta, omega); {} for independent noise."""
+    strategy = getattr(cfg, "strategy", None)
+    if strategy is None:
+        return {}
+    if strategy.family == "blt":
+        return {"noise_blt": (strategy.theta, strategy.omega)}
     from dpaudit.accounting.matrix.strategy import banded_coefs
 
-    return banded_coefs(cfg.steps, cfg.strategy.bands)
+    return {"noise_coefs": banded_coefs(cfg.steps, strategy.bands)}
 
 
 # Defaults tuned on the embedded default (see docs/trainers.md); every one can be overridden.

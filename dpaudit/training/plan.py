@@ -49,8 +49,17 @@ class PrivacyPlan:
         return cls(template.with_sigma(sigma), delta, accountant, target_epsilon, calibrated)
 
     def noise_sigma(self, bug: Bug = NO_BUG) -> float:
-        """The noise multiplier the trainer adds: the plan's, unless a planted bug scales it."""
-        return 0.0 if self.mechanism is None else self.mechanism.sigma * bug.noise_scale
+        """The noise multiplier the trainer adds: the plan's, unless a planted bug scales it. A BLT strategy's sigma
+        is relative to its sensitivity under the sampler's participation (accounting/matrix/single.py), so the
+        trainer adds sigma x that; BandMF under cyclic Poisson has sensitivity 1."""
+        if self.mechanism is None:
+            return 0.0
+        scale = 1.0
+        if self.mechanism.strategy is not None and self.mechanism.strategy.family == "blt":
+            from dpaudit.accounting.matrix.single import sensitivity
+
+            scale = sensitivity(self.mechanism)
+        return self.mechanism.sigma * scale * bug.noise_scale
 
     def in_phases(self, phases: tuple[tuple[int, float], ...]) -> "PrivacyPlan":
         return replace(self, phases=tuple(phases))
@@ -68,6 +77,10 @@ class PrivacyPlan:
         return compose_phases(parts)
 
     def epsilon_at(self, steps: int):
+        if self.attempts and self.mechanism.strategy.family == "blt":
+            from dpaudit.accounting.matrix.single import resumed_epsilon
+
+            return resumed_epsilon(self.mechanism, len(self.attempts_at(steps)), self.delta)
         if self.attempts:
             from dpaudit.accounting.matrix.bandmf import resumed_epsilon
 

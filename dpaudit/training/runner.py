@@ -116,16 +116,23 @@ class TrainConfig:
 
 
 def _correlated(cfg: "TrainConfig", record):
-    """The run's noise strategy (BandMF under cyclic Poisson batches), or None; what it does not run with is
-    refused here, each with its reason."""
+    """The run's noise strategy, or None: BandMF under cyclic Poisson batches (accounted by bandmf, with
+    amplification), BLT under balls-in-bins epochs (accounted by matrix, without: accounting/matrix/single.py); what
+    it does not run with is refused here, each with its reason."""
     from dpaudit.accounting.matrix.strategy import parse
 
     strategy = parse(cfg.noise)
     if strategy is None:
         return None
+    blt = strategy.family == "blt"
     why = ("a first-order method (--method dp-sgd)" if not record.per_example_gradients
-           else "bandmf (blt is accounted, not trained: its noise needs the whole history)" if strategy.family != "bandmf"
-           else "Poisson batches (--sampling poisson: cyclic Poisson in b groups)" if cfg.sampling != "poisson"
+           else "Poisson batches (--sampling poisson: cyclic Poisson in b groups)" if not blt and cfg.sampling != "poisson"
+           else "epochs (--sampling balls-in-bins: each example once an epoch, which its accounting counts; under "
+                "Poisson batches any step may hold an example, so its sensitivity would grow with T)"
+           if blt and cfg.sampling != "balls-in-bins"
+           else "epochs in a random order here (drop order=fixed: the trainer's balls-in-bins epochs allocate every "
+                "epoch anew, so two participations may be adjacent, as blt without order=fixed accounts)"
+           if blt and strategy.fixed_order
            else "a private run" if not cfg.private
            else None)
     if why:
@@ -373,7 +380,8 @@ def _privacy(opening, texts: list[str], run_dir: Path, cfg: TrainConfig, world, 
               else "inf", "examples": n, "noise_disabled_unsafely": cfg.unsafe_disable_noise,
               "white_box_canaries": cfg.white_box, "planted_bug": cfg.plant_bug,
               "world_size": world.size, "data_sha256": fingerprint(texts), "sampling": cfg.sampling,
-              **({"noise": cfg.strategy.spec()} if cfg.strategy else {})}
+              **({"noise": cfg.strategy.spec(), "noise_std": plan.noise_sigma()} if cfg.strategy and plan.private
+                 else {})}
     if opening.previous_ledger is not None:
         plan, header = resume_phases(plan, header, opening.previous_ledger, opening.released_before, run_dir)
     if cfg.strategy is not None and plan.private:
@@ -400,9 +408,11 @@ def _correlated_attempts(plan, header: dict, opening, run_dir: Path):
         raise DPAuditError(f"resuming the correlated-noise run in {run_dir} on other data is not accounted (its "
                            "resumed rows continue the old data's noise); resume on the same data or start a new run "
                            "folder")
-    if plan.accountant not in (None, "bandmf"):
-        raise DPAuditError(f"a resumed correlated-noise run is accounted by bandmf (per coin across its attempts), "
-                           f"not {plan.accountant}; resume without --accountant or with --accountant bandmf")
+    own = ("matrix", "each attempt one Gaussian release") if plan.mechanism.strategy.family == "blt" else (
+        "bandmf", "per coin across its attempts")
+    if plan.accountant not in (None, own[0]):
+        raise DPAuditError(f"a resumed correlated-noise run is accounted by {own[0]} ({own[1]}), not "
+                           f"{plan.accountant}; resume without --accountant or with --accountant {own[0]}")
     writer = None
     if opening.start:
         state = run_folder.read_json(run_dir / checkpoint.FINAL / checkpoint.STATE, "checkpoint state")
@@ -416,7 +426,7 @@ def _load_trainer_state(trainer, run_dir: Path, start: int, sharded: bool) -> No
     import torch
 
     saved = run_dir / checkpoint.FINAL
-    if start and getattr(trainer, "noise_coefs", None) is not None and not (saved / checkpoint.OPTIMIZER).is_file():
+    if start and getattr(trainer, "correlated", False) and not (saved / checkpoint.OPTIMIZER).is_file():
         raise DPAuditError(f"the checkpoint in {run_dir} holds no noise state of this correlated-noise run; start "
                            "the run again")
     if not (start and (saved / checkpoint.OPTIMIZER).is_file()):
@@ -444,9 +454,10 @@ def _loop(run: _Run, show_progress: bool):
     cfg, world, ledger, canaries = run.cfg, run.world, run.ledger, run.canaries
     batches = None if cfg.private else shuffled_batches(run.n, cfg.batch_size or run.n, run.rng)
     # BandMF: cyclic groups, example i in i mod b and canary k in k mod b (the white-box audit reads it there)
-    groups = None if cfg.strategy is None else np.concatenate(
+    bandmf = cfg.strategy is not None and cfg.strategy.family == "bandmf"
+    groups = None if not bandmf else np.concatenate(
         [np.arange(run.n_real), canaries.member_ids if canaries else np.zeros(0, int)]) % cfg.strategy.bands
-    source = cyclic_source(cfg.strategy.bands, groups) if cfg.strategy else SOURCES[cfg.sampling]
+    source = cyclic_source(cfg.strategy.bands, groups) if bandmf else SOURCES[cfg.sampling]
     draw = source(run.n, cfg.batch_size or run.n, run.secret, run.rng) if cfg.private else None
     last_loss, interrupted_at, watch = None, run.start, DivergenceWatch()
     label = f"{cfg.method}{'' if cfg.private else ' (non-private)'}"

@@ -85,7 +85,7 @@ class FirstOrderTrainer:
     def __init__(self, model, params, *, lr: float, private: bool, clip: float = 1.0, sigma: float = 0.0,
                  expected_batch_size: int = 1, noise_seed: int = 0, optimizer: str = "adamw",
                  world_size: int = 1, probe=None, bug=None, per_sample_grads: str = "ghost",
-                 micro_batch: int = 0, sharding=None, noise_coefs=None) -> None:
+                 micro_batch: int = 0, sharding=None, noise_coefs=None, noise_blt=None) -> None:
         if per_sample_grads not in PER_SAMPLE_GRADS:
             raise ValueError(f"unknown per-sample-grads mode {per_sample_grads!r}; use ghost or materialise")
         self.private, self.params = private, params
@@ -96,6 +96,8 @@ class FirstOrderTrainer:
         self.sharding, self.inner = sharding, model
         self.noise_seed, self.step_index = noise_seed, 0
         self.noise_coefs = noise_coefs   # BandMF's strategy (dp_step.CorrelatedNoise); None: independent noise
+        self.noise_blt = noise_blt       # or BLT's (theta, omega) (dp_step.CorrelatedNoise)
+        self.correlated = noise_coefs is not None or noise_blt is not None
         base = (torch.optim.AdamW(params, lr=lr, weight_decay=0.0) if optimizer == "adamw"
                 else torch.optim.SGD(params, lr=lr))
         self.base_optimizer = base
@@ -115,7 +117,7 @@ class FirstOrderTrainer:
 
         if self.sharding is not None:
             cls = NoisyShards
-            if self.noise_coefs is not None:   # each rank continues the noises of its own slices
+            if self.correlated:   # each rank continues the noises of its own slices
                 from dpaudit.training.dp_step import CorrelatedNoise
 
                 cls = type("CorrelatedNoisyShards", (CorrelatedNoise, NoisyShards), {})
@@ -123,12 +125,14 @@ class FirstOrderTrainer:
         else:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # Opacus warns about secure_mode; the noise is ours
-                optimizer = dp_optimizer_class(self.ghost, self.world_size, bug, self.noise_coefs is not None)(
+                optimizer = dp_optimizer_class(self.ghost, self.world_size, bug, self.correlated)(
                     base, noise_multiplier=sigma, max_grad_norm=clip,
                     expected_batch_size=expected_batch_size / self.world_size)
             optimizer.probe = probe
         if self.noise_coefs is not None:
             optimizer.noise_coefs = tuple(float(c) for c in self.noise_coefs)
+        if self.noise_blt is not None:
+            optimizer.noise_blt = tuple(tuple(float(v) for v in part) for part in self.noise_blt)
         return optimizer
 
     def _per_example_module(self, model):
@@ -245,16 +249,16 @@ class FirstOrderTrainer:
 
             state = full_optimizer_state(self.inner, self.base_optimizer)
             noises = ([gathered(step, self.params) for step in self.optimizer.noise_state()]
-                      if self.noise_coefs is not None else None)   # every rank takes part; whole on rank 0
+                      if self.correlated else None)   # every rank takes part; whole on rank 0
         else:
             state = self.optimizer.state_dict()
-            noises = self.optimizer.noise_state() if self.noise_coefs is not None else None
-        if noises is not None:   # correlated noise: the last b - 1 noises, which a resume continues
+            noises = self.optimizer.noise_state() if self.correlated else None
+        if noises is not None:   # correlated noise: what a resume continues (the last b - 1 noises, BLT's buffers)
             state = {**state, NOISE_STATE: noises}
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        if self.noise_coefs is not None:
+        if self.correlated:
             if NOISE_STATE not in state:
                 raise DPAuditError("the checkpoint holds no noise state of this correlated-noise run (its resumed "
                                    "steps would not continue the strategy); start the run again")

@@ -102,7 +102,7 @@ def test_a_white_box_banded_run_is_audited_along_its_strategy(tiny_model_dir, tm
 
 
 @pytest.mark.parametrize("extra,why", [({"method": "dp-zo"}, "first-order"),
-                                       ({"noise": "blt,theta=0.9,omega=0.5"}, "blt")])
+                                       ({"noise": "blt,theta=0.9,omega=0.5"}, "balls-in-bins")])
 def test_what_correlated_noise_does_not_run_with_is_refused(extra, why):
     from dpaudit.training.runner import TrainConfig
 

@@ -30,16 +30,23 @@ def limitation(mech) -> str | None:
     return None
 
 
+def sensitivity(mech: Mechanism) -> float:
+    """The strategy's L2 sensitivity per unit clip norm under the sampler's participation: the noise added per step
+    is sigma x this x C."""
+    from dpaudit.accounting.matrix import strategy
+    from dpaudit.accounting.samplers import scheme
+
+    # a neighbour moves one step's clipped sum by the sampler's sensitivity (replace-one, fixed-size batches: 2C)
+    return math.sqrt(strategy.sensitivity_squared(mech)) * scheme(mech.sampling).sensitivity
+
+
 def _details(mech: Mechanism) -> dict:
     from dpaudit.accounting.matrix import strategy
 
-    from dpaudit.accounting.samplers import scheme
-
     k, sep, words = strategy.participation(mech)
-    # a neighbour moves one step's clipped sum by the sampler's sensitivity (replace-one, fixed-size batches: 2C)
-    sens2 = strategy.sensitivity_squared(mech) * scheme(mech.sampling).sensitivity ** 2
-    return {"sensitivity": math.sqrt(sens2), "participations": k, "min_separation": sep, "participation": words,
-            "noise_std_per_unit_clip": mech.sigma * math.sqrt(sens2)}
+    sens = sensitivity(mech)
+    return {"sensitivity": sens, "participations": k, "min_separation": sep, "participation": words,
+            "noise_std_per_unit_clip": mech.sigma * sens}
 
 
 def _single(mech: Mechanism) -> Mechanism:
@@ -73,3 +80,27 @@ def sigma_closed_form(mech: Mechanism, eps: float, delta: float) -> float:
     from dpaudit.accounting import analytic
 
     return analytic.sigma_closed_form(_single(mech), eps, delta)
+
+
+# Resumed runs. A run killed after a checkpoint at step s and resumed from it releases rows s.. again: the resumed
+# attempt continues its parent's noise state (BLT's buffers) with fresh draws z', so, given the parent's released
+# rows before s (public), its rows are the post-processing of (C x')_t + z'_t for t >= s, where x' is its own
+# gradient sums (equal to the parent's before s). One example moves that by ||(C u')_{t >= s}|| <= ||C u'|| <= sens
+# (u' its participations along the attempt's lineage: the parent's before s, the attempt's after, a pattern the
+# sampler allows, since a balls-in-bins resume keeps the epoch's allocation or starts at an epoch's end), and the
+# noise is sigma x sens: a Gaussian mechanism at sigma, chosen adaptively. n attempts are n adaptively composed
+# Gaussian mechanisms at sigma: exactly one at sigma / sqrt(n) (mu-GDP composes in squares; Dong, Roth & Su 2022).
+
+
+def resumed_epsilon(mech: Mechanism, attempts: int, delta: float) -> EpsilonResult:
+    """eps of a matrix-route run whose rows ``attempts`` attempts released (the theorem above); 1: ``epsilon``."""
+    from dpaudit.accounting import analytic
+
+    if attempts < 1:
+        raise DPAuditError("a run has at least one attempt")
+    result = analytic.epsilon(Mechanism("gaussian", _single(mech).sigma / math.sqrt(attempts)), delta)
+    details = {**_details(mech), "attempts": attempts}
+    return replace(result, accountant="matrix", relation=RELATION, details=details,
+                   guarantee=(f"exact for {attempts} attempts (a run resumed {attempts - 1} times), each a Gaussian "
+                              f"release at the strategy's sensitivity {details['sensitivity']:.4g} under "
+                              f"{details['participation']}, composed: noise multiplier sigma / sqrt({attempts})"))
