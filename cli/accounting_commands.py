@@ -328,9 +328,10 @@ def _compare_strategies(specs, mech, sigma, eps, delta, p, batch_size, dataset_s
             except DPAuditError as exc:
                 rows.append({"noise": spec, "skipped": str(exc)})
                 continue
-        rows.append({"noise": spec, "accountant": res.accountant, "sigma": m.sigma, "epsilon": json_float(res.epsilon),
-                     **{k: v for k, v in error_summary(m, res.accountant).items() if k != "noise"},
-                     "seconds": time.perf_counter() - start, "guarantee": res.guarantee})
+        summary = error_summary(m, res.accountant)
+        rows.append({"noise": spec, "strategy": summary.pop("noise"), "accountant": res.accountant, "sigma": m.sigma,
+                     "epsilon": json_float(res.epsilon), **summary, "seconds": time.perf_counter() - start,
+                     "guarantee": res.guarantee})
     base = next((r.get("expected_error") for r in rows if "skipped" not in r), None)
     for r in rows:
         if "skipped" not in r:
@@ -355,6 +356,9 @@ def _compare_strategies(specs, mech, sigma, eps, delta, p, batch_size, dataset_s
     console.print(table)
     console.print("expected error: of the last released prefix sum of clipped-gradient sums, per coordinate "
                   "(sigma^2 sens^2 x the strategy's error; independent noise: sigma^2 T)", highlight=False)
+    for r in rows:   # a searched strategy (blt,buffers=d): what was found, to train with or pin in a config
+        if "skipped" not in r and r["strategy"] not in (r["noise"], "independent"):
+            console.print(f"{r['noise']}: {r['strategy']}", highlight=False, soft_wrap=True)
 
 
 def _compare_samplers(mech, sigma, delta, p, batch_size, dataset_size, steps, epochs, phase, as_json) -> None:

@@ -96,7 +96,8 @@ PhaseOpt = Annotated[Optional[list[str]], typer.Option(
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON only.")]
 NoiseOpt = Annotated[Optional[str], typer.Option(
     "--noise", help="Correlated noise: bandmf,b=B (banded matrix factorisation; cyclic Poisson batches are "
-                    "amplified) or blt,theta=T1:T2,omega=W1:W2[,order=fixed]; default independent (DP-SGD). sigma is "
+                    "amplified), blt,theta=T1:T2,omega=W1:W2[,order=fixed] or blt,buffers=D (theta and omega searched for "
+                    "the schedule); default independent (DP-SGD). sigma is "
                     "then relative to the strategy's sensitivity.")]
 McSamplesOpt = Annotated[Optional[int], typer.Option(
     "--mc-samples", help="mc accountant: composed samples per direction (default: sized to ~2e8 draws).")]

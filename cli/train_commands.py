@@ -30,8 +30,9 @@ OptimizerOpt = Annotated[str, typer.Option("--optimizer", help="dp-sgd: adamw or
 TrainNoiseOpt = Annotated[Optional[str], typer.Option(
     "--noise", help="Correlated noise, DP-SGD only: bandmf,b=B (banded matrix factorisation; batches are then "
                     "cyclic Poisson in B groups, accounted with amplification; b = 1 is DP-SGD; memory b - 1 extra "
-                    "copies of the trainable parameters) or blt,theta=T1:T2,omega=W1:W2 (buffered-linear-Toeplitz, "
-                    "with --sampling balls-in-bins, accounted without amplification; memory one copy a buffer).")]
+                    "copies of the trainable parameters) or blt,buffers=D / blt,theta=T1:T2,omega=W1:W2 "
+                    "(buffered-linear-Toeplitz, with --sampling balls-in-bins, accounted without amplification; "
+                    "memory one copy a buffer).")]
 TrainStepsOpt = Annotated[Optional[int], typer.Option("--steps", "-T", click_type=WHOLE, help="Training steps (default: dp-sgd 300, dp-zo 3000).")]
 TrainBatchOpt = Annotated[int, typer.Option("--batch-size", "-B", help="Expected batch size (p = B/N).")]
 PhiOpt = Annotated[float, typer.Option("--phi", help="dp-zo perturbation scale.")]

@@ -57,6 +57,13 @@ class Mechanism:
         check_sampling_rate(self.sampling_rate)
         check_steps(self.steps)
         facts = scheme(self.sampling)
+        self._sizes(facts)
+        if self.strategy is not None and self.strategy.family == "blt" and not self.strategy.theta:
+            from dpaudit.accounting.matrix.strategy import resolve
+
+            object.__setattr__(self, "strategy", resolve(self))   # blt,buffers=d: searched for this schedule
+
+    def _sizes(self, facts) -> None:
         if facts.needs_sizes:
             b, n = self.batch_size, self.dataset_size
             if b is None or n is None:

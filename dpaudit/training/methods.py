@@ -51,6 +51,7 @@ class TrainerSetup:
     rng: Any                 # numpy Generator: batches (and DP-ZO's noise)
     stream: str = ""         # how DP-ZO draws z (streams.py; run_config.json's direction_stream)
     released: int = 0        # steps the ledger counted before this (re)start (streams.attempt_seed)
+    strategy: Any = None     # the plan's correlated-noise strategy, resolved (a searched BLT's theta and omega found)
 
 
 @dataclass(frozen=True)
@@ -113,16 +114,18 @@ def _dp_sgd(s: TrainerSetup) -> Trainer:
                              noise_seed=step_key(*attempt_seed(s.secret, s.start, s.released)),
                              optimizer=cfg.optimizer, world_size=s.world.size, probe=probe, bug=cfg.bug,
                              per_sample_grads=cfg.per_sample_grads, micro_batch=cfg.micro_batch,
-                             sharding=s.sharding, **_noise_filter(cfg))
+                             sharding=s.sharding, **_noise_filter(s))
 
 
-def _noise_filter(cfg) -> dict:
+def _noise_filter(s: TrainerSetup) -> dict:
     """The run's correlated noise for the trainer: BandMF's strategy (the max-error-optimal banded Toeplitz
     coefficients at T, norm 1) as ``noise_coefs``, BLT's as ``noise_blt`` (theta, omega); {} for independent noise."""
-    strategy = getattr(cfg, "strategy", None)
+    strategy, cfg = s.strategy, s.cfg
     if strategy is None:
         return {}
     if strategy.family == "blt":
+        if not strategy.theta:   # the plan resolves blt,buffers=d; unresolved, the buffers would add plain noise
+            raise RuntimeError("the BLT strategy reached the trainer without its theta and omega")
         return {"noise_blt": (strategy.theta, strategy.omega)}
     from dpaudit.accounting.matrix.strategy import banded_coefs
 

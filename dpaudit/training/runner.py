@@ -308,7 +308,7 @@ def _assemble(opening, texts: list[str], run_dir: Path, cfg: TrainConfig, world,
         cfg=cfg, model=model, params=params, run_dir=run_dir, rate=batch_size / n, batch_size=batch_size,
         noise_sigma=0.0 if cfg.unsafe_disable_noise else plan.noise_sigma(cfg.bug), secret=int(secret),
         start=opening.start, main=world.is_main, canaries=canaries, world=world, sharding=sharding, rng=rng,
-        stream=stream, released=opening.released_before))
+        stream=stream, released=opening.released_before, strategy=plan.mechanism.strategy if plan.private else None))
     _load_trainer_state(trainer, run_dir, opening.start, sharded)
     allocation = _allocation_secret(opening, run_dir, cfg, world, int(secret), max(1, n // batch_size))
     return _Run(run_dir=run_dir, cfg=cfg, world=world, start=opening.start, model=model, tokenizer=tokenizer,
@@ -380,8 +380,8 @@ def _privacy(opening, texts: list[str], run_dir: Path, cfg: TrainConfig, world, 
               else "inf", "examples": n, "noise_disabled_unsafely": cfg.unsafe_disable_noise,
               "white_box_canaries": cfg.white_box, "planted_bug": cfg.plant_bug,
               "world_size": world.size, "data_sha256": fingerprint(texts), "sampling": cfg.sampling,
-              **({"noise": cfg.strategy.spec(), "noise_std": plan.noise_sigma()} if cfg.strategy and plan.private
-                 else {})}
+              **({"noise": plan.mechanism.strategy.spec(), "noise_std": plan.noise_sigma()}
+                 if cfg.strategy and plan.private else {})}
     if opening.previous_ledger is not None:
         plan, header = resume_phases(plan, header, opening.previous_ledger, opening.released_before, run_dir)
     if cfg.strategy is not None and plan.private:

@@ -89,7 +89,7 @@ def _train(model_dir, out, **kw):
     from dpaudit.training.runner import TrainConfig, train
 
     cfg = TrainConfig(method="dp-sgd", steps=12, batch_size=8, secret_seed=11, sampling="balls-in-bins",
-                      noise=SPEC, **{"target_epsilon": 4.0, **kw})
+                      **{"target_epsilon": 4.0, "noise": SPEC, **kw})
     return cfg, train(model_dir, sentences(80, seed=3), out, cfg, show_progress=False)
 
 
@@ -149,3 +149,15 @@ def test_a_killed_blt_run_resumes_and_counts_each_attempt(tiny_model_dir, tmp_pa
     mech = privacy_plan(cfg, result.sampling_rate, 80).mechanism
     assert result.epsilon == pytest.approx(single.resumed_epsilon(mech, 2, cfg.delta).epsilon, rel=1e-9)
     assert result.epsilon > single.epsilon(mech, cfg.delta).epsilon and result.accountant == "matrix"
+
+
+def test_a_searched_blt_trains_with_the_strategy_it_names(tiny_model_dir, tmp_path):
+    """blt,buffers=2: the plan finds theta and omega for the run's T and epochs; the trainer adds that strategy's
+    noise and the ledger names it."""
+    from dpaudit.accounting.matrix.strategy import parse
+
+    cfg, run = _train(tiny_model_dir, tmp_path / "searched", noise="blt,buffers=2")
+    header = json.loads((run.run_dir / "privacy_ledger.json").read_text())
+    named = parse(header["noise"])
+    assert len(named.theta) == 2 and run.accountant == "matrix"
+    assert run.epsilon == pytest.approx(4.0, abs=1e-6)

@@ -24,6 +24,15 @@ from dpaudit.core.errors import DPAuditError
 RELATION = "add/remove (one Gaussian release at the strategy's sensitivity; no amplification)"
 
 
+def relation(mech: Mechanism) -> str:
+    """The sampler's own relation (fixed-size batches: replace-one, shuffled epochs: zero-out), as the sensitivity
+    is computed under it: add/remove for Poisson and balls-in-bins."""
+    from dpaudit.accounting.samplers import scheme
+
+    words = scheme(mech.sampling).relation_words
+    return RELATION if words is None else f"{words}; one Gaussian release at the strategy's sensitivity, no amplification"
+
+
 def limitation(mech) -> str | None:
     if not isinstance(mech, Mechanism) or mech.strategy is None:
         return "the matrix accountant accounts one schedule with correlated noise (--noise bandmf,b=B or blt,...)"
@@ -62,7 +71,7 @@ def epsilon(mech: Mechanism, delta: float) -> EpsilonResult:
 
     result = analytic.epsilon(_single(mech), delta)
     details = _details(mech)
-    return replace(result, accountant="matrix", relation=RELATION,
+    return replace(result, accountant="matrix", relation=relation(mech),
                    guarantee=(f"exact for the Gaussian mechanism at the strategy's sensitivity {details['sensitivity']:.4g} "
                               f"under {details['participation']}: noise std sigma x sens = "
                               f"{details['noise_std_per_unit_clip']:.4g} C"),
@@ -73,7 +82,7 @@ def delta(mech: Mechanism, eps: float) -> DeltaResult:
     from dpaudit.accounting import analytic
 
     result = analytic.delta(_single(mech), eps)
-    return replace(result, accountant="matrix", relation=RELATION, details=_details(mech))
+    return replace(result, accountant="matrix", relation=relation(mech), details=_details(mech))
 
 
 def sigma_closed_form(mech: Mechanism, eps: float, delta: float) -> float:
@@ -100,7 +109,7 @@ def resumed_epsilon(mech: Mechanism, attempts: int, delta: float) -> EpsilonResu
         raise DPAuditError("a run has at least one attempt")
     result = analytic.epsilon(Mechanism("gaussian", _single(mech).sigma / math.sqrt(attempts)), delta)
     details = {**_details(mech), "attempts": attempts}
-    return replace(result, accountant="matrix", relation=RELATION, details=details,
+    return replace(result, accountant="matrix", relation=relation(mech), details=details,
                    guarantee=(f"exact for {attempts} attempts (a run resumed {attempts - 1} times), each a Gaussian "
                               f"release at the strategy's sensitivity {details['sensitivity']:.4g} under "
                               f"{details['participation']}, composed: noise multiplier sigma / sqrt({attempts})"))

@@ -14,6 +14,9 @@ Families:
 * ``blt,theta=t1:t2,omega=w1:w2``: a buffered-linear-Toeplitz strategy (Dvijotham et al. 2024): C's coefficients
   1, then sum_j omega_j theta_j^(k-1). Add ``order=fixed`` when epochs go through the data in one fixed order
   (the participations are then exactly N // B steps apart); otherwise any two may be adjacent.
+* ``blt,buffers=d``: the d-buffer BLT with the least max error for the run's T and participation
+  (``toeplitz.optimal_blt``), found when the mechanism is built (``resolve``), so every answer names its theta and
+  omega.
 """
 
 from __future__ import annotations
@@ -39,19 +42,27 @@ class Strategy:
     theta: tuple[float, ...] = ()
     omega: tuple[float, ...] = ()
     fixed_order: bool = False
+    buffers: int = 0   # blt,buffers=d: theta and omega are searched for the run (resolve); 0: given
 
     def spec(self) -> str:
         if self.family == "bandmf":
             return f"bandmf,b={self.bands}"
-        text = "blt,theta=" + ":".join(f"{t:g}" for t in self.theta) + ",omega=" + ":".join(f"{w:g}" for w in self.omega)
+        if not self.theta:
+            text = f"blt,buffers={self.buffers}"
+        else:
+            text = ("blt,theta=" + ":".join(f"{t:.12g}" for t in self.theta) + ",omega="
+                    + ":".join(f"{w:.12g}" for w in self.omega))
         return text + (",order=fixed" if self.fixed_order else "")
 
     def words(self) -> str:
         if self.family == "bandmf":
             return (f"banded matrix factorisation (BandMF) with b = {self.bands} bands, the max-error-optimal banded "
                     "Toeplitz strategy at column norm 1")
-        return (f"buffered-linear-Toeplitz (BLT) strategy with {len(self.theta)} buffers (theta "
-                f"{', '.join(f'{t:g}' for t in self.theta)}; omega {', '.join(f'{w:g}' for w in self.omega)})")
+        if not self.theta:
+            return f"buffered-linear-Toeplitz (BLT) strategy with {self.buffers} buffers, to be optimised for the run"
+        searched = ", the max-error-optimal for the run's T and participation" if self.buffers else ""
+        return (f"buffered-linear-Toeplitz (BLT) strategy with {len(self.theta)} buffers{searched} (theta "
+                f"{', '.join(f'{t:.6g}' for t in self.theta)}; omega {', '.join(f'{w:.6g}' for w in self.omega)})")
 
     def rational(self, steps: int):
         """(num, den) of C's generating function for a run of ``steps`` steps."""
@@ -149,11 +160,18 @@ def parse(text: str | None) -> Strategy | None:
             raise DPAuditError(f"bandmf needs b = the number of bands, a whole number in [1, {MAX_BANDS}] (bandmf,b=4)")
         return Strategy("bandmf", bands=int(bands))
     order = keys.pop("order", "any")
-    theta, omega = (_floats(keys.pop(k, None), k) for k in ("theta", "omega"))
-    if keys:
-        raise DPAuditError("blt takes theta=, omega= and order= only")
     if order not in ("any", "fixed"):
         raise DPAuditError("blt order must be fixed or any")
+    buffers = keys.pop("buffers", keys.pop("d", None))
+    if buffers is not None:
+        if keys:
+            raise DPAuditError("blt,buffers=d takes order= only beside it (theta and omega are searched)")
+        if not re.fullmatch(r"\d", buffers) or not 1 <= int(buffers) <= MAX_BUFFERS:
+            raise DPAuditError(f"blt buffers must be a whole number in [1, {MAX_BUFFERS}] (blt,buffers=3)")
+        return Strategy("blt", fixed_order=order == "fixed", buffers=int(buffers))
+    theta, omega = (_floats(keys.pop(k, None), k) for k in ("theta", "omega"))
+    if keys:
+        raise DPAuditError("blt takes theta=, omega= and order=, or buffers= and order=")
     if len(theta) != len(omega) or not 1 <= len(theta) <= MAX_BUFFERS:
         raise DPAuditError(f"blt needs as many theta as omega values, 1 to {MAX_BUFFERS} (blt,theta=0.9:0.5,"
                            "omega=0.3:0.2)")
@@ -161,6 +179,29 @@ def parse(text: str | None) -> Strategy | None:
         raise DPAuditError("blt needs 0 < theta < 1, omega > 0 and sum(omega) <= 1 (non-negative, non-increasing "
                            "coefficients, which its sensitivity formula needs)")
     return Strategy("blt", theta=theta, omega=omega, fixed_order=order == "fixed")
+
+
+def resolve(mech):
+    """``mech``'s strategy with a searched BLT's theta and omega found (``toeplitz.optimal_blt`` at the mechanism's T
+    and participation: cached, deterministic); any other strategy as it is."""
+    from dataclasses import replace
+
+    strategy = mech.strategy
+    if strategy is None or strategy.family != "blt" or strategy.theta:
+        return strategy
+    k, sep, _ = participation(mech)
+    return replace(strategy, **_searched_blt(mech.steps, strategy.buffers, sep, k))
+
+
+@lru_cache(maxsize=32)
+def _searched_blt(steps: int, buffers: int, sep: int, k: int) -> dict:
+    from dpaudit.accounting.matrix import toeplitz
+
+    if steps > toeplitz.MAX_BLT_OPTIMISE:
+        raise DPAuditError(f"blt,buffers=d is searched for T <= {toeplitz.MAX_BLT_OPTIMISE}; got T = {steps} (give "
+                           "theta= and omega=)")
+    theta, omega = toeplitz.optimal_blt(steps, buffers, sep, k)
+    return {"theta": theta, "omega": omega}
 
 
 def _floats(text: str | None, key: str) -> tuple[float, ...]:
