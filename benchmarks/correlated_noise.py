@@ -6,6 +6,10 @@ mean per-example loss of the final model on held-out sentences. Same seeds for b
 pair, and the median ratio (BandMF / independent) is the figure.
 
     .venv/bin/python benchmarks/correlated_noise.py --eps 4 --bands 4 --seeds 3
+    .venv/bin/python benchmarks/correlated_noise.py --eps 4 --bands --blt blt,buffers=2,order=fixed --lr 1e-3
+
+``--blt SPEC`` (repeat) adds BLT runs, accounted without amplification: ``order=fixed`` ones draw one fixed order
+(--sampling shuffle), the others balls-in-bins epochs.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ def held_out_loss(model_dir: Path, texts: list[str]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--eps", type=float, default=4.0)
-    ap.add_argument("--bands", type=int, nargs="+", default=[4])
+    ap.add_argument("--bands", type=int, nargs="*", default=[4])
+    ap.add_argument("--blt", action="append", default=[], help="a BLT spec to run as well (repeat)")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch-size", type=int, default=64)
@@ -55,10 +60,12 @@ def main() -> None:
         base = build_embedded_default(Path(tmp) / "base")
         print(f"base model: held-out loss {held_out_loss(base, held_out):.4f}", flush=True)
         for seed in range(args.seeds):
-            for noise in [None] + [f"bandmf,b={b}" for b in args.bands]:
+            for noise in [None] + [f"bandmf,b={b}" for b in args.bands] + args.blt:
+                sampling = ("poisson" if not noise or not noise.startswith("blt")
+                            else "shuffle" if "order=fixed" in noise else "balls-in-bins")
                 cfg = TrainConfig(method="dp-sgd", target_epsilon=args.eps, steps=args.steps,
                                   batch_size=args.batch_size, secret_seed=1000 + seed, seed=seed, noise=noise,
-                                  **({"lr": args.lr} if args.lr else {}))
+                                  sampling=sampling, **({"lr": args.lr} if args.lr else {}))
                 began = time.perf_counter()
                 result = train(base, texts, Path(tmp) / f"run-{seed}-{noise}", cfg, show_progress=False)
                 loss = held_out_loss(result.model_dir, held_out)

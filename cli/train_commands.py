@@ -31,8 +31,8 @@ TrainNoiseOpt = Annotated[Optional[str], typer.Option(
     "--noise", help="Correlated noise, DP-SGD only: bandmf,b=B (banded matrix factorisation; batches are then "
                     "cyclic Poisson in B groups, accounted with amplification; b = 1 is DP-SGD; memory b - 1 extra "
                     "copies of the trainable parameters) or blt,buffers=D / blt,theta=T1:T2,omega=W1:W2 "
-                    "(buffered-linear-Toeplitz, with --sampling balls-in-bins, accounted without amplification; "
-                    "memory one copy a buffer).")]
+                    "(buffered-linear-Toeplitz, with --sampling balls-in-bins, or shuffle with ,order=fixed; "
+                    "accounted without amplification; memory one copy a buffer).")]
 TrainStepsOpt = Annotated[Optional[int], typer.Option("--steps", "-T", click_type=WHOLE, help="Training steps (default: dp-sgd 300, dp-zo 3000).")]
 TrainBatchOpt = Annotated[int, typer.Option("--batch-size", "-B", help="Expected batch size (p = B/N).")]
 PhiOpt = Annotated[float, typer.Option("--phi", help="dp-zo perturbation scale.")]
@@ -170,7 +170,8 @@ def train_cmd(
     threads: ThreadsOpt = None,
     sampling: Annotated[str, typer.Option(
         "--sampling", help="How a private run draws its batches, and is accounted: poisson (rate B/N) or "
-                           "balls-in-bins (each example in one random step of each epoch of N // B steps).")] = "poisson",
+                           "balls-in-bins (each example in one random step of each epoch of N // B steps); shuffle "
+                           "with --noise blt,...,order=fixed only (one permutation, passed every epoch).")] = "poisson",
     noise: TrainNoiseOpt = None,
     check_inputs: Annotated[bool, typer.Option(
         "--check-inputs", help="Only check the inputs (model, data, options, run folder) and exit: 0 usable, 2 not. "

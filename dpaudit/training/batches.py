@@ -49,6 +49,22 @@ def cyclic_source(bands: int, groups: np.ndarray | None = None):
     return source
 
 
+def fixed_order_source(n: int, batch_size: int, secret: int, rng: np.random.Generator):
+    """Epochs in one fixed order, for BLT's ``order=fixed`` (accounting/matrix/strategy.py: participation): a
+    permutation of the N examples drawn once from the run's allocation secret (kept across resumes: a new order
+    would put an example in adjacent steps), cut into N // B batches of exactly B and passed in the same order every
+    epoch, so each example takes part exactly N // B steps apart (the last N mod B of the permutation never do).
+    Accounted as shuffled epochs (zero-out) at that separation."""
+    order = np.random.default_rng([secret, 0x0F1ED]).permutation(n)
+    per_epoch = max(1, n // batch_size)
+
+    def draw(step: int) -> np.ndarray:
+        at = (step % per_epoch) * batch_size
+        return order[at:at + batch_size]
+
+    return draw
+
+
 # --sampling NAME -> (n, B, secret, rng) -> (step -> the step's example indices). A sampler the trainers can draw
 # is one entry here; how it is accounted is its Scheme record (accounting/samplers/).
 SOURCES = {"poisson": _poisson_source, "balls-in-bins": _balls_in_bins_source}

@@ -95,9 +95,10 @@ class TrainConfig:
             raise DPAuditError("a white-box audit needs a private run (give --eps or --sigma)")
         from dpaudit.training.batches import SOURCES
 
-        if self.sampling not in SOURCES:
+        if self.sampling not in SOURCES and not (self.sampling == FIXED_ORDER and _fixed_order_blt(self.noise)):
             raise DPAuditError(f"the bundled trainers draw {' or '.join(SOURCES)} batches, not {self.sampling!r} "
-                               "(account another sampler with the accounting commands)")
+                               "(account another sampler with the accounting commands; --sampling shuffle is drawn "
+                               "for --noise blt,...,order=fixed only: one fixed order)")
         if self.sampling != "poisson" and (self.white_box or not self.private):
             raise DPAuditError(f"--sampling {self.sampling} is for private runs without white-box canaries (their "
                                "audit assumes Poisson sampling; non-private runs shuffle)")
@@ -115,6 +116,16 @@ class TrainConfig:
         return self.sigma is not None or math.isfinite(self.target_epsilon)
 
 
+FIXED_ORDER = "shuffle"   # the sampler BLT's order=fixed epochs are accounted as (batches.fixed_order_source)
+
+
+def _fixed_order_blt(noise) -> bool:
+    from dpaudit.accounting.matrix.strategy import parse
+
+    strategy = parse(noise)
+    return strategy is not None and strategy.family == "blt" and strategy.fixed_order
+
+
 def _correlated(cfg: "TrainConfig", record):
     """The run's noise strategy, or None: BandMF under cyclic Poisson batches (accounted by bandmf, with
     amplification), BLT under balls-in-bins epochs (accounted by matrix, without: accounting/matrix/single.py); what
@@ -129,10 +140,9 @@ def _correlated(cfg: "TrainConfig", record):
            else "Poisson batches (--sampling poisson: cyclic Poisson in b groups)" if not blt and cfg.sampling != "poisson"
            else "epochs (--sampling balls-in-bins: each example once an epoch, which its accounting counts; under "
                 "Poisson batches any step may hold an example, so its sensitivity would grow with T)"
-           if blt and cfg.sampling != "balls-in-bins"
-           else "epochs in a random order here (drop order=fixed: the trainer's balls-in-bins epochs allocate every "
-                "epoch anew, so two participations may be adjacent, as blt without order=fixed accounts)"
-           if blt and strategy.fixed_order
+           if blt and not strategy.fixed_order and cfg.sampling != "balls-in-bins"
+           else f"one fixed order (--sampling {FIXED_ORDER}: the trainer then passes one permutation every epoch)"
+           if blt and strategy.fixed_order and cfg.sampling != FIXED_ORDER
            else "a private run" if not cfg.private
            else None)
     if why:
@@ -333,7 +343,7 @@ def _allocation_secret(opening, run_dir: Path, cfg: TrainConfig, world, secret: 
     back, and the finished run removes it. Only the allocation is kept: the noise is fresh on every (re)start (a
     step redone with the noise of its first attempt would release the difference of the two signals).
     With ``secret_seed`` the run is reproducible anyway and nothing is written."""
-    if cfg.secret_seed is not None or cfg.sampling != "balls-in-bins" or not cfg.private:
+    if cfg.secret_seed is not None or cfg.sampling not in ("balls-in-bins", FIXED_ORDER) or not cfg.private:
         return secret
     path = run_dir / run_folder.ALLOCATION_SECRET
     if not opening.start:
@@ -350,6 +360,10 @@ def _allocation_secret(opening, run_dir: Path, cfg: TrainConfig, world, secret: 
         kept = _broadcast_int(world, -1 if kept is None else kept)
         kept = None if kept == -1 else kept
     if kept is None:
+        if cfg.sampling == FIXED_ORDER:   # any new order can put an example in adjacent steps
+            raise DPAuditError(f"cannot resume this fixed-order run at step {opening.start}: its order's secret "
+                               f"({path.name}) is gone, and a new order would break the separation its accounting "
+                               "counts; start the run again")
         if opening.start % per_epoch:
             raise DPAuditError(f"cannot resume this balls-in-bins run at step {opening.start}, mid-epoch: its "
                                f"allocation secret ({path.name}) is gone, and a new one would redraw the rest of the "
@@ -448,7 +462,7 @@ def _loop(run: _Run, show_progress: bool):
     """The steps: each batch drawn, written ahead in the ledger, run, watched; checkpoints when due.
     Returns (last loss, the divergence watch)."""
     from dpaudit.core.threads import adapt as adapt_threads
-    from dpaudit.training.batches import SOURCES, cyclic_source, shuffled_batches
+    from dpaudit.training.batches import SOURCES, cyclic_source, fixed_order_source, shuffled_batches
     from dpaudit.training.divergence import DivergenceWatch
 
     cfg, world, ledger, canaries = run.cfg, run.world, run.ledger, run.canaries
@@ -457,7 +471,8 @@ def _loop(run: _Run, show_progress: bool):
     bandmf = cfg.strategy is not None and cfg.strategy.family == "bandmf"
     groups = None if not bandmf else np.concatenate(
         [np.arange(run.n_real), canaries.member_ids if canaries else np.zeros(0, int)]) % cfg.strategy.bands
-    source = cyclic_source(cfg.strategy.bands, groups) if bandmf else SOURCES[cfg.sampling]
+    source = (cyclic_source(cfg.strategy.bands, groups) if bandmf
+              else fixed_order_source if cfg.sampling == FIXED_ORDER else SOURCES[cfg.sampling])
     draw = source(run.n, cfg.batch_size or run.n, run.secret, run.rng) if cfg.private else None
     last_loss, interrupted_at, watch = None, run.start, DivergenceWatch()
     label = f"{cfg.method}{'' if cfg.private else ' (non-private)'}"

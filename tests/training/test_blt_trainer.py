@@ -88,8 +88,8 @@ def _train(model_dir, out, **kw):
     from dpaudit.models.corpus import sentences
     from dpaudit.training.runner import TrainConfig, train
 
-    cfg = TrainConfig(method="dp-sgd", steps=12, batch_size=8, secret_seed=11, sampling="balls-in-bins",
-                      **{"target_epsilon": 4.0, "noise": SPEC, **kw})
+    cfg = TrainConfig(method="dp-sgd", steps=12, batch_size=8, secret_seed=11,
+                      **{"target_epsilon": 4.0, "noise": SPEC, "sampling": "balls-in-bins", **kw})
     return cfg, train(model_dir, sentences(80, seed=3), out, cfg, show_progress=False)
 
 
@@ -116,7 +116,7 @@ def test_what_blt_does_not_run_with_is_refused():
 
     base = {"method": "dp-sgd", "target_epsilon": 4.0, "steps": 6, "noise": SPEC}
     for extra, why in [({}, "balls-in-bins"), ({"sampling": "balls-in-bins", "noise": SPEC + ",order=fixed"},
-                                                "order=fixed"),
+                                                "one fixed order"),
                        ({"sampling": "balls-in-bins", "white_box": 100}, "white-box")]:
         with pytest.raises(DPAuditError, match=why):
             TrainConfig(**{**base, **extra})
@@ -161,3 +161,33 @@ def test_a_searched_blt_trains_with_the_strategy_it_names(tiny_model_dir, tmp_pa
     named = parse(header["noise"])
     assert len(named.theta) == 2 and run.accountant == "matrix"
     assert run.epsilon == pytest.approx(4.0, abs=1e-6)
+
+
+def test_fixed_order_epochs_keep_every_example_an_epoch_apart():
+    from dpaudit.training.batches import fixed_order_source
+
+    n, b = 50, 8                       # 6 steps an epoch; 2 examples of the permutation never take part
+    draw = fixed_order_source(n, b, 7, np.random.default_rng(0))
+    seen: dict = {}
+    for step in range(30):
+        batch = draw(step)
+        assert batch.size == b
+        for i in batch:
+            seen.setdefault(int(i), []).append(step)
+    assert len(seen) == 48 and all(np.all(np.diff(steps) == 6) and len(steps) == 5 for steps in seen.values())
+    assert np.array_equal(fixed_order_source(n, b, 7, None)(3), draw(3))   # the order is the secret's: a resume's
+
+
+def test_a_fixed_order_blt_run_is_accounted_at_its_separation(tiny_model_dir, tmp_path):
+    from dpaudit.accounting import epsilon
+    from dpaudit.training.runner import TrainConfig, privacy_plan
+
+    cfg, run = _train(tiny_model_dir, tmp_path / "fixed", sampling="shuffle", noise="blt,buffers=2,order=fixed")
+    mech = privacy_plan(cfg, run.sampling_rate, 80).mechanism
+    result = epsilon(mech, cfg.delta)
+    assert run.accountant == "matrix" and result.relation.startswith("zero-out")
+    assert result.details["min_separation"] == 10 and result.details["participations"] == 2
+    with pytest.raises(DPAuditError, match="order=fixed"):   # shuffle is drawn for a fixed-order BLT only
+        TrainConfig(method="dp-sgd", target_epsilon=4.0, sampling="shuffle")
+    with pytest.raises(DPAuditError, match="one fixed order"):
+        TrainConfig(method="dp-sgd", target_epsilon=4.0, sampling="balls-in-bins", noise="blt,buffers=2,order=fixed")
