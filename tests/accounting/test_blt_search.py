@@ -5,6 +5,7 @@ names them."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -75,3 +76,26 @@ def test_the_matrix_answer_names_the_relation_its_sensitivity_is_computed_under(
     mech = Mechanism("gaussian", 2.0, 0.064, 30, sampling, 64, 1000, strategy=parse("blt,theta=0.9,omega=0.3"))
     result = epsilon(mech, 1e-5, "matrix")
     assert result.relation.startswith(words), result.relation
+
+
+def test_a_resumed_run_is_never_below_its_concrete_pair():
+    """single.resumed_epsilon (n attempts: sigma / sqrt(n)) against the exact eps of a concrete neighbouring pair of
+    a fixed-order run resumed at step s: the example at its worst positions, the two attempts' releases one
+    Gaussian vector with mean (C u, (C u)_{t >= s}) at noise sigma x sens (Gaussian: exact, analytic)."""
+    from dpaudit.accounting import analytic
+    from dpaudit.accounting.matrix import single
+
+    steps, per_epoch, sigma = 12, 4, 1.5
+    mech = Mechanism("gaussian", sigma, 0.25, steps, "shuffle", 4, 16, strategy=parse("blt,buffers=2,order=fixed"))
+    sens = single.sensitivity(mech)
+    coefs = np.asarray(mech.strategy.coefs(steps))
+    c = np.array([[coefs[i - j] if j <= i else 0.0 for j in range(steps)] for i in range(steps)])
+    bound = single.resumed_epsilon(mech, 2, 1e-5).epsilon
+    for first in range(per_epoch):
+        shift = c[:, first::per_epoch].sum(axis=1)          # one participation an epoch, at its fixed position
+        for s in (0, 1, 5, steps - 1):
+            mu = math.sqrt(shift @ shift + shift[s:] @ shift[s:]) / (sigma * sens)
+            exact = analytic.epsilon(Mechanism("gaussian", 1.0 / mu), 1e-5).epsilon
+            assert exact <= bound + 1e-9
+            if s == 0 and first == 0:
+                assert exact == pytest.approx(bound, rel=1e-6)   # resumed at the start: the bound is attained
