@@ -1,5 +1,5 @@
 """Launched by tests/training/test_distributed.py under torchrun: one short training run, same seeds on every rank.
-argv: model run method [options: shard, sphere, bf16, micro, save, resume, bandmf, stop=K (exit at step K)]."""
+argv: model run method [options: shard, sphere, bf16, micro, save, resume, bandmf, blt, stop=K (exit at step K)]."""
 
 import os
 import sys
@@ -24,11 +24,8 @@ def stop_after(steps: int) -> None:
         return draw(*args, **kwargs)
 
     sampling.poisson_batch = counted
-    cyclic = sampling.cyclic_source
 
-    def counted_cyclic(*args, **kwargs):   # correlated runs draw cyclic Poisson batches
-        source = cyclic(*args, **kwargs)
-
+    def counted_draws(source):
         def made(*a, **k):
             draw = source(*a, **k)
 
@@ -42,7 +39,9 @@ def stop_after(steps: int) -> None:
 
         return made
 
-    sampling.cyclic_source = counted_cyclic
+    cyclic = sampling.cyclic_source   # correlated runs: BandMF draws cyclic Poisson batches, fixed-order BLT its order
+    sampling.cyclic_source = lambda *args, **kwargs: counted_draws(cyclic(*args, **kwargs))
+    sampling.fixed_order_source = counted_draws(sampling.fixed_order_source)
 
 
 if __name__ == "__main__":
@@ -56,7 +55,8 @@ if __name__ == "__main__":
                       bf16="bf16" in options, micro_batch=3 if "micro" in options else 0,
                       save_every=2 if "save" in options else 0, allow_overspend="resume" in options,
                       white_box=64 if "whitebox" in options else 0,
-                      noise="bandmf,b=2" if "bandmf" in options else None)
+                      noise="bandmf,b=2" if "bandmf" in options else "blt,buffers=2,order=fixed" if "blt" in options
+                      else None, sampling="shuffle" if "blt" in options else "poisson")
     try:
         train(model, TEXTS, run, cfg, resume="resume" in options, show_progress=False)
     except SystemExit as stopped:  # stop=K: the killed run's exit status

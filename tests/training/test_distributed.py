@@ -156,16 +156,19 @@ def test_a_sharded_dp_sgd_run_checkpoints_and_resumes_as_one_process_does(tiny_m
     assert moved > 1e-3 and gap <= 1e-5 * max(1.0, moved), (gap, moved)
 
 
-def test_a_banded_run_draws_the_same_numbers_sharded_or_data_parallel_and_resumes_so(tiny_model_dir, tmp_path):
-    """Correlated noise (--noise bandmf,b=2) killed after step 5 and resumed from its step-4 checkpoint, in one
-    process, sharded over two (each rank continues the noises of its slices; the checkpoint holds them whole) and
-    data parallel over two (rank 0 adds the noise): the same weights, and the same ledger."""
+@pytest.mark.parametrize("noise,accountant", [("bandmf", "bandmf"), ("blt", "matrix")])
+def test_a_correlated_run_draws_the_same_numbers_sharded_or_data_parallel_and_resumes_so(tiny_model_dir, tmp_path,
+                                                                                        noise, accountant):
+    """Correlated noise (--noise bandmf,b=2; blt,buffers=2,order=fixed with its fixed-order batches) killed after
+    step 5 and resumed from its step-4 checkpoint, in one process, sharded over two (each rank continues the noises
+    or buffers of its slices; the checkpoint holds them whole) and data parallel over two (rank 0 adds the noise):
+    the same weights, and the same ledger."""
     layouts = {"one": (1, ()), "sharded": (2, ("shard",)), "ddp": (2, ())}
     for name, (procs, extra) in layouts.items():
-        launch(tiny_model_dir, tmp_path / name, "dp-sgd", procs, "bandmf", "micro", "save", "stop=5", *extra)
-        launch(tiny_model_dir, tmp_path / name, "dp-sgd", procs, "bandmf", "micro", "save", "resume", *extra)
+        launch(tiny_model_dir, tmp_path / name, "dp-sgd", procs, noise, "micro", "save", "stop=5", *extra)
+        launch(tiny_model_dir, tmp_path / name, "dp-sgd", procs, noise, "micro", "save", "resume", *extra)
     ledgers = {n: json.loads((tmp_path / n / "privacy_ledger.json").read_text()) for n in layouts}
-    assert all(ledger["attempts"] == [[0, 5, None], [4, None, 0]] and ledger["accountant"] == "bandmf"
+    assert all(ledger["attempts"] == [[0, 5, None], [4, None, 0]] and ledger["accountant"] == accountant
                for ledger in ledgers.values())
     assert len({ledger["epsilon_spent"] for ledger in ledgers.values()}) == 1
     for name in ("sharded", "ddp"):
