@@ -58,7 +58,7 @@ class Mechanism:
         check_steps(self.steps)
         facts = scheme(self.sampling)
         self._sizes(facts)
-        if self.strategy is not None and self.strategy.family == "blt" and not self.strategy.theta:
+        if self.strategy is not None:
             from dpaudit.accounting.matrix.strategy import resolve
 
             object.__setattr__(self, "strategy", resolve(self))   # blt,buffers=d: searched for this schedule

@@ -99,3 +99,9 @@ def test_a_resumed_run_is_never_below_its_concrete_pair():
             assert exact <= bound + 1e-9
             if s == 0 and first == 0:
                 assert exact == pytest.approx(bound, rel=1e-6)   # resumed at the start: the bound is attained
+
+
+def test_the_spec_and_the_search_take_the_same_buffers():
+    from dpaudit.accounting.matrix import strategy
+
+    assert strategy.MAX_BUFFERS == toeplitz.MAX_BLT_BUFFERS

@@ -31,7 +31,7 @@ from dpaudit.core.errors import DPAuditError
 FAMILIES = ("bandmf", "blt")
 MAX_SPEC = 200          # characters of a --noise spec
 MAX_BANDS = 100_000
-MAX_BUFFERS = 8
+MAX_BUFFERS = 8   # toeplitz.MAX_BLT_BUFFERS (the search's), kept equal by a test
 INDEPENDENT = ("independent", "iid", "none", "")
 
 

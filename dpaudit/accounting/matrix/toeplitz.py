@@ -139,7 +139,8 @@ def blt_rational(theta, omega) -> tuple[np.ndarray, np.ndarray]:
     return num, den
 
 
-MAX_BLT_OPTIMISE = 20_000   # T of the BLT search (about 1 s at T = 2,000 and d = 4 on 2 cores; ~10x at the cap)
+MAX_BLT_OPTIMISE = 20_000   # T of the BLT search (0.15-0.3 s at T = 2,000 and d = 2-4 on 2 cores; ~10x at the cap)
+MAX_BLT_BUFFERS = 8
 
 
 def _blt_parameters(x: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
@@ -161,8 +162,8 @@ def optimal_blt(n: int, buffers: int, min_sep: int = 1, participations: int | No
     under ``participations`` participations at least ``min_sep`` apart. Deterministic (fixed starts)."""
     from scipy.optimize import minimize
 
-    if not 1 <= buffers <= 8 or not 1 <= n <= MAX_BLT_OPTIMISE:
-        raise ValueError(f"optimal_blt takes 1 <= d <= 8 buffers and T <= {MAX_BLT_OPTIMISE}, got d={buffers}, T={n}")
+    if not 1 <= buffers <= MAX_BLT_BUFFERS or not 1 <= n <= MAX_BLT_OPTIMISE:
+        raise ValueError(f"optimal_blt takes 1 <= d <= {MAX_BLT_BUFFERS} buffers and T <= {MAX_BLT_OPTIMISE}, got d={buffers}, T={n}")
 
     def objective(x: np.ndarray) -> float:
         with np.errstate(all="ignore"):
