@@ -10,23 +10,9 @@ import pytest
 import torch
 
 from dpaudit.core.errors import DPAuditError
-from dpaudit.training.dp_step import CorrelatedNoise
+from correlated_helpers import FixedDrawNoise, killed_run
 
 
-class _Fixed:
-    """The seam below CorrelatedNoise: adds the step's z (given by the test) instead of a stream's."""
-
-    def __init__(self, draws):
-        self.draws, self.t = draws, 0
-
-    def draw_noise(self, tensors, std):
-        for x in tensors:
-            x.add_(self.draws[self.t] * std)
-        self.t += 1
-
-
-class _Noise(CorrelatedNoise, _Fixed):
-    pass
 
 
 def test_the_noise_added_is_the_inverse_strategy_applied_to_the_draws():
@@ -34,7 +20,7 @@ def test_the_noise_added_is_the_inverse_strategy_applied_to_the_draws():
     steps, coefs = 12, np.array([0.7, 0.5, 0.3, 0.2])
     coefs = coefs / np.linalg.norm(coefs)
     draws = rng.normal(size=(steps, 5))
-    noise = _Noise(torch.tensor(draws))
+    noise = FixedDrawNoise(torch.tensor(draws))
     noise.noise_coefs = tuple(coefs)
     added = []
     for _ in range(steps):
@@ -144,12 +130,12 @@ def test_a_resumed_attempt_continues_the_strategy_with_fresh_draws():
             out.append(w.numpy())
         return out
 
-    first = _Noise(torch.tensor(first_draws))
+    first = FixedDrawNoise(torch.tensor(first_draws))
     first.noise_coefs = tuple(coefs)
     early = noises(first, s)
     saved = first.noise_state()            # the checkpoint at step s
     noises(first, 3)                       # steps s .. s + 2 released, then the kill
-    resumed = _Noise(torch.tensor(fresh))
+    resumed = FixedDrawNoise(torch.tensor(fresh))
     resumed.noise_coefs = tuple(coefs)
     resumed.load_noise_state(saved, [torch.zeros(3, dtype=torch.float64)])
     w = np.array(early + noises(resumed, steps - s))
@@ -164,25 +150,7 @@ def test_a_resumed_attempt_continues_the_strategy_with_fresh_draws():
 
 def _killed_banded(tiny_model_dir, run, monkeypatch, kill_at=5, **kw):
     """A BandMF run (b = 3, T 8, checkpoints every 2 steps) killed at its ``kill_at``-th step."""
-    from dpaudit.models.corpus import sentences
-    from dpaudit.training.runner import TrainConfig, train
-    from dpaudit.training.sgd import FirstOrderTrainer
-
-    cfg = TrainConfig(method="dp-sgd", sigma=1.0, steps=8, batch_size=8, save_every=2, secret_seed=5,
-                      noise="bandmf,b=3", allow_overspend=True, **kw)
-    real, calls = FirstOrderTrainer.run_step, []
-
-    def dies(self, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == kill_at:
-            raise KeyboardInterrupt
-        return real(self, *args, **kwargs)
-
-    with monkeypatch.context() as m:
-        m.setattr(FirstOrderTrainer, "run_step", dies)
-        with pytest.raises(Exception, match="interrupted"):
-            train(tiny_model_dir, sentences(80, seed=3), run, cfg, show_progress=False)
-    return cfg
+    return killed_run(tiny_model_dir, run, monkeypatch, kill_at, **kw)
 
 
 def test_a_killed_banded_run_resumes_and_counts_each_coin_across_its_attempts(tiny_model_dir, tmp_path, monkeypatch):

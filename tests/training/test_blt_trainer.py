@@ -12,30 +12,15 @@ import torch
 
 from dpaudit.accounting.matrix.strategy import Strategy
 from dpaudit.core.errors import DPAuditError
-from dpaudit.training.dp_step import CorrelatedNoise
+from correlated_helpers import FixedDrawNoise, killed_run
 
 SPEC = "blt,theta=0.9:0.4,omega=0.3:0.2"
 THETA, OMEGA = (0.9, 0.4), (0.3, 0.2)
 
 
-class _Fixed:
-    """The seam below CorrelatedNoise: adds the step's z (given by the test) instead of a stream's."""
 
-    def __init__(self, draws):
-        self.draws, self.t = draws, 0
-
-    def draw_noise(self, tensors, std):
-        for x in tensors:
-            x.add_(self.draws[self.t] * std)
-        self.t += 1
-
-
-class _Noise(CorrelatedNoise, _Fixed):
-    pass
-
-
-def _blt(draws) -> _Noise:
-    noise = _Noise(torch.tensor(draws))
+def _blt(draws) -> FixedDrawNoise:
+    noise = FixedDrawNoise(torch.tensor(draws))
     noise.noise_blt = (THETA, OMEGA)
     return noise
 
@@ -125,24 +110,10 @@ def test_what_blt_does_not_run_with_is_refused():
 def test_a_killed_blt_run_resumes_and_counts_each_attempt(tiny_model_dir, tmp_path, monkeypatch):
     from dpaudit.accounting.matrix import single
     from dpaudit.models.corpus import sentences
-    from dpaudit.training.runner import TrainConfig, privacy_plan, train
-    from dpaudit.training.sgd import FirstOrderTrainer
+    from dpaudit.training.runner import privacy_plan, train
 
     run = tmp_path / "run"
-    cfg = TrainConfig(method="dp-sgd", sigma=1.0, steps=8, batch_size=8, save_every=2, secret_seed=5,
-                      sampling="balls-in-bins", noise=SPEC, allow_overspend=True)
-    real, calls = FirstOrderTrainer.run_step, []
-
-    def dies(self, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == 5:
-            raise KeyboardInterrupt
-        return real(self, *args, **kwargs)
-
-    with monkeypatch.context() as m:
-        m.setattr(FirstOrderTrainer, "run_step", dies)
-        with pytest.raises(Exception, match="interrupted"):
-            train(tiny_model_dir, sentences(80, seed=3), run, cfg, show_progress=False)
+    cfg = killed_run(tiny_model_dir, run, monkeypatch, sampling="balls-in-bins", noise=SPEC)
     result = train(tiny_model_dir, sentences(80, seed=3), run, cfg, resume=True, show_progress=False)
     ledger = json.loads((run / "privacy_ledger.json").read_text())
     assert ledger["attempts"] == [[0, 5, None], [4, None, 0]]
