@@ -1,6 +1,17 @@
-"""Shared by the correlated-noise trainer tests: CorrelatedNoise (dp_step.py) over given draws instead of a stream."""
+"""Shared by the correlated-noise tests: a strategy's dense matrix, CorrelatedNoise (dp_step.py) over given draws
+instead of a stream, and a killed run."""
+
+import numpy as np
 
 from dpaudit.training.dp_step import CorrelatedNoise
+
+
+def dense(coefs, n: int) -> np.ndarray:
+    """The n x n lower-triangular Toeplitz matrix of ``coefs`` (zero past them), built entry by entry."""
+    coefs = np.asarray(coefs, float)
+    full = np.zeros(n)
+    full[:min(n, coefs.size)] = coefs[:n]
+    return np.array([[full[i - j] if i >= j else 0.0 for j in range(n)] for i in range(n)])
 
 
 class _Fixed:

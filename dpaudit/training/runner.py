@@ -93,16 +93,19 @@ class TrainConfig:
         self.bug = planted_bug(self.plant_bug, record, METHODS)
         if self.white_box and not self.private:
             raise DPAuditError("a white-box audit needs a private run (give --eps or --sigma)")
+        from dpaudit.accounting.matrix.strategy import parse
         from dpaudit.training.batches import SOURCES
 
-        if self.sampling not in SOURCES and not (self.sampling == FIXED_ORDER and _fixed_order_blt(self.noise)):
+        strategy = parse(self.noise)
+        fixed_order = strategy is not None and strategy.family == "blt" and strategy.fixed_order
+        if self.sampling not in SOURCES and not (self.sampling == FIXED_ORDER and fixed_order):
             raise DPAuditError(f"the bundled trainers draw {' or '.join(SOURCES)} batches, not {self.sampling!r} "
                                "(account another sampler with the accounting commands; --sampling shuffle is drawn "
                                "for --noise blt,...,order=fixed only: one fixed order)")
         if self.sampling != "poisson" and (self.white_box or not self.private):
             raise DPAuditError(f"--sampling {self.sampling} is for private runs without white-box canaries (their "
                                "audit assumes Poisson sampling; non-private runs shuffle)")
-        self.strategy = _correlated(self, record)
+        self.strategy = _correlated(self, strategy, record)
         if self.shard:  # the one list of what sharding does not run with (white-box canaries shard: probe.py)
             why = ("LoRA (its adapters are small; plain torchrun data parallelism suits it)" if self.trainable == "lora"
                    else "--per-sample-grads materialise (sharded DP-SGD uses ghost clipping)"
@@ -119,20 +122,10 @@ class TrainConfig:
 FIXED_ORDER = "shuffle"   # the sampler BLT's order=fixed epochs are accounted as (batches.fixed_order_source)
 
 
-def _fixed_order_blt(noise) -> bool:
-    from dpaudit.accounting.matrix.strategy import parse
-
-    strategy = parse(noise)
-    return strategy is not None and strategy.family == "blt" and strategy.fixed_order
-
-
-def _correlated(cfg: "TrainConfig", record):
-    """The run's noise strategy, or None: BandMF under cyclic Poisson batches (accounted by bandmf, with
-    amplification), BLT under balls-in-bins epochs (accounted by matrix, without: accounting/matrix/single.py); what
-    it does not run with is refused here, each with its reason."""
-    from dpaudit.accounting.matrix.strategy import parse
-
-    strategy = parse(cfg.noise)
+def _correlated(cfg: "TrainConfig", strategy, record):
+    """The run's noise strategy (``strategy``, parsed from --noise), or None: BandMF under cyclic Poisson batches
+    (accounted by bandmf, with amplification), BLT under balls-in-bins epochs or one fixed order (accounted by matrix,
+    without: accounting/matrix/single.py); what it does not run with is refused here, each with its reason."""
     if strategy is None:
         return None
     blt = strategy.family == "blt"

@@ -97,7 +97,6 @@ class FirstOrderTrainer:
         self.noise_seed, self.step_index = noise_seed, 0
         self.noise_coefs = noise_coefs   # BandMF's strategy (dp_step.CorrelatedNoise); None: independent noise
         self.noise_blt = noise_blt       # or BLT's (theta, omega) (dp_step.CorrelatedNoise)
-        self.correlated = noise_coefs is not None or noise_blt is not None
         base = (torch.optim.AdamW(params, lr=lr, weight_decay=0.0) if optimizer == "adamw"
                 else torch.optim.SGD(params, lr=lr))
         self.base_optimizer = base
@@ -106,6 +105,11 @@ class FirstOrderTrainer:
             self.model = self._per_example_module(model)
         else:
             self.model, self.optimizer = model, base
+
+    @property
+    def correlated(self) -> bool:
+        """Correlated noise (BandMF or BLT): the optimizer keeps a noise state that checkpoints carry."""
+        return self.noise_coefs is not None or self.noise_blt is not None
 
     def _dp_optimizer(self, base, clip: float, sigma: float, expected_batch_size: int, probe, bug):
         """Opacus' optimizer with the DP step's seams (dp_step.py), a planted bug's in front; sharded: NoisyShards.

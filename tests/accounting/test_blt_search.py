@@ -14,6 +14,7 @@ from dpaudit.accounting.matrix import toeplitz
 from dpaudit.accounting.matrix.strategy import parse
 from dpaudit.accounting.mechanism import Mechanism
 from dpaudit.core.errors import DPAuditError
+from correlated_helpers import dense
 
 
 def _sqrt_loss(n: int, sep: int, k: int) -> float:
@@ -24,7 +25,7 @@ def _sqrt_loss(n: int, sep: int, k: int) -> float:
 def _brute_sensitivity_squared(coefs: np.ndarray, sep: int, k: int) -> float:
     """max ||C u||^2 over every 0/1 pattern u with at most k ones at least sep apart (dense C)."""
     n = coefs.size
-    c = np.array([[coefs[i - j] if j <= i else 0.0 for j in range(n)] for i in range(n)])
+    c = dense(coefs, n)
     best = 0.0
     for count in range(1, k + 1):
         for steps in itertools.combinations(range(n), count):
@@ -89,7 +90,7 @@ def test_a_resumed_run_is_never_below_its_concrete_pair():
     mech = Mechanism("gaussian", sigma, 0.25, steps, "shuffle", 4, 16, strategy=parse("blt,buffers=2,order=fixed"))
     sens = single.sensitivity(mech)
     coefs = np.asarray(mech.strategy.coefs(steps))
-    c = np.array([[coefs[i - j] if j <= i else 0.0 for j in range(steps)] for i in range(steps)])
+    c = dense(coefs, steps)
     bound = single.resumed_epsilon(mech, 2, 1e-5).epsilon
     for first in range(per_epoch):
         shift = c[:, first::per_epoch].sum(axis=1)          # one participation an epoch, at its fixed position

@@ -24,14 +24,9 @@ from dpaudit.accounting.mechanism import schedule
 from dpaudit.accounting.registry import default_accountant, epsilon
 from dpaudit.core.errors import DPAuditError
 from cli_helpers import assert_one_line_error, dpaudit
+from correlated_helpers import dense
 
 FEW = settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-
-
-def dense(coefs: np.ndarray, n: int) -> np.ndarray:
-    full = np.zeros(n)
-    full[:min(n, coefs.size)] = coefs[:n]
-    return np.array([[full[i - j] if i >= j else 0.0 for j in range(n)] for i in range(n)])
 
 
 # --- the formulas, against dense matrices ---------------------------------------------------------------------

@@ -50,8 +50,8 @@ def test_default_prefix_is_one_token_in_the_library_and_the_cli(tokenizer, tiny_
     def lengths(manifest):
         return {len(tokenizer(c.prefix, add_special_tokens=False)["input_ids"]) for c in manifest.canaries}
 
-    assert make_canaries(tokenizer, 40, seed=1).prefix_length == 1
-    assert lengths(make_canaries(tokenizer, 40, seed=1)) == {1}
+    made = make_canaries(tokenizer, 40, seed=1)
+    assert made.prefix_length == 1 and lengths(made) == {1}
     assert dpaudit("canaries", "make", "-t", tiny_model_dir, "-o", tmp_path / "c.json", "-m", "40").returncode == 0
     made = load_manifest(tmp_path / "c.json")
     assert made.prefix_length == 1 and lengths(made) == {1}

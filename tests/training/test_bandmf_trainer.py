@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dpaudit.core.errors import DPAuditError
-from correlated_helpers import FixedDrawNoise, killed_run
+from correlated_helpers import FixedDrawNoise, dense, killed_run
 
 
 
@@ -27,10 +27,7 @@ def test_the_noise_added_is_the_inverse_strategy_applied_to_the_draws():
         out = torch.zeros(5, dtype=torch.float64)
         noise.draw_noise([out], 2.0)
         added.append(out.numpy())
-    c = np.zeros((steps, steps))
-    for i in range(steps):
-        for k in range(min(i + 1, coefs.size)):
-            c[i, i - k] = coefs[k]
+    c = dense(coefs, steps)
     np.testing.assert_allclose(np.array(added), np.linalg.solve(c, 2.0 * draws), rtol=1e-10, atol=1e-12)
     assert len(noise._past) == coefs.size - 1   # memory: b - 1 earlier noises, no more
 
@@ -139,10 +136,7 @@ def test_a_resumed_attempt_continues_the_strategy_with_fresh_draws():
     resumed.noise_coefs = tuple(coefs)
     resumed.load_noise_state(saved, [torch.zeros(3, dtype=torch.float64)])
     w = np.array(early + noises(resumed, steps - s))
-    c = np.zeros((steps, steps))
-    for i in range(steps):
-        for k in range(min(i + 1, coefs.size)):
-            c[i, i - k] = coefs[k]
+    c = dense(coefs, steps)
     np.testing.assert_allclose((c @ w)[s:], fresh, rtol=1e-10, atol=1e-12)
     with pytest.raises(DPAuditError, match="noise state"):
         resumed.load_noise_state(saved, [torch.zeros(4, dtype=torch.float64)])

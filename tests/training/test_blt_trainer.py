@@ -12,7 +12,7 @@ import torch
 
 from dpaudit.accounting.matrix.strategy import Strategy
 from dpaudit.core.errors import DPAuditError
-from correlated_helpers import FixedDrawNoise, killed_run
+from correlated_helpers import FixedDrawNoise, dense, killed_run
 
 SPEC = "blt,theta=0.9:0.4,omega=0.3:0.2"
 THETA, OMEGA = (0.9, 0.4), (0.3, 0.2)
@@ -38,7 +38,7 @@ def _lower_toeplitz(steps: int) -> np.ndarray:
     """C as a dense matrix, from the strategy's own coefficients (1, then sum_i omega_i theta_i^(k-1))."""
     coefs = np.asarray(Strategy("blt", theta=THETA, omega=OMEGA).coefs(steps))
     assert coefs[0] == pytest.approx(1.0) and coefs[3] == pytest.approx(sum(w * t ** 2 for t, w in zip(THETA, OMEGA)))
-    return np.array([[coefs[i - j] if j <= i else 0.0 for j in range(steps)] for i in range(steps)])
+    return dense(coefs, steps)
 
 
 def test_the_noise_added_is_the_inverse_strategy_applied_to_the_draws():
