@@ -221,11 +221,11 @@ def error_summary(mech, accountant: str) -> dict:
     last released prefix sum (per coordinate, units of C^2), at the event's sigma. The amplified BandMF route
     normalises C to column norm 1 (its participations are in the accounting), the matrix route scales the noise
     by the sensitivity under the sampler's participation; independent noise is DP-SGD's sigma^2 T."""
-    from dpaudit.accounting.matrix.single import sensitivity
+    from dpaudit.accounting.samplers import scheme
 
     if mech.strategy is None:
         return {"noise": "independent", "noise_std": mech.sigma, "expected_error": mech.sigma ** 2 * mech.steps}
-    sens2 = 1.0 if accountant == "bandmf" else sensitivity(mech) ** 2
+    sens2 = 1.0 if accountant == "bandmf" else sensitivity_squared(mech) * scheme(mech.sampling).sensitivity ** 2
     try:
         error = expected_error(mech, sens2)
     except DPAuditError:   # a banded strategy is optimised up to toeplitz.MAX_OPTIMISE steps: eps stands, error not
