@@ -95,6 +95,7 @@ class DPAuditCallback(TrainerCallback):
         self.controls = None         # a Manifest of never-inserted canaries, or None
         self.power_notes: dict = {}  # tiers whose canaries cannot refute the claim they are held to (said at prepare)
         self.probe = None
+        self.secret_seed = None      # prepare(secret_seed=): the probe's membership reproducible too (tests only)
         self.resumed_at = 0
         self.preflight_notes: list[str] = []
         self.result = None           # the black-box AuditResult, after training (exposure tiers pooled)
@@ -116,7 +117,8 @@ class DPAuditCallback(TrainerCallback):
         ``controls``: existing-kind canaries never inserted (out/controls.json): extra non-members for the AUC and
         TPR at low FPR, which cost no training tokens; they take no part in an eps bound, whose one-run theorem
         needs each canary's membership to be a fair coin.
-        ``secret_seed`` makes membership reproducible: tests and benchmarks only.
+        ``secret_seed`` makes membership reproducible, the canaries' and the white-box probe's: tests and
+        benchmarks only.
         ``white_box_m``: the gradient canaries of the white-box probe put on a DP optimizer (they cost no rows: 4
         bytes each a step of transcript; 0: no white-box probe). ``on_violation``: the probe audits as the run
         trains (at steps 16, 32, 64, ..., alpha held over every look: ``WhiteBoxProbe.watch``) and, at the first
@@ -180,6 +182,7 @@ class DPAuditCallback(TrainerCallback):
         atomic_write_json(out / SETTINGS, dict(settings.__dict__))
         audit = cls(out, manifest, settings, tokenizer)
         audit.controls = control
+        audit.secret_seed = secret_seed   # the white-box probe's membership too (never written: tests only)
         audit.power_notes = _power_notes(copies, repeats, claimed_eps, delta, alpha)
         for line in audit.power_notes.values():
             print(f"dpaudit: warning: {line}")
@@ -206,7 +209,7 @@ class DPAuditCallback(TrainerCallback):
             coordinates = sum(p.numel() for group in dp.param_groups for p in group["params"] if p.requires_grad)
             m = read_probe_spec(folder)["m"] if resume else min(self.settings.white_box_m, coordinates)
             self.probe = WhiteBoxProbe.attach(dp, m=m, out=folder, model=model, resume=resume,
-                                              accountant=hooked_accountant(dp))
+                                              accountant=hooked_accountant(dp), secret_seed=self.secret_seed)
             claim = self.settings.claimed_eps
             if self.settings.on_violation != "off" and self.settings.delta and (
                     claim is not None or getattr(self.probe, "accountant", None) is not None):
