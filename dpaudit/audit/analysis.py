@@ -49,6 +49,12 @@ class AuditResult:
     # A probe whose canaries entered as examples: the per-example clipping check (clipping.ClippingCheck). Canaries
     # whose contribution grows with their size void the claim's sensitivity.
     clipping: object = None
+    # A gradient probe that knows the accounted noise: the per-tensor noise check (noise_check.NoiseCheck). A tensor
+    # released with less noise than accounted voids the claim, however few canaries it holds.
+    noise: object = None
+    # Where the rate the run is accounted with was checked against the rate its data loader samples at
+    # (rates.RateCheck): a loader that samples more often than the accountant counts understates eps.
+    rate: object = None
     # What this audit can refute: its headline bound on perfect scores of the same membership (every member above
     # every non-member), the same guess counts, alpha split and headline: the most it could ever report. The one
     # oracle the report's "can refute" line and the pre-training power note read (power.most_certifiable).
@@ -64,7 +70,8 @@ class AuditResult:
 
     @property
     def violation(self) -> bool:
-        return bool(self.unprotected) or self._sampler_refused or self._clipping_refused or (
+        return bool(self.unprotected) or self._sampler_refused or self._clipping_refused or self._noise_refused \
+            or self._rate_refused or (
             self.claimed_epsilon is not None
                                           and self.epsilon_lower_bound > self.claimed_epsilon)
 
@@ -75,6 +82,10 @@ class AuditResult:
                                                        if len(self.unprotected) > 3 else "")
             return (f"VIOLATION: {len(self.unprotected)} trainable tensors are updated outside DP (no clipping, no "
                     f"noise): {names}")
+        if self._noise_refused:
+            return f"VIOLATION: {self.noise.reason}; eps lower bound {self.epsilon_lower_bound:.3f}"
+        if self._rate_refused:
+            return f"VIOLATION: {self.rate.reason}; eps lower bound {self.epsilon_lower_bound:.3f}"
         if self._clipping_refused:
             return (f"VIOLATION: the canaries were not clipped per example: {self.clipping.reason}"
                     f"; eps lower bound {self.epsilon_lower_bound:.3f}")
@@ -101,6 +112,14 @@ class AuditResult:
     def _clipping_refused(self) -> bool:
         return self.clipping is not None and self.clipping.refused
 
+    @property
+    def _noise_refused(self) -> bool:
+        return self.noise is not None and self.noise.refused
+
+    @property
+    def _rate_refused(self) -> bool:
+        return self.rate is not None and self.rate.refused
+
     def to_dict(self) -> dict:
         eps = self.epsilon_lower_bound
         return {
@@ -122,6 +141,8 @@ class AuditResult:
             **({"unprotected_parameters": list(self.unprotected)} if self.unprotected else {}),
             **({"canary_sampler_audit": self.sampler.to_dict()} if self.sampler is not None else {}),
             **({"clipping_check": self.clipping.to_dict()} if self.clipping is not None else {}),
+            **({"noise_check": self.noise.to_dict()} if self.noise is not None else {}),
+            **({"rate_check": self.rate.to_dict()} if self.rate is not None else {}),
             **({"claim_ceiling": self.ceiling.to_dict(self.roc.tpr_at_fpr)} if self.ceiling is not None else {}),
             **({"refutable_ceiling": self.refutable if math.isfinite(self.refutable) else "inf"}
                if self.refutable is not None else {}),

@@ -66,6 +66,9 @@ def markdown(result: AuditResult, context: dict, verdict: tuple[str, bool] | Non
            f"the other half): {result.sampler.verdict}"] if result.sampler is not None else []),
         *([f"- per-example clipping (canaries of two sizes, at alpha {result.clipping.alpha:g}): "
            f"{result.clipping.verdict}"] if getattr(result, "clipping", None) is not None else []),
+        *([f"- per-tensor noise (each tensor's canary releases against the accounted noise, at alpha "
+           f"{result.noise.alpha:g}): {result.noise.verdict}"] if getattr(result, "noise", None) is not None else []),
+        *([f"- sample rate: {result.rate.verdict}"] if getattr(result, "rate", None) is not None else []),
         *([f"- never-inserted controls among the ROC's non-members: {result.roc.negatives - result.nonmembers} (in the "
            "AUC and TPR only, never in a bound)"] if result.roc.negatives > result.nonmembers else []),
         f"- score: {result.score.name}: {result.score.description}", "",

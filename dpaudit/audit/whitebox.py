@@ -334,6 +334,34 @@ def canary_sampler_audit(run_dir: Path, members: np.ndarray, sample_rate: float,
     return analyse_batches(batches, dataset_size=len(index), sample_rate=sample_rate, alpha=alpha)
 
 
+def _noise_check(run_dir: Path, spec: dict, alpha: float):
+    """A gradient probe's per-tensor noise check (noise_check.py), or None where the probe does not say the accounted
+    noise multiplier (or says 0: nothing to check) or the shapes of the tensors its canaries sit on."""
+    from dpaudit.audit import noise_check
+    from dpaudit.audit.whitebox_canaries import WhiteBoxCanaries
+
+    sigma, shapes = spec.get("noise_multiplier"), spec.get("parameter_shapes")
+    if not isinstance(sigma, (int, float)) or isinstance(sigma, bool) or not sigma > 0 or not isinstance(shapes, list):
+        return None
+    try:
+        sizes = np.array([int(np.prod(s, dtype=np.int64)) for s in shapes], np.int64)
+    except (TypeError, ValueError):
+        raise DPAuditError(f"{run_dir}: probe.json's parameter_shapes are not as a probe writes them") from None
+    names = spec.get("parameter_names")
+    if not (isinstance(names, list) and len(names) == len(shapes) and all(isinstance(n, str) for n in names)):
+        names = [f"parameter {k} {tuple(s)}" for k, s in enumerate(shapes)]
+    canaries = WhiteBoxCanaries.load(run_dir)
+    coords = np.asarray(canaries.coordinates, np.int64)
+    if coords.size != canaries.m or (coords.size and (coords.min() < 0 or coords.max() >= sizes.sum())):
+        raise DPAuditError(f"{run_dir}: the canaries' coordinates are not inside the probed parameters")
+    tensor_of = np.searchsorted(np.cumsum(sizes), coords, side="right")
+    rows = _transcript_rows(run_dir, canaries.m)
+    tally = noise_check.read_tally(run_dir, spec["run_id"])
+    if tally is not None and tally["sizes"] != sizes.tolist():
+        raise DPAuditError(f"{run_dir}: {noise_check.TALLY} was written for other parameters than probe.json's")
+    return noise_check.check(rows, tensor_of, names, float(sigma) * float(spec["clip"]), alpha, tally)
+
+
 def audit_run_folder(run_dir: Path, *, claimed_epsilon: float | None, delta: float, alpha: float = 0.05,
                      headline: str = "auto", sample_rate: float | None = None):
     """The white-box audit of a run folder: (AuditResult of the chosen statistic, scores, members, facts).
@@ -353,6 +381,18 @@ def audit_run_folder(run_dir: Path, *, claimed_epsilon: float | None, delta: flo
             clipping = check(tally, alpha * CLIP_SHARE)
             alpha = alpha * (1 - CLIP_SHARE)
             facts = {**facts, "per-example clipping check": f"at alpha {clipping.alpha:g} (the rest at {alpha:g})"}
+    noise = None
+    spec = meta.get("probe")
+    if spec is not None and spec.get("kind") == "gradient":
+        from dpaudit.audit.noise_check import NOISE_SHARE
+
+        noise = _noise_check(Path(run_dir), spec, alpha * NOISE_SHARE)
+        if noise is not None:  # the per-tensor noise check pays alpha x its share
+            alpha = alpha - noise.alpha
+            facts = {**facts, "per-tensor noise check": f"at alpha {noise.alpha:g} (the rest at {alpha:g})"}
+        else:
+            facts = {**facts, "per-tensor noise check": "not made: the probe does not know the accounted noise "
+                                                        "(attach to an Opacus optimizer, or give noise_multiplier=)"}
     logged = run_folder.release_of(meta) == "pipeline-rows" and (Path(run_dir) / CANARY_BATCHES).is_file()
     sampler = None
     if logged and sample_rate is not None:
@@ -375,9 +415,13 @@ def audit_run_folder(run_dir: Path, *, claimed_epsilon: float | None, delta: flo
              "alpha per statistic": share,
              "other statistics": {k: r.epsilon_lower_bound for k, r in results.items() if k != best}}
     result = results[best]
-    result.alpha = alpha + (clipping.alpha if clipping is not None else 0.0)  # the family-wise level; each bound
-    result.sampler = sampler                                                  # inside was computed at its share
-    result.clipping = clipping
+    result.alpha = alpha + sum(c.alpha for c in (clipping, noise) if c is not None)  # the family-wise level; each
+    result.sampler = sampler                                                         # bound inside at its share
+    result.clipping, result.noise = clipping, noise
+    if spec is not None:
+        from dpaudit.audit.rate_check import RateCheck
+
+        result.rate = RateCheck.from_spec(spec)
     unprotected = (meta.get("probe") or {}).get("unprotected_parameters") or []
     result.unprotected = tuple(str(n) for n in unprotected)
     return result, stats[best], members, facts

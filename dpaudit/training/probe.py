@@ -29,6 +29,7 @@ from dpaudit.core.atomic import atomic_write_json
 from dpaudit.core.errors import DPAuditError
 from dpaudit.core.run_folder import PROBE, check_number as _check_number, read_probe_spec as read_spec
 from dpaudit.audit.clipping import TALLY as CLIP_TALLY
+from dpaudit.audit.noise_check import TALLY as NOISE_TALLY, read_tally as read_noise_tally
 from dpaudit.audit.whitebox_canaries import GAIN, TRANSCRIPT, WhiteBoxCanaries
 
 KINDS = ("gradient", "scalar")  # a PipelineProbe (pipeline_probe.py) is the third kind of probe folder
@@ -46,7 +47,8 @@ class WhiteBoxProbe:
 
     def __init__(self, params=None, *, m: int = 1000, clip: float, sample_rate: float, out, kind: str = "gradient",
                  gain: float = GAIN, seed: int = 0, resume: bool = False, model=None,
-                 secret_seed: int | None = None, _source: str = "plain PyTorch loop"):
+                 secret_seed: int | None = None, noise_multiplier: float | None = None,
+                 _source: str = "plain PyTorch loop"):
         if kind not in KINDS:
             raise DPAuditError(f"unknown probe kind {kind!r}; use gradient or scalar")
         _check_number("clip norm C", clip, above=0)
@@ -55,6 +57,11 @@ class WhiteBoxProbe:
         if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 2:
             raise DPAuditError(f"m (the number of canaries) must be an integer >= 2, got {m!r}")
         m = int(m)
+        if noise_multiplier is not None and noise_multiplier != 0:
+            _check_number("noise multiplier", noise_multiplier, above=0)
+        # sigma, the noise the claim is accounted with (std sigma x C on the released sum): the per-tensor noise
+        # check (audit/noise_check.py) holds every tensor's canary releases to it; None: not checked
+        self.noise_multiplier = None if noise_multiplier is None else float(noise_multiplier)
         self.kind, self.clip, self.rate, self.out = kind, float(clip), float(sample_rate), Path(out)
         self.params = [p for p in (params or []) if p.requires_grad]
         if kind == "gradient" and not self.params:
@@ -68,12 +75,16 @@ class WhiteBoxProbe:
         # Given the model, every trainable tensor must be among the noised ones (a LoRA group left out of the
         # DP optimizer is trained without clipping or noise: the audit reports it as a violation).
         noised = {id(p) for p in self.params}
+        named = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        self.names = [named.get(id(p), f"parameter {k} {tuple(p.shape)}") for k, p in enumerate(self.params)]
         self.unprotected = [] if model is None or kind != "gradient" else [
             name for name, p in model.named_parameters() if p.requires_grad and id(p) not in noised]
         from dpaudit.training.health import for_tensors
 
         # the update's health check (training/health.py): a plain loop's probe looks every EVERY steps, at begin
         self.health = for_tensors(self.params, model, bracketed=False) if kind == "gradient" else None
+        # the per-tensor noise tally (tally_noise): what earlier attempts tallied, and this one's, on the device
+        self._noise_prior, self._noise_prior_steps, self._noise_sq, self._noise_steps = None, None, None, None
         if resume:
             self._resume(m)
         else:
@@ -96,6 +107,8 @@ class WhiteBoxProbe:
         probe.run_id, probe.source, probe.bypass, probe.unprotected = canaries.run_id, "dpaudit train", None, []
         probe._sampler, probe._sampled, probe.step, probe._begun = None, np.zeros(0, int), start_step, None
         probe.health = None  # the bundled trainer's DP step is its own (training/dp_step.py)
+        probe.noise_multiplier, probe.names = None, []
+        probe._noise_prior, probe._noise_prior_steps, probe._noise_sq, probe._noise_steps = None, None, None, None
         probe.where = probe._locate(canaries.coordinates)
         probe._fh = None
         if write:
@@ -155,23 +168,29 @@ class WhiteBoxProbe:
         tally = read_tally(self.out, self.run_id)
         if tally is not None:  # what was tallied up to its last save (never past the transcript's rows)
             self._clip_tally = np.array([tally["small"], tally["large"]], float)
+        noise = read_noise_tally(self.out, self.run_id)
+        if noise is not None:  # each tallied step's noise was a real draw: kept, whatever the transcript kept
+            self._noise_prior, self._noise_prior_steps = np.array(noise["squares"], float), np.array(noise["steps"], float)
         self._cut_transcript(self.step)  # a crash mid-row: that row was never complete, so its release was not read
 
     def _place(self, m: int) -> list[int]:
         """m distinct coordinates (public, from the seed; flat indices into the parameters in order, as the
-        bundled trainers'), among the smallest trainable tensors so a canary's per-sample row is cheap."""
-        total = sum(p.numel() for p in self.params)
+        bundled trainers'): at least one on every trainable tensor, the rest spread in proportion to the tensors'
+        sizes, so a tensor released without its noise or clipping carries canaries that show it (audit/
+        noise_check.py reads each tensor's canary columns). The per-sample rows a canary costs do not grow with
+        its tensor (probe_opacus.inject clips stand-ins of the canaries' coordinates alone)."""
+        sizes = np.array([p.numel() for p in self.params], np.int64)
+        total = int(sizes.sum())
         if m > total:
             raise DPAuditError(f"{m} gradient canaries need as many trainable coordinates; there are {total}")
-        starts = np.cumsum([0] + [p.numel() for p in self.params])
-        pool, size = [], 0
-        for k in sorted(range(len(self.params)), key=lambda k: self.params[k].numel()):
-            pool.append(k)
-            size += self.params[k].numel()
-            if size >= 4 * m:
-                break
-        flat = np.concatenate([np.arange(starts[k], starts[k + 1]) for k in sorted(pool)])
-        return sorted(int(j) for j in np.random.default_rng([self.canaries.seed, 2]).choice(flat, m, replace=False))
+        if m < sizes.size:
+            raise DPAuditError(f"m = {m} gradient canaries cannot cover the {sizes.size} trainable tensors (each "
+                               f"carries at least one, so noise missing on any shows); give m >= {sizes.size}")
+        counts = per_tensor_counts(sizes, m)
+        rng = np.random.default_rng([self.canaries.seed, 2])
+        starts = np.cumsum([0] + sizes.tolist())
+        return sorted(int(starts[k] + j) for k, n in enumerate(counts)
+                      for j in rng.choice(int(sizes[k]), int(n), replace=False))
 
     def _locate(self, coordinates: list[int]) -> list[tuple[int, int]]:
         """(parameter index, flat offset) of each canary coordinate."""
@@ -187,7 +206,8 @@ class WhiteBoxProbe:
                 "clip": self.clip, "sample_rate": self.rate, "gain": self.canaries.gain, "source": self.source,
                 "canaries_bypass": self.bypass, "transcript": TRANSCRIPT, "floats_per_step": self.width,
                 "unprotected_parameters": self._unprotected_now(),
-                **({"parameter_shapes": _shapes(self.params)} if self.kind == "gradient" else {}),
+                **({"parameter_shapes": _shapes(self.params), "parameter_names": self.names,
+                    "noise_multiplier": self.noise_multiplier} if self.kind == "gradient" else {}),
                 "membership": "from secret_seed (reproducible: tests and benchmarks only)"
                 if self.secret_seed is not None else "OS entropy", **extra}
         old = read_spec(self.out) if (self.out / PROBE).exists() else {}
@@ -378,6 +398,7 @@ class WhiteBoxProbe:
         sampled.clear()
         if self.step % BLOCK_ROWS == 0 or on_device:
             self.save_tally()
+            self.save_noise_tally()
 
     def _tally(self, step: int, sampled: np.ndarray, row: np.ndarray) -> None:
         """Add the sampled canaries' contributions (signed, in units of C) to the clipping check's count, sum and
@@ -389,6 +410,37 @@ class WhiteBoxProbe:
         tally = self.__dict__.setdefault("_clip_tally", np.zeros((2, 3)))
         for c, chosen in enumerate((~big, big)):
             tally[c] += (chosen.sum(), x[chosen].sum(), (x[chosen] ** 2).sum())
+
+    def tally_noise(self, released, clipped) -> None:
+        """Add each tensor's squared noise this step (``released`` minus ``clipped``, its clipped sum before noise:
+        exactly the noise the step drew) to the per-tensor noise tally, on the tensors' device (no host
+        synchronisation; copied out with the transcript). audit/noise_check.py tests it against the accounted sigma."""
+        import torch
+
+        if self.noise_multiplier is None or len(released) != len(self.params):
+            return
+        device = self.params[0].device
+        measured = [r is not None and c is not None for r, c in zip(released, clipped)]
+        squares = torch.stack([torch.linalg.vector_norm(r.reshape(-1).float() - c.reshape(-1).float()).to(device) ** 2
+                               if ok else torch.zeros((), device=device)
+                               for r, c, ok in zip(released, clipped, measured)]).double()
+        counts = torch.tensor(measured, dtype=torch.float64, device=device)
+        if self._noise_sq is None:
+            self._noise_sq, self._noise_steps = squares, counts
+        else:
+            self._noise_sq, self._noise_steps = self._noise_sq + squares, self._noise_steps + counts
+
+    def save_noise_tally(self) -> None:
+        """Write the per-tensor noise tally beside the transcript (sums of squared noise; nothing of the members)."""
+        if self._noise_sq is None and self._noise_prior is None:
+            return
+        squares = np.zeros(len(self.params)) if self._noise_prior is None else self._noise_prior
+        steps = np.zeros(len(self.params)) if self._noise_prior is None else self._noise_prior_steps
+        if self._noise_sq is not None:
+            squares, steps = squares + self._noise_sq.cpu().numpy(), steps + self._noise_steps.cpu().numpy()
+        atomic_write_json(self.out / NOISE_TALLY, {
+            "run_id": self.run_id, "steps": [int(n) for n in steps],
+            "sizes": [p.numel() for p in self.params], "squares": [float(v) for v in squares]})
 
     def save_tally(self) -> None:
         """Write the clipping check's tally beside the transcript (0600: it is made from the members)."""
@@ -423,16 +475,18 @@ class WhiteBoxProbe:
 
     # -- Opacus ------------------------------------------------------------------------------------------
     @classmethod
-    def attach(cls, optimizer, *, m: int = 1000, out, sample_rate: float | None = None, accountant=None,
-               gain: float = GAIN, seed: int = 0, resume: bool = False, model=None,
+    def attach(cls, optimizer, *, m: int = 1000, out, data_loader=None, sample_rate: float | None = None,
+               accountant=None, gain: float = GAIN, seed: int = 0, resume: bool = False, model=None,
                secret_seed: int | None = None) -> "WhiteBoxProbe":
         """Attach to an Opacus ``DPOptimizer`` (any grad_sample_mode, after ``make_private`` or
-        ``make_private_with_epsilon``); the user's training loop stays as it is. Given ``model``, the audit
-        also checks that every trainable tensor is noised by this optimizer. How: probe_opacus.py."""
+        ``make_private_with_epsilon``); the user's training loop stays as it is. Given ``data_loader`` (the one
+        you train with), the canaries are sampled at its rate and the audit checks the accountant counts that rate;
+        given ``model``, it also checks that every trainable tensor is noised by this optimizer. How:
+        probe_opacus.py."""
         from dpaudit.training.probe_opacus import attach
 
         return attach(cls, optimizer, m=m, out=out, sample_rate=sample_rate, accountant=accountant, gain=gain,
-                      seed=seed, resume=resume, model=model, secret_seed=secret_seed)
+                      seed=seed, resume=resume, model=model, secret_seed=secret_seed, data_loader=data_loader)
 
     # -- audits as the run trains -----------------------------------------------------------------------
     def watch(self, *, delta: float, claimed_eps: float | None = None, accountant=None, alpha: float = 0.05,
@@ -553,6 +607,7 @@ class WhiteBoxProbe:
         if self._fh is not None and not self._fh.closed:
             self.flush()
             self.save_tally()
+            self.save_noise_tally()
             self._fh.close()
 
     def audit(self, claimed_eps: float | None = None, delta: float | None = None, *, accountant=None,
@@ -566,6 +621,7 @@ class WhiteBoxProbe:
         if self._fh is not None and not self._fh.closed:
             self.flush()
             self.save_tally()
+            self.save_noise_tally()
         if delta is None:
             raise DPAuditError("give the delta the run claims (the bound depends on it; 0 would inflate it)")
         accountant = accountant if accountant is not None else getattr(self, "accountant", None)
@@ -583,7 +639,14 @@ class WhiteBoxProbe:
         if getattr(self, "health", None) is not None:
             self.health.look(self.step)  # the moves up to now, whatever the last checked step saw
             self.save_health()  # read by the audit (nothing released, yet moved outside DP: VIOLATION, whitebox.py)
-        self._write_spec(claimed_epsilon=claimed_eps, delta=delta, claimed_epsilon_source=source)
+        counted = {}
+        if accountant is not None and self.kind == "gradient":  # the rates it counted, read now (rate_check.py)
+            from dpaudit.training.probe_opacus import accounted_rate
+
+            rate, rate_source = accounted_rate(accountant)
+            if rate is not None:
+                counted = {"accounted_rate": rate, "accounted_rate_source": rate_source}
+        self._write_spec(claimed_epsilon=claimed_eps, delta=delta, claimed_epsilon_source=source, **counted)
         result, scores, members, facts = audit_run_folder(self.out, claimed_epsilon=claimed_eps, delta=delta,
                                                           alpha=alpha, sample_rate=self._sampler_rate(accountant))
         if report:
@@ -608,6 +671,22 @@ class WhiteBoxProbe:
         return {"sampling rate p": self.rate, "clip C": self.clip,
                 "canaries bypass": self.bypass or "nothing: the optimizer's own clipping acts on them",
                 **(health.lines() if health is not None else {})}
+
+
+def per_tensor_counts(sizes: np.ndarray, m: int) -> np.ndarray:
+    """How many of m canaries each tensor carries: one each, the other m - n in proportion to the sizes (largest
+    remainders), never more than a tensor's size. Needs n <= m <= sizes.sum()."""
+    counts = np.ones(sizes.size, np.int64)
+    while counts.sum() < m:
+        room = sizes - counts
+        share = (m - counts.sum()) * room / room.sum()
+        add = np.minimum(np.floor(share).astype(np.int64), room)
+        if add.sum() == 0:  # what is left is less than one a tensor: to the largest remainders with room
+            order = np.argsort(-(share - np.floor(share)) - (room > 0), kind="stable")
+            add[order[:m - counts.sum()]] = 1
+            add = np.minimum(add, room)
+        counts += add
+    return counts
 
 
 def _shapes(params) -> list[list[int]]:

@@ -26,8 +26,11 @@ OPACUS_BYPASS = ("ghost (fast gradient clipping): Opacus clips each example in t
                  "canaries never enter, so the probe clips them itself at the optimizer's max_grad_norm")
 
 
-def attach(cls, optimizer, *, m, out, sample_rate, accountant, gain, seed, resume, model, secret_seed):
-    """``cls.attach`` (cls: WhiteBoxProbe): the probe, with the optimizer's class put behind ``Probed``."""
+def attach(cls, optimizer, *, m, out, sample_rate, accountant, gain, seed, resume, model, secret_seed,
+           data_loader=None):
+    """``cls.attach`` (cls: WhiteBoxProbe): the probe, with the optimizer's class put behind ``Probed``. The canaries
+    are drawn at the data loader's own rate where the loader is given (audit/rate_check.py sets it beside the rate
+    the accountant counts), else at ``sample_rate``, else at the rate the accountant's hook was given."""
     try:
         from opacus.optimizers import DPOptimizer
         from opacus.optimizers.optimizer_fast_gradient_clipping import DPOptimizerFastGradientClipping
@@ -38,21 +41,35 @@ def attach(cls, optimizer, *, m, out, sample_rate, accountant, gain, seed, resum
                            "(for another loop, use WhiteBoxProbe(params, ...) with canary_gradients/observe)")
     if isinstance(optimizer, Probed):
         raise DPAuditError("a WhiteBoxProbe is already attached to this optimizer (one probe a run)")
-    rate = sample_rate if sample_rate is not None else hooked_sample_rate(optimizer)
+    if getattr(optimizer, "target_unclipped_quantile", None) is not None:
+        raise DPAuditError("WhiteBoxProbe.attach does not support Opacus adaptive clipping (clipping='adaptive'): its "
+                           "clip norm changes every step, while the canaries and the per-tensor noise check hold one C; "
+                           "probe a run with a fixed max_grad_norm")
+    loader_rate, loader_source = loader_sample_rate(data_loader) if data_loader is not None else (None, "")
+    accountant = accountant if accountant is not None else hooked_accountant(optimizer)
+    hooked = hooked_sample_rate(optimizer)
+    accounted, accounted_source = accounted_rate(accountant)
+    if accounted is None and hooked is not None:
+        accounted, accounted_source = hooked, "the rate PrivacyEngine gave the accountant's step hook"
+    if accounted is None and sample_rate is not None:
+        accounted, accounted_source = float(sample_rate), "sample_rate= given to attach"
+    rate = loader_rate if loader_rate is not None else sample_rate if sample_rate is not None else hooked
     if rate is None:
         raise DPAuditError("the optimizer does not say its sample rate (no Opacus accountant hook is attached); "
-                           "pass sample_rate=")
+                           "pass data_loader= (the loader you train with) or sample_rate=")
     ghost = isinstance(optimizer, DPOptimizerFastGradientClipping)
     rank = int(getattr(optimizer, "rank", 0) or 0)  # Opacus' distributed optimizers know their rank
     if rank != 0:
         return Passive()  # rank 0 plants the canaries and reads the release; the others train as they are
     clip = optimizer.max_grad_norm if np.isscalar(optimizer.max_grad_norm) else max(optimizer.max_grad_norm)
     probe = cls(optimizer.params, m=m, clip=float(clip), sample_rate=rate, out=out, gain=gain, seed=seed,
-                resume=resume, model=model, secret_seed=secret_seed, _source=f"Opacus {type(optimizer).__name__}")
+                resume=resume, model=model, secret_seed=secret_seed, _source=f"Opacus {type(optimizer).__name__}",
+                noise_multiplier=float(optimizer.noise_multiplier))
     probe.bypass = OPACUS_BYPASS if ghost else None
     probe.accountant = accountant
-    probe._write_spec(optimizer=type(optimizer).__name__, noise_multiplier=float(optimizer.noise_multiplier),
-                      expected_batch_size=optimizer.expected_batch_size)
+    probe._write_spec(optimizer=type(optimizer).__name__, expected_batch_size=optimizer.expected_batch_size,
+                      loader_rate=loader_rate, loader_rate_source=loader_source,
+                      accounted_rate=accounted, accounted_rate_source=accounted_source)
     kind = type(optimizer)
     mixin = ProbedDistributed if hasattr(optimizer, "reduce_gradients") else Probed
     optimizer.__class__ = type(f"{mixin.__name__}{kind.__name__}", (mixin, kind), {})
@@ -79,6 +96,7 @@ class Probed:
     dpaudit_health = None
     dpaudit_steps = 0
     dpaudit_in_step = False
+    dpaudit_in_place = None  # whether add_noise adds into the clipped sums in place (learnt at the first step)
 
     def step(self, closure=None):
         """Opacus' step, bracketed for the update's health check (what moved in the step, and between steps); after
@@ -110,7 +128,15 @@ class Probed:
     def add_noise(self):
         if self.dpaudit_probe_ghost:
             self._join_once()
+        measure = bool(self.dpaudit_probe.noise_multiplier)
+        sums = [getattr(p, "summed_grad", None) for p in self.params] if measure else None
+        copies = snapshot(self.params, sums) if measure and self.dpaudit_in_place is not False else None
         super().add_noise()
+        if measure:  # what this step added to each tensor: the noise itself, for the per-tensor check
+            self.dpaudit_in_place = any(s is not None and p.grad is not None and s.data_ptr() == p.grad.data_ptr()
+                                        for p, s in zip(self.params, sums))
+            if not self.dpaudit_in_place or copies is not None:
+                self.dpaudit_probe.tally_noise([p.grad for p in self.params], copies if self.dpaudit_in_place else sums)
 
     def scale_grad(self):
         super().scale_grad()
@@ -139,6 +165,23 @@ class ProbedDistributed(Probed):
         self._read(self.world_size if self.loss_reduction == "mean" else 1)
 
 
+SNAPSHOT_SHARE = 0.05  # of the trainable values: the most a step copies to measure the noise added in place
+
+
+def snapshot(params, sums) -> list:
+    """The clipped sums before the noise, for an optimizer that adds the noise into them in place (dpaudit's DPStep;
+    Opacus' own add_noise writes a new p.grad, and the sums themselves serve: ``Probed.add_noise`` learns which at
+    the first step): copies of the smaller tensors, up to SNAPSHOT_SHARE of all values, None for the rest (the
+    per-tensor check then reads their canary releases alone)."""
+    budget = SNAPSHOT_SHARE * sum(p.numel() for p in params)
+    out, spent = [None] * len(params), 0
+    for k in sorted(range(len(params)), key=lambda k: params[k].numel()):
+        if sums[k] is None or spent + params[k].numel() > budget:
+            continue
+        out[k], spent = sums[k].detach().clone(), spent + params[k].numel()
+    return out
+
+
 def inject(probe, optimizer, ghost: bool) -> None:
     """The step's sampled canaries into the optimizer's clipped sum."""
     import torch
@@ -148,35 +191,42 @@ def inject(probe, optimizer, ghost: bool) -> None:
         return
     if ghost:
         return probe.add_to_summed_grad(probe.params, float(optimizer.max_grad_norm))
-    # Per-sample modes: the canaries are rows of per-sample gradients (zero but at their coordinate),
-    # clipped and summed by the optimizer's own clip_and_accumulate. It runs on a view of the optimizer
-    # that holds only the tensors the sampled canaries sit on: a canary's row is zero everywhere else, so
-    # the other tensors would add nothing to its norm or its sum, only a pass over every weight.
+    # Per-sample modes: the canaries are rows of per-sample gradients (zero but at their coordinate), clipped and
+    # summed by the optimizer's own clip_and_accumulate. It runs on a view of the optimizer whose parameters are
+    # stand-ins holding only the sampled canaries' coordinates of each tensor they sit on: a canary's row is zero
+    # everywhere else, so the rest of a tensor would add nothing to its norm or its sum, only rows the size of the
+    # tensor (a canary on a 100 M-value embedding would cost 400 MB a row). The stand-ins' clipped sums are then
+    # added at those coordinates of the tensors' own clipped sums.
     from types import SimpleNamespace
 
-    owners = sorted({probe.where[i][0] for i in sampled})
-    rows = len(sampled)
-    held = {k: getattr(probe.params[k], "grad_sample", None) for k in owners}
-    try:
-        for k in owners:
-            p = probe.params[k]
-            g = torch.zeros((rows, p.numel()), dtype=p.dtype, device=p.device)
-            for r, i in enumerate(sampled):
-                kk, off = probe.where[i]
-                if kk == k:
-                    g[r, off] = probe.canaries.gain * probe.clip * signs[i]
-            p.grad_sample = g.view(rows, *p.shape)
-        view = SimpleNamespace(params=[probe.params[k] for k in owners], max_grad_norm=optimizer.max_grad_norm,
-                               _get_flat_grad_sample=optimizer._get_flat_grad_sample)
-        view.grad_samples = [p.grad_sample for p in view.params]
-        norms = getattr(optimizer, "max_grad_norms", None)  # per-layer clipping: each tensor its own
-        if norms is not None:
-            index = {id(p): n for p, n in zip(optimizer.params, norms)}
-            view.max_grad_norms = [index[id(p)] for p in view.params]
-        _opacus_own(type(optimizer)).clip_and_accumulate(view)  # Opacus' own clipping, on the view
-    finally:
-        for k, g in held.items():
-            probe.params[k].grad_sample = g
+    rows, by_tensor = len(sampled), {}
+    for r, i in enumerate(sampled):
+        k, off = probe.where[i]
+        by_tensor.setdefault(k, []).append((r, off, probe.canaries.gain * probe.clip * signs[i]))
+    owners = sorted(by_tensor)
+    stand_ins = []
+    for k in owners:
+        p = probe.params[k]
+        q = torch.zeros(len(by_tensor[k]), dtype=p.dtype, device=p.device)
+        g = torch.zeros((rows, q.numel()), dtype=p.dtype, device=p.device)
+        for c, (r, _, value) in enumerate(by_tensor[k]):
+            g[r, c] = value
+        q.grad_sample, q.summed_grad = g, None
+        stand_ins.append(q)
+    view = SimpleNamespace(params=stand_ins, max_grad_norm=optimizer.max_grad_norm,
+                           _get_flat_grad_sample=lambda q: q.grad_sample)
+    view.grad_samples = [q.grad_sample for q in stand_ins]
+    norms = getattr(optimizer, "max_grad_norms", None)  # per-layer clipping: each tensor its own
+    if norms is not None:
+        index = {id(p): n for p, n in zip(optimizer.params, norms)}
+        view.max_grad_norms = [index[id(probe.params[k])] for k in owners]
+    _opacus_own(type(optimizer)).clip_and_accumulate(view)  # Opacus' own clipping, on the stand-ins
+    for k, q in zip(owners, stand_ins):
+        p = probe.params[k]
+        if p.summed_grad is None:  # an empty batch of examples: the canaries' sum alone
+            p.summed_grad = torch.zeros_like(p)
+        at = torch.tensor([off for _, off, _ in by_tensor[k]], device=p.device)
+        p.summed_grad.view(-1).index_add_(0, at, q.summed_grad.to(p.summed_grad.dtype))
 
 
 def _opacus_own(cls):
@@ -206,6 +256,37 @@ def hooked_accountant(optimizer):
         return None
     value = hook.__closure__[code.co_freevars.index("self")].cell_contents
     return value if hasattr(value, "get_epsilon") else None
+
+
+def loader_sample_rate(loader) -> tuple[float, str]:
+    """The rate at which ``loader`` puts each example in a batch: an Opacus ``DPDataLoader``'s (Poisson) sample rate,
+    else its batch size over its dataset's size (a loader of fixed batches: each example once an epoch)."""
+    for holder, name in ((loader, "DPDataLoader"), (getattr(loader, "batch_sampler", None), "its batch sampler")):
+        rate = getattr(holder, "sample_rate", None)
+        if isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 < rate <= 1:
+            return float(rate), f"{name}.sample_rate"
+    size, batch = _length(getattr(loader, "dataset", None)), getattr(loader, "batch_size", None)
+    if size and isinstance(batch, int) and batch > 0:
+        return min(1.0, batch / size), f"batch size {batch} of {size} examples (fixed batches, not Poisson)"
+    raise DPAuditError(f"data_loader: cannot read the rate a {type(loader).__name__} samples at (an Opacus "
+                       "DPDataLoader, or a DataLoader with a batch size and a sized dataset)")
+
+
+def _length(dataset) -> int | None:
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
+
+
+def accounted_rate(accountant) -> tuple[float | None, str]:
+    """The lowest sample rate an Opacus accountant has counted (its history: (noise multiplier, sample rate,
+    steps)), or (None, "") where it has counted nothing."""
+    history = getattr(accountant, "history", None)
+    rates = [float(h[1]) for h in history if len(h) >= 2] if isinstance(history, list) else []
+    if not rates:
+        return None, ""
+    return min(rates), f"{type(accountant).__name__}'s history"
 
 
 def hooked_sample_rate(optimizer) -> float | None:
