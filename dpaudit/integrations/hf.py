@@ -202,13 +202,24 @@ class DPAuditCallback(TrainerCallback):
         if dp is not None and self.settings.white_box_m >= 2:
             from dpaudit.core.run_folder import read_probe_spec
             from dpaudit.training.probe import WhiteBoxProbe
-            from dpaudit.training.probe_opacus import hooked_accountant
+            from dpaudit.training.probe_opacus import hooked_accountant, loader_sample_rate
 
             folder = self.out / WHITE_BOX
             resume = folder.is_dir() and any(folder.iterdir())
-            coordinates = sum(p.numel() for group in dp.param_groups for p in group["params"] if p.requires_grad)
-            m = read_probe_spec(folder)["m"] if resume else min(self.settings.white_box_m, coordinates)
-            self.probe = WhiteBoxProbe.attach(dp, m=m, out=folder, model=model, resume=resume,
+            trained = [p for group in dp.param_groups for p in group["params"] if p.requires_grad]
+            if not trained:
+                raise DPAuditError("nothing trains: the DP optimizer holds no trainable parameter (every adapter or "
+                                   "layer frozen?); unfreeze what the run should train")
+            coordinates = sum(p.numel() for p in trained)
+            # one canary on each trainable tensor at least (probe._place), never more than there are coordinates
+            m = read_probe_spec(folder)["m"] if resume else min(max(self.settings.white_box_m, len(trained)),
+                                                                 coordinates)
+            try:  # the canaries at the rate the Trainer's loader samples at, checked against the accountant's
+                loader_sample_rate(train_dataloader)
+                loader = train_dataloader
+            except DPAuditError:  # a loader whose rate cannot be read: the accountant's, and the report says so
+                loader = None
+            self.probe = WhiteBoxProbe.attach(dp, m=m, out=folder, model=model, resume=resume, data_loader=loader,
                                               accountant=hooked_accountant(dp), secret_seed=self.secret_seed)
             claim = self.settings.claimed_eps
             if self.settings.on_violation != "off" and self.settings.delta and (

@@ -23,10 +23,16 @@ prv-accountant < 0.2), so it is written here, small, on Opacus' own parts and dp
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from dpaudit.core.errors import DPAuditError
 
 MODES = ("ghost", "hooks")
+# The accountant's history across attempts, in the Trainer's output_dir: written ahead of each step's release, so a
+# resumed run (trainer.train(resume_from_checkpoint=...)) counts every step every earlier attempt released, those
+# after its checkpoint included, and the claim read from the accountant covers each of them.
+LEDGER = "dpaudit_accountant.json"
+LEDGER_FORMAT = "dpaudit-hf-accountant/1"
 
 
 def opacus_trainer(trainer_class=None, *, noise_multiplier: float, max_grad_norm: float = 1.0,
@@ -62,6 +68,63 @@ class OpacusTrainerMixin:
     dp_settings: dict = {}
     dp_optimizer = None
     per_example_module = None
+    dpaudit_resuming = False
+    released_before = 0   # steps every earlier attempt released (the ledger's count at this attempt's start)
+    ledger_history: list = []  # those steps as (noise multiplier, sample rate, steps), Opacus' history format
+    attempt_steps = 0     # steps this attempt has released (counted ahead of each release)
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        self.dpaudit_resuming = resume_from_checkpoint not in (None, False)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _ledger_path(self) -> Path:
+        return Path(self.args.output_dir) / LEDGER
+
+    def _read_ledger(self) -> list | None:
+        """The history of the attempts before this one, or None where the output folder holds no ledger."""
+        from dpaudit.core.run_folder import read_json
+
+        data = read_json(self._ledger_path(), "accountant ledger")
+        if data is None:
+            return None
+        history = data.get("history") if data.get("format") == LEDGER_FORMAT else None
+        if not isinstance(history, list) or not all(
+                isinstance(h, list) and len(h) == 3 and all(isinstance(v, (int, float)) for v in h) and h[2] >= 0
+                and float(h[1]) > 0 for h in history):
+            raise DPAuditError(f"{self._ledger_path()} is not an accountant ledger dpaudit wrote; refusing to resume "
+                               "without the steps earlier attempts released")
+        return [(float(h[0]), float(h[1]), int(h[2])) for h in history]
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        """A resume: the accountant starts from every step the earlier attempts released (the ledger), or, with no
+        ledger (a checkpoint written before it), from the checkpoint's steps: a floor the report names."""
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None or self.ledger_history:
+            return
+        import json
+
+        try:
+            with open(Path(checkpoint) / "trainer_state.json", encoding="utf-8") as fh:
+                steps = int(json.load(fh)["global_step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            raise DPAuditError(f"{checkpoint}: no readable trainer_state.json to count the steps already released") \
+                from None
+        self._start_history([(self.dp_settings["noise_multiplier"], self.sample_rate_accounted, steps)])
+
+    def _start_history(self, history: list) -> None:
+        self.ledger_history = list(history)
+        self.released_before = sum(h[2] for h in history)
+        self.accountant.history = [tuple(h) for h in history if h[2] > 0]
+
+    def _write_ahead(self) -> None:
+        """Before a step's release: the ledger counts it (with every earlier attempt's steps)."""
+        from dpaudit.core.atomic import atomic_write_json
+
+        self.attempt_steps += 1
+        history = self.ledger_history + [(self.dp_settings["noise_multiplier"], self.sample_rate_accounted,
+                                          self.attempt_steps)]
+        atomic_write_json(self._ledger_path(), {"format": LEDGER_FORMAT, "history": [list(h) for h in history],
+                                                "released": sum(h[2] for h in history)})
 
     def get_train_dataloader(self):
         from opacus.data_loader import DPDataLoader
@@ -95,7 +158,14 @@ class OpacusTrainerMixin:
 
         self.accountant = PRVAccountant() if settings["accountant"] == "prv" else RDPAccountant()
         rate = getattr(self, "sample_rate", None) or self.args.per_device_train_batch_size / len(self.train_dataset)
+        self.sample_rate_accounted = float(rate)
         self.dp_optimizer.attach_step_hook(self.accountant.get_optimizer_hook_fn(sample_rate=rate))
+        if self.dpaudit_resuming:
+            prior = self._read_ledger()
+            if prior is not None:
+                self._start_history(prior)
+        elif self._ledger_path().exists():  # a new run in this folder: its own count from 0
+            self._ledger_path().unlink()
         seed = settings.get("noise_seed")
         self.noise_secret = int(seed) if seed is not None else int.from_bytes(os.urandom(8), "little")
         self.optimizer = self.dp_optimizer
@@ -108,7 +178,11 @@ class OpacusTrainerMixin:
 
         model.train()
         self.dp_optimizer.zero_grad(set_to_none=True)  # Poisson: no per-example gradients carried over
-        self.dp_optimizer.noise_key = step_key(self.noise_secret, int(self.state.global_step))
+        # a resumed attempt's noise also keyed by the steps released before it (as streams.attempt_seed): two attempts
+        # from one checkpoint never draw the same noise for other batches, even under a fixed noise_seed
+        self.dp_optimizer.noise_key = step_key(self.noise_secret, int(self.state.global_step),
+                                               *([self.released_before] if self.released_before else []))
+        self._write_ahead()
         params = [p for p in self.dp_optimizer.params]
         if inputs.get("dpaudit_empty") is not None:  # no example sampled: the step adds noise only
             for p in params:

@@ -381,3 +381,64 @@ def test_the_preflight_sees_what_depends_on_the_batch_or_on_edits_after_prepare(
     unique = list({tuple(r["input_ids"]): r for r in data}.values())
     deduplicated = check(unique)
     assert len(deduplicated) == 1 and "fewer times than prepare() put them" in deduplicated[0]
+
+
+def test_an_opacus_trainer_resumed_twice_claims_every_step_every_attempt_released(tiny_model_dir, tmp_path):
+    """Killed after step 7 (checkpoint 6), resumed from 6 and killed after step 11 (checkpoint 9), resumed from 6
+    again to the end (12): the accountant's claim is a fresh accountant's eps over the 7 + 5 + 6 = 18 steps
+    released, and no two attempts draw the same noise at a step they share, even under one fixed noise_seed."""
+    from opacus.accountants import PRVAccountant
+    from transformers import DataCollatorForLanguageModeling, TrainerCallback, TrainingArguments
+
+    from dpaudit.integrations.hf import DPAuditCallback, opacus_trainer
+    from dpaudit.integrations.hf_opacus import LEDGER
+
+    class Kill(TrainerCallback):
+        def __init__(self, at):
+            self.at = at
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == self.at:
+                raise KeyboardInterrupt("killed")
+
+    keys = []
+
+    def attempt(kill_at, resume):
+        model, tok = _model(tiny_model_dir)
+        audit, rows = DPAuditCallback.prepare(tok, [{"text": t} for t in TEXTS], m=20, repeats=1, out=tmp_path / "a",
+                                              delta=1e-5, secret_seed=4, on_violation="off")
+        args = TrainingArguments(output_dir=str(tmp_path / "hf-out"), per_device_train_batch_size=32, max_steps=12,
+                                 learning_rate=1e-3, save_strategy="steps", save_steps=3, report_to=[], use_cpu=True,
+                                 disable_tqdm=True, seed=0, logging_steps=1000)
+        trainer = opacus_trainer(model=model, args=args, train_dataset=_tokenised(tok, rows),
+                                 data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
+                                 callbacks=[audit] + ([Kill(kill_at)] if kill_at else []), noise_multiplier=1.0,
+                                 max_grad_norm=1.0, noise_seed=12)
+        step = trainer.training_step
+
+        def logged(model, inputs, num_items_in_batch=None):
+            out = step(model, inputs, num_items_in_batch)
+            keys.append((int(trainer.state.global_step), trainer.dp_optimizer.noise_key))
+            return out
+        trainer.training_step = logged
+        try:
+            trainer.train(resume_from_checkpoint=resume)
+        except KeyboardInterrupt:
+            pass
+        return trainer, audit
+
+    attempt(7, None)
+    attempt(11, str(tmp_path / "hf-out" / "checkpoint-6"))
+    trainer, audit = attempt(None, str(tmp_path / "hf-out" / "checkpoint-6"))
+    released = 7 + (11 - 6) + (12 - 6)
+    ledger = json.loads((tmp_path / "hf-out" / LEDGER).read_text())
+    assert ledger["released"] == released and len(keys) == released
+    fresh = PRVAccountant()
+    fresh.history = [(1.0, trainer.sample_rate_accounted, released)]
+    report = json.loads((tmp_path / "a" / "report" / "report.json").read_text())
+    assert report["context"]["claimed eps"] == pytest.approx(fresh.get_epsilon(delta=1e-5), rel=1e-9)
+    by_step = {}
+    for step_index, key in keys:
+        by_step.setdefault(step_index, set()).add(key)
+    assert all(len(k) == sum(1 for s, _ in keys if s == i) for i, k in by_step.items())  # never the same noise twice
+    assert len(by_step[6]) == 3  # step 6 was run by all three attempts
