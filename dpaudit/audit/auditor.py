@@ -15,7 +15,7 @@ import numpy as np
 
 from dpaudit.audit import clopper_pearson, family, fdp, gaussian, gdp, one_run
 from dpaudit.audit.guesses import (  # noqa: F401 - the strategies, importable from here as before
-    Candidate, HullThresholds, TopGuesses, default_guess_counts, make_guesses, ranking, roc_hull,
+    Candidate, HullThresholds, TopGuesses, decided, default_guess_counts, make_guesses, ranking, roc_hull,
 )
 from dpaudit.audit.headlines import ANY_MECHANISM, GAUSSIAN_SHAPE, INDEPENDENT, RUN_FAMILY, WHITE_BOX_SUMS
 
@@ -32,7 +32,10 @@ class GuessCounts:
 
     def candidates(self, scores: np.ndarray, members: np.ndarray, seed: int) -> list[Candidate]:
         order = ranking(scores, seed)
-        return [Candidate(r, make_guesses(order, members, r).correct, f"r = {r}") for r in self.resolve(len(scores))]
+        ranked, m = scores[order], len(scores)
+        return [Candidate(r, make_guesses(order, members, r).correct
+                          if decided(ranked, (r + 1) // 2, *([m - r // 2] if r // 2 else []))
+                          else 0, f"r = {r}") for r in self.resolve(m)]
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,8 @@ class TensorNoise:
                         # sqrt of S / its degrees of freedom)
     ratio_diff: float   # the same from the steps' differences (sqrt of D / its degrees of freedom / 2)
     p_value: float      # the smaller lower-tail p-value of the two statistics
-    blind: bool = False  # the data's share here is so large that the releases without any noise would pass too
+    blind: bool = False  # read from canaries alone, and the data's share there is as large as the noise itself
+    direct: bool = False  # the noise itself measured (the probe's tally), not only the canaries' releases
 
 
 @dataclass(frozen=True)
@@ -81,21 +82,27 @@ class NoiseCheck:
     def verdict(self) -> str:
         if self.refused:
             return f"noise missing: {self.reason}"
-        seen = [t for t in self.tensors if not t.blind]
+        measured = [t for t in self.tensors if t.direct]
+        words = (f"no trainable tensor was released with less than the accounted noise (std {self.noise_std:.4g}; "
+                 f"lowest measured {min(t.ratio for t in self.tensors):.3g}x)")
+        if measured:
+            words += f"; the noise itself measured on {len(measured)} of {len(self.tensors)}"
+        if len(measured) < len(self.tensors):
+            words += (f"; {len(self.tensors) - len(measured)} read from the canaries' releases alone, where a tensor "
+                      "released without noise passes if the data's gradient at its canaries is as large as the noise "
+                      "(give observe() the clipped sums, or attach to the Opacus optimizer, to measure the noise)")
         blind = self.blind
-        words = (f"{len(seen)} of {len(self.tensors)} trainable tensors checked carry the accounted noise (std "
-                 f"{self.noise_std:.4g}" + (f"; lowest measured {min(t.ratio for t in seen):.3g}x)" if seen else ")"))
         if blind:
             names = ", ".join(f"{t.name} ({t.ratio:.3g}x)" for t in blind[:3])
             more = f" and {len(blind) - 3} more" if len(blind) > 3 else ""
-            words += (f"; on {len(blind)} the data's gradient at the canaries is about as large as the noise, so "
-                      f"releases without noise would read the same: not shown either way: {names}{more}")
+            words += f"; as it is on {len(blind)}, so not shown either way: {names}{more}"
         return words
 
     def to_dict(self) -> dict:
         return {"verdict": self.verdict, "refused": self.refused, "alpha": self.alpha, "noise_std": self.noise_std,
                 "tensors": [{"name": t.name, "canaries": t.canaries, "noise_ratio": t.ratio,
-                             "noise_ratio_differences": t.ratio_diff, "p_value": t.p_value} for t in self.tensors]}
+                             "noise_ratio_differences": t.ratio_diff, "p_value": t.p_value,
+                             "noise_measured": t.direct, "data_as_large_as_noise": t.blind} for t in self.tensors]}
 
 
 def column_squares(releases: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -169,10 +176,10 @@ def check(releases: np.ndarray, tensor_of: np.ndarray, names: list[str], noise_s
         if direct and tally["steps"][k]:  # exact: the noise itself, every coordinate of the tensor
             nn = tally["sizes"][k] * tally["steps"][k]
             measured = tally["squares"][k] / noise_std ** 2
-            p, blind = min(p, float(chi2.cdf(measured, nn))), False
+            p, blind, direct = min(p, float(chi2.cdf(measured, nn))), False, True
             ratio = math.sqrt(measured / nn)
         else:
-            ratio = math.sqrt(s / n)
+            ratio, direct = math.sqrt(s / n), False
         out.append(TensorNoise(name=name, canaries=int(cols.size), ratio=ratio, ratio_diff=ratio_diff,
-                               p_value=p, blind=bool(blind)))
+                               p_value=p, blind=bool(blind), direct=direct))
     return NoiseCheck(alpha=alpha, noise_std=float(noise_std), tensors=tuple(out), statistics=statistics)

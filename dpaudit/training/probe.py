@@ -338,9 +338,12 @@ class WhiteBoxProbe:
         sampled, signs = self.begin(step), self.canaries.signs(step)
         return float(self._value(self.clip) * signs[sampled].sum())
 
-    def observe(self, step: int, released, scale: float = 1.0) -> None:
+    def observe(self, step: int, released, scale: float = 1.0, clipped=None) -> None:
         """Record the step's release: for gradient probes the noisy gradient sum (one tensor per parameter,
-        or anything ``scale`` times which is that sum); for scalar probes the noisy sum."""
+        or anything ``scale`` times which is that sum); for scalar probes the noisy sum. ``clipped`` (gradient
+        probes): the step's clipped sums before the noise, canaries included, one tensor per parameter: the release
+        minus them is the noise the step added, which the per-tensor noise check then measures on every coordinate
+        (without it, on the canaries' coordinates alone)."""
         if self.kind == "scalar":
             return self._record(step, np.array([float(released) * scale]))
         released = [r.detach() for r in released]
@@ -351,6 +354,10 @@ class WhiteBoxProbe:
             raise DPAuditError(f"observe() got tensor {wrong[0]} of {released[wrong[0]].numel()} values for a "
                                f"parameter of {self.params[wrong[0]].numel()}: give the released gradient sums, one "
                                "tensor per parameter, in the parameters' order")
+        if clipped is not None:
+            if len(clipped) != len(released):
+                raise DPAuditError(f"observe() got {len(clipped)} clipped sums for {len(self.params)} parameters")
+            self.tally_noise([r * scale for r in released], [c.detach() for c in clipped])
         self.observe_slices(step, [(r, 0, r.numel()) for r in released], scale)
 
     def _record(self, step: int, row) -> None:

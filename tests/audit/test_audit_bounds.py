@@ -182,3 +182,27 @@ def test_optimal_attacks_on_subsampled_gaussians_read_violation_at_most_alpha(p,
 def test_optimal_attacks_on_a_subsampled_gaussian_read_violation_at_most_alpha_quick():
     """The fast tier's sibling of the test above: 40 audits at p = 0.1."""
     assert _optimal_audit_violations(0.1, 1.0, 10, 40, seed=1) <= stats.binom.ppf(0.999, 40, 0.05)
+
+
+@pytest.mark.parametrize("members_n", [1, 20, 29, 35, 39])
+def test_all_tied_scores_give_zero_whatever_the_membership_count(members_n):
+    """A model equal to its base scores every canary alike: no guess set is chosen by the scores (top m, or a cut
+    inside the tie), so no bound may rise, however lopsided the membership coin fell (29 of 40 read 0.148)."""
+    from dpaudit.audit.analysis import analyse
+
+    members = np.zeros(40, bool)
+    members[:members_n] = True
+    result = analyse(np.zeros(40), members, claimed_epsilon=0.1, delta=1e-5, alpha=0.05, score="loss-vs-base")
+    assert result.epsilon_lower_bound == 0 and not result.violation
+    assert all(b.epsilon == 0 for b in result.bounds.values())
+
+
+def test_a_guess_set_cut_inside_a_tie_is_not_scored_but_still_paid_for():
+    from dpaudit.audit.guesses import TopGuesses, decided
+
+    scores = np.r_[np.full(13, 5.0), np.zeros(27)]
+    members = np.r_[np.ones(13, bool), np.zeros(27, bool)]
+    cands = {c.k: c for c in TopGuesses().candidates(scores, members, seed=0)}  # k = 1, 2, 4, 7, 13, 23, 40
+    assert cands[13].v == 13 and cands[40].v == 0 and cands[7].v == 0  # 7 cuts inside the top 13's tie
+    assert len(cands) == len(TopGuesses().candidates(np.arange(40.0), members, seed=0))  # the same count paid for
+    assert decided(np.array([3.0, 2.0, 1.0]), 1, 2) and not decided(np.array([1.0, 1.0, 0.0]), 1)

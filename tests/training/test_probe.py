@@ -334,3 +334,131 @@ def test_rows_kept_on_the_device_are_written_in_blocks_and_read_the_same(tmp_pat
         transcripts[kept] = np.fromfile(path, dtype="<f4")
         probe.close()
     assert np.array_equal(transcripts[False], transcripts[True])
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 10))
+
+
+def _drop_noise_on(numel: int):
+    """Patch Opacus' noise so that the tensor of ``numel`` values gets none (the MLP's tensor sizes are distinct)."""
+    import opacus.optimizers.optimizer as plain
+    import opacus.optimizers.optimizer_fast_gradient_clipping as ghost
+
+    real = plain._generate_noise
+
+    def noise(std, reference, generator=None, secure_mode=False):
+        drawn = real(std, reference, generator=generator, secure_mode=secure_mode)
+        return drawn * 0 if reference.numel() == numel else drawn
+    return pytest.MonkeyPatch.context(), (plain, ghost), noise
+
+
+SIZES = [64 * 20, 64, 64 * 64, 64, 640, 10]
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_noise_missing_on_any_one_tensor_of_an_opacus_run_is_a_violation_that_names_it(mode, tmp_path):
+    """Each trainable tensor in turn released without its noise (the rest correct, sigma for eps = 4): VIOLATION,
+    naming that tensor, from canaries on every tensor and the noise each step added; the correct run is not."""
+    from opacus import PrivacyEngine
+
+    X, y = _data()
+    y = (X[:, :4] @ torch.arange(1.0, 5.0)).argsort().argsort() * 10 // N
+    for dropped in [None, 1280, 64, 4096, 640, 10]:  # 64: both hidden biases at once (the patch goes by size)
+        context, modules, noise = _drop_noise_on(dropped or -1)
+        with context as mp:
+            for module in modules:
+                mp.setattr(module, "_generate_noise", noise)
+            model = _mlp()
+            loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, y), batch_size=32)
+            engine, criterion = PrivacyEngine(accountant="prv"), torch.nn.CrossEntropyLoss()
+            kw = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), data_loader=loader,
+                      noise_multiplier=1.2532, max_grad_norm=1.0, grad_sample_mode=mode)
+            if mode == "ghost":
+                model, optimizer, criterion, loader = engine.make_private(criterion=criterion, **kw)
+            else:
+                model, optimizer, loader = engine.make_private(**kw)
+            probe = WhiteBoxProbe.attach(optimizer, m=60, out=tmp_path / f"{mode}{dropped}", secret_seed=SEED,
+                                         model=model, data_loader=loader)
+            _train(model, optimizer, criterion, loader, 30)
+            result = probe.audit(claimed_eps=4.0, delta=1e-5)
+        names = [t.name for t in result.noise.missing]
+        if dropped is None:
+            assert not result.violation and not names, result.verdict
+        else:
+            expected = [f"_module.{2 * (k // 2)}.{'bias' if k % 2 else 'weight'}" for k, n in enumerate(SIZES)
+                        if n == dropped]
+            assert result.violation and names == expected, result.verdict
+            assert "trainable tensors were released with less than the accounted noise" in result.verdict
+
+
+@pytest.mark.parametrize("measured", [True, False])
+def test_noise_missing_on_any_one_tensor_of_a_plain_loop_is_a_violation(tmp_path, measured):
+    """The plain loop's probe (noise_multiplier= given): with the clipped sums passed to observe (measured), dropping
+    the noise of any one tensor reads VIOLATION naming it; from the canaries' releases alone too (the output bias,
+    whose data gradient is as large as the noise, by the steps' differences), and the verdict of the correct run then
+    says what releases alone cannot tell."""
+    X, y = _data()
+    sigma, rate = 2.0, 8 / N
+    for dropped in [None, *range(len(SIZES))]:
+        model = _mlp()
+        params = list(model.parameters())
+        probe = WhiteBoxProbe(params, m=60, clip=1.0, sample_rate=rate, out=tmp_path / f"plain{dropped}",
+                              secret_seed=SEED, model=model, noise_multiplier=sigma)
+        g = torch.Generator().manual_seed(1)
+        for step in range(40):
+            batch = torch.nonzero(torch.rand(N, generator=g) < rate).reshape(-1)
+            clipped = [torch.zeros_like(p) for p in params]
+            for i in batch:
+                model.zero_grad()
+                torch.nn.functional.cross_entropy(model(X[i:i + 1]), y[i:i + 1]).backward()
+                norm = torch.sqrt(sum((p.grad ** 2).sum() for p in params))
+                for c, p in zip(clipped, params):
+                    c += p.grad * min(1.0, 1.0 / float(norm))
+            canaries = probe.canary_gradients(step)
+            released = [c + a + (0 if k == dropped else sigma * torch.randn(p.shape, generator=g))
+                        for k, (c, a, p) in enumerate(zip(clipped, canaries, params))]
+            probe.observe(step, released, clipped=[c + a for c, a in zip(clipped, canaries)] if measured else None)
+            with torch.no_grad():
+                for p, r in zip(params, released):
+                    p -= 0.05 * r / 8
+        result = probe.audit(claimed_eps=50.0, delta=1e-5)
+        names, blind = [t.name for t in result.noise.missing], [t.name for t in result.noise.blind]
+        name = None if dropped is None else f"{2 * (dropped // 2)}.{'bias' if dropped % 2 else 'weight'}"
+        if dropped is None:  # from the canaries alone, the verdict says what it could not tell
+            assert not names and (measured or blind == ["4.bias"]), result.noise.verdict
+            assert measured or "passes if the data's gradient at its canaries is as large" in result.noise.verdict
+        else:
+            assert result.violation and names == [name], result.noise.verdict
+        assert all(t.direct for t in result.noise.tensors) == measured
+
+
+def test_canaries_sit_on_every_trainable_tensor_spread_by_size(tmp_path):
+    model = _mlp()
+    probe = WhiteBoxProbe(list(model.parameters()), m=60, clip=1.0, sample_rate=0.1, out=tmp_path / "p",
+                          secret_seed=SEED)
+    per_tensor = np.bincount([k for k, _ in probe.where], minlength=len(SIZES))
+    assert per_tensor.min() >= 1 and per_tensor.sum() == 60 and per_tensor.argmax() == SIZES.index(4096)
+    with pytest.raises(DPAuditError, match="cannot cover the 6 trainable tensors"):
+        WhiteBoxProbe(list(model.parameters()), m=5, clip=1.0, sample_rate=0.1, out=tmp_path / "q")
+
+
+def test_an_accountant_told_a_lower_rate_than_the_loader_samples_at_is_a_violation(tmp_path):
+    """The accountant counts p / 10 while the data loader samples at p: the canaries are drawn at the loader's rate
+    and the audit reads VIOLATION, naming both rates (before: the canaries shared the wrong rate; read 0.0)."""
+    engine, model, optimizer, criterion, loader = _opacus("hooks", sigma=1.0)
+    from opacus.accountants import PRVAccountant
+
+    wrong = PRVAccountant()
+    optimizer.attach_step_hook(wrong.get_optimizer_hook_fn(sample_rate=B / N / 10))  # replaces the engine's hook
+    probe = WhiteBoxProbe.attach(optimizer, m=200, out=tmp_path / "p", secret_seed=SEED, accountant=wrong,
+                                 data_loader=loader)
+    assert probe.rate == pytest.approx(B / N)
+    _train(model, optimizer, criterion, loader, 20)
+    result = probe.audit(delta=1e-5)
+    assert result.violation and result.rate.refused and "samples at rate 0.125" in result.verdict, result.verdict
+    right = WhiteBoxProbe.attach(_opacus("hooks", sigma=1.0)[2], m=200, out=tmp_path / "q", secret_seed=SEED,
+                                 data_loader=loader)
+    assert not (right.out / "probe.json").read_text().count('"accounted_rate": 0.0125')
