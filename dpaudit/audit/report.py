@@ -49,16 +49,33 @@ def _kv(bound: dict) -> str:
     return "-" if bound["k"] is None else f"{bound['k']}, {bound['v']}"
 
 
-def markdown(result: AuditResult, context: dict, verdict: tuple[str, bool] | None = None) -> str:
+def decided_by(parts: dict, violated: dict) -> dict:
+    """The bound that decides a verdict made of several audits (``parts``: {name: AuditResult}; ``violated``:
+    {name: whether it reads VIOLATION}): the first part that reads VIOLATION, else the part with the largest bound;
+    each part's bound beside it. What report.json's epsilon_lower_bound and the headline then say."""
+    name = next((n for n in parts if violated[n]), None) or max(parts, key=lambda n: parts[n].epsilon_lower_bound)
+    eps = parts[name].epsilon_lower_bound
+    return {"from": name, "bound": parts[name].headline, "epsilon_lower_bound": eps if np.isfinite(eps) else "inf",
+            "parts": {n: (r.epsilon_lower_bound if np.isfinite(r.epsilon_lower_bound) else "inf")
+                      for n, r in parts.items()}}
+
+
+def markdown(result: AuditResult, context: dict, verdict: tuple[str, bool] | None = None,
+             decided: dict | None = None) -> str:
     d = result.to_dict()
     head = d["headline"]
+    own = (f"{_num(d['epsilon_lower_bound'])} ({head['bound']}, delta = {result.delta:g}, alpha = {result.alpha:g}). "
+           f"Why it is valid: {head['why_valid']}. Valid for: {head['valid_for']}.")
     lines = [
         "# dpaudit membership-inference audit", "",
         f"**Verdict:** {verdict[0] if verdict else d['verdict']}", "",
         *([f"- this audit's own verdict (the pooled scores below): {d['verdict']}", ""]
           if verdict and verdict[0] != d["verdict"] else []),
-        f"**Headline eps lower bound:** {_num(d['epsilon_lower_bound'])} ({head['bound']}, delta = {result.delta:g}, "
-        f"alpha = {result.alpha:g}). Why it is valid: {head['why_valid']}. Valid for: {head['valid_for']}.", "",
+        *([f"**Headline eps lower bound:** {_num(decided['epsilon_lower_bound'])}, from the {decided['from']} "
+           f"({decided['bound']}): the bound that decided the verdict; "
+           + ", ".join(f"{n} {_num(v)}" for n, v in decided["parts"].items()) + ".", "",
+           f"- the {next(iter(decided['parts']))} headline below: {own}", ""] if decided else
+          [f"**Headline eps lower bound:** {own}", ""]),
         *_reach(result, d), 
         *(f"- {md(k)}: {md(v)}" for k, v in context.items()),
         f"- canaries: m = {result.m} ({result.members} members, {result.nonmembers} non-members)",
@@ -165,18 +182,23 @@ def scores_csv(scores: np.ndarray, members: np.ndarray) -> str:
 
 
 def write_report(folder: Path, result: AuditResult, scores, members, context: dict,
-                 verdict: tuple[str, bool] | None = None) -> dict[str, Path]:
+                 verdict: tuple[str, bool] | None = None, decided: dict | None = None) -> dict[str, Path]:
     """``verdict``: (words, violation) decided beyond ``result`` (a white-box audit beside it, exposure tiers);
-    it replaces the result's own verdict at the top, which stays in the report as "this audit's verdict"."""
+    it replaces the result's own verdict at the top, which stays in the report as "this audit's verdict".
+    ``decided`` (decided_by): the bound that decided it, which epsilon_lower_bound and the headline then are, with
+    each part's bound beside it (this result's own stays as "this audit's epsilon_lower_bound")."""
     from dpaudit.core.plots import roc_plot
 
     folder = Path(folder)
     payload = {**result.to_dict(), "context": context}
     if verdict is not None:
         payload = {**payload, "verdict": verdict[0], "violation": verdict[1], "this audit's verdict": result.verdict}
+    if decided is not None:
+        payload = {**payload, "epsilon_lower_bound": decided["epsilon_lower_bound"], "verdict_bound": decided,
+                   "this audit's epsilon_lower_bound": payload["epsilon_lower_bound"]}
     return {
         "json": atomic_write_json(folder / "report.json", payload),
-        "markdown": atomic_write_text(folder / "report.md", markdown(result, context, verdict)),
+        "markdown": atomic_write_text(folder / "report.md", markdown(result, context, verdict, decided)),
         "roc": roc_plot(result.roc.fpr, result.roc.tpr, result.roc.auc, folder / "roc.png", score=result.score.name,
                         forbidden=_forbidden(result)),
         "scores": atomic_write_text(folder / "scores.csv", scores_csv(np.asarray(scores), np.asarray(members)),

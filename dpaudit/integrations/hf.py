@@ -101,6 +101,7 @@ class DPAuditCallback(TrainerCallback):
         self.result = None           # the black-box AuditResult, after training (exposure tiers pooled)
         self.tiers: list[Tier] = []  # each exposure tier's audit
         self.white_box = None        # the white-box AuditResult, when a DP optimizer was probed
+        self.violation = None        # the verdict, after training: True (VIOLATION), False, or None (not reached)
 
     # -- before the Trainer ------------------------------------------------------------------------------
     @classmethod
@@ -224,7 +225,10 @@ class DPAuditCallback(TrainerCallback):
             claim = self.settings.claimed_eps
             if self.settings.on_violation != "off" and self.settings.delta and (
                     claim is not None or getattr(self.probe, "accountant", None) is not None):
-                self.probe.watch(delta=self.settings.delta, claimed_eps=claim, alpha=self.settings.alpha,
+                from dpaudit.training.probe import STOP_ALPHA
+
+                # the looks at 1 % over the run (a correct run is stopped at most that often), the end at alpha
+                self.probe.watch(delta=self.settings.delta, claimed_eps=claim, alpha=min(self.settings.alpha, STOP_ALPHA),
                                  on_violation=self.settings.on_violation,
                                  planned_steps=int(state.max_steps) if (state.max_steps or 0) > 0 else None)
         return control
@@ -272,11 +276,23 @@ class DPAuditCallback(TrainerCallback):
                 print(f"dpaudit: {exc}")
             finally:
                 self.probe.close()
+            alarm = getattr(self.probe, "alarm", None)
+            if alarm is not None:  # a look read VIOLATION (and stopped the run): that is the white-box verdict
+                context["white-box look that read VIOLATION"] = f"{alarm.verdict} (report: {self.probe.alarm_report})"
+                if self.white_box is None or not self.white_box.violation:
+                    self.white_box = alarm
         if self.settings.regurgitation:
             context.update(regurgitation(model, tokenizer, self.manifest, self.settings))
         self.verdict = self._write(self.result, scores, members, context, claimed)
         print(f"dpaudit: {self.verdict} (report: {self.out / REPORT / 'report.md'})")
         return control
+
+    @property
+    def exit_code(self) -> int:
+        """What a training script exits with, as the dpaudit commands do: ``sys.exit(audit.exit_code)`` after
+        ``trainer.train()``. 1: VIOLATION (at the end of the run, or a look that stopped it); 0: consistent with
+        the claim; 2: no verdict was reached (no audit ran, or the model is sharded and is scored later)."""
+        return 2 if self.violation is None else int(bool(self.violation))
 
     # -- helpers -----------------------------------------------------------------------------------------
     def _claim(self) -> tuple[float | None, str]:
@@ -284,8 +300,15 @@ class DPAuditCallback(TrainerCallback):
             return self.settings.claimed_eps, "given to prepare()"
         accountant = getattr(self.probe, "accountant", None)
         if accountant is not None and self.settings.delta is not None:
-            return float(accountant.get_epsilon(delta=self.settings.delta)), (
-                f"{type(accountant).__name__}.get_epsilon(delta={self.settings.delta:g}) after the steps taken")
+            sigmas = [h[0] for h in getattr(accountant, "history", None) or []]
+            if any(s == 0 for s in sigmas):  # Opacus' accountants overflow at sigma 0: it is no DP at all
+                return None, (f"none: the run's noise multiplier is 0, so its eps is infinite (no DP; "
+                              f"{type(accountant).__name__} cannot say it); audited without a claim")
+            try:
+                eps = float(accountant.get_epsilon(delta=self.settings.delta))
+            except Exception as exc:  # noqa: BLE001 - an accountant that cannot answer: said, audited without a claim
+                return None, f"none: {type(accountant).__name__}.get_epsilon failed ({type(exc).__name__})"
+            return eps, f"{type(accountant).__name__}.get_epsilon(delta={self.settings.delta:g}) after the steps taken"
         return None, "none (no claimed_eps, and no Opacus accountant on the optimizer)"
 
     def _context(self, args, state, steps, claimed, source, score) -> dict:
@@ -311,7 +334,12 @@ class DPAuditCallback(TrainerCallback):
         folder.mkdir(parents=True)
         violation, verdict = (result.violation, result.verdict) if len(self.tiers) == 1 else \
             tiers_verdict(self.tiers, claimed)
+        decided = None
         if self.white_box is not None:
+            from dpaudit.audit.report import decided_by
+
+            decided = decided_by({"black-box audit": result, "white-box audit": self.white_box},
+                                 {"black-box audit": violation, "white-box audit": self.white_box.violation})
             context = {**context, "white-box eps lower bound": round(self.white_box.epsilon_lower_bound, 4),
                        "white-box verdict": self.white_box.verdict, "verdict from": "the white-box audit (it reads every "
                        "privatised release, so it is the stronger test) and the black-box one below: a VIOLATION by "
@@ -320,8 +348,14 @@ class DPAuditCallback(TrainerCallback):
             violation = violation or self.white_box.violation
         else:
             context = {**context, "verdict from": "black-box audit of the canaries' secret spans"}
-        write_report(folder, result, scores, members, context, verdict=(verdict, violation))
-        return verdict
+        write_report(folder, result, scores, members, context, verdict=(verdict, violation), decided=decided)
+        self.violation = violation
+        bound = decided["epsilon_lower_bound"] if decided else result.epsilon_lower_bound
+        return verdict + (f" (eps lower bound {_fmt(bound)} from the {decided['from']})" if decided else "")
+
+
+def _fmt(x) -> str:
+    return x if isinstance(x, str) else f"{x:.4g}"
 
 
 # -- canaries ---------------------------------------------------------------------------------------------

@@ -245,7 +245,7 @@ class PipelineProbe(WhiteBoxProbe):
         return rate
 
     def audit(self, claimed_eps: float | None = None, delta: float | None = None, *, sample_rate: float | None = None,
-              accountant=None, alpha: float = 0.05, report: bool = True):
+              accountant=None, alpha: float = 0.05, report=True):
         """As ``WhiteBoxProbe.audit``; ``sample_rate``: the rate the run is accounted with, for the sampler audit
         of the canaries' inclusions (needed only when ``observe`` was given the batches and no Opacus accountant)."""
         self.sample_rate = sample_rate

@@ -35,6 +35,8 @@ from dpaudit.audit.whitebox_canaries import GAIN, TRANSCRIPT, WhiteBoxCanaries
 KINDS = ("gradient", "scalar")  # a PipelineProbe (pipeline_probe.py) is the third kind of probe folder
 ON_VIOLATION = ("warn", "stop", "raise")  # what a watched probe does at its first look that reads VIOLATION
 WATCH_FIRST = 16  # a watched probe's first look (steps); then one at every doubling of the steps
+STOP_ALPHA = 0.01  # the looks' level over a whole run by default: a correct run is stopped in at most 1 % of runs
+LOOKS = "looks"  # a look that reads VIOLATION keeps its report here (looks/step-N/), apart from the end-of-run one
 RUNNING = "running.jsonl"  # a watched probe's looks, one JSON line each
 BLOCK_ROWS = 64  # steps whose rows wait on the device before one copy to the transcript (probe.flush)
 SAMPLING_DOMAIN = 0x77627370  # "wbsp": the canaries' per-step sampling, apart from membership's stream
@@ -496,7 +498,7 @@ class WhiteBoxProbe:
                       seed=seed, resume=resume, model=model, secret_seed=secret_seed, data_loader=data_loader)
 
     # -- audits as the run trains -----------------------------------------------------------------------
-    def watch(self, *, delta: float, claimed_eps: float | None = None, accountant=None, alpha: float = 0.05,
+    def watch(self, *, delta: float, claimed_eps: float | None = None, accountant=None, alpha: float = STOP_ALPHA,
               on_violation: str = "warn", first: int = WATCH_FIRST,
               planned_steps: int | None = None) -> "WhiteBoxProbe":
         """Audit while the run trains: a look at step ``first``, then at every doubling of the steps (16, 32, 64,
@@ -596,12 +598,12 @@ class WhiteBoxProbe:
             fh.write(json.dumps(line) + "\n")
         if result is None or not result.violation:
             return
+        folder = self.out / LOOKS / f"step-{self.step}"  # kept: the end-of-run report never replaces it
         result = self.audit(watch["claimed"], watch["delta"], accountant=watch["accountant"], alpha=level,
-                            report=True)  # the same look, its report written
-        self.alarm = result
+                            report=folder)  # the same look, its report written
+        self.alarm, self.alarm_report = result, folder / "report.md"
         which = "the final look" if final else f"look {watch['look']}"
-        words = (f"dpaudit: {result.verdict} ({which} at step {self.step}, alpha {level:.3g}; report: "
-                 f"{self.out / 'report' / 'report.md'})")
+        words = f"dpaudit: {result.verdict} ({which} at step {self.step}, alpha {level:.3g}; report: {self.alarm_report})"
         if watch["on"] == "raise":
             from dpaudit.core.errors import PrivacyViolation
 
@@ -618,11 +620,12 @@ class WhiteBoxProbe:
             self._fh.close()
 
     def audit(self, claimed_eps: float | None = None, delta: float | None = None, *, accountant=None,
-              alpha: float = 0.05, report: bool = True, claimed_from: str | None = None):
+              alpha: float = 0.05, report: bool | Path = True, claimed_from: str | None = None):
         """The white-box audit of what was released so far: the same result, report and verdict as
         ``dpaudit audit transcript --run OUT``. ``claimed_eps`` defaults to ``accountant``'s (an Opacus
         accountant: its eps after the steps actually taken, at ``delta``); ``claimed_from`` says where a given
-        ``claimed_eps`` came from (a caller that took it from an accountant names it, as its own report does)."""
+        ``claimed_eps`` came from (a caller that took it from an accountant names it, as its own report does).
+        ``report``: write it to OUT/report (True), or to the folder given (a look's own)."""
         from dpaudit.audit.whitebox import audit_run_folder
 
         if self._fh is not None and not self._fh.closed:
@@ -633,19 +636,23 @@ class WhiteBoxProbe:
             raise DPAuditError("give the delta the run claims (the bound depends on it; 0 would inflate it)")
         accountant = accountant if accountant is not None else getattr(self, "accountant", None)
         source = claimed_from or "given"
-        if claimed_eps is None and accountant is not None:
+        if getattr(self, "health", None) is not None:  # first: read by the audit whatever the claim turns out to be
+            self.health.look(self.step)  # the moves up to now, whatever the last checked step saw
+            self.save_health()  # read by the audit (nothing released, yet moved outside DP: VIOLATION, whitebox.py)
+        history = getattr(accountant, "history", None)  # Opacus: [(noise multiplier, sample rate, steps)]
+        if claimed_eps is None and isinstance(history, list) and not history:
+            claimed_eps, source = 0.0, f"{type(accountant).__name__}: it counted no step, so eps 0"
+        elif claimed_eps is None and isinstance(history, list) and any(h[0] == 0 for h in history):
+            source = "none: the run's noise multiplier is 0, so its eps is infinite (no DP); audited without a claim"
+        elif claimed_eps is None and accountant is not None:
             try:
                 claimed_eps = float(accountant.get_epsilon(delta=delta))
             except Exception as exc:  # noqa: BLE001 - e.g. Opacus' prv at noise 0 overflows
                 raise DPAuditError(f"the accountant could not give eps ({type(exc).__name__}); pass claimed_eps= "
                                    "(the eps this run claims)") from None
-            history = getattr(accountant, "history", None)  # Opacus: [(noise multiplier, sample rate, steps)]
             taken = sum(int(h[2]) for h in history) if isinstance(history, list) else None
             source = f"{type(accountant).__name__}.get_epsilon(delta={delta:g})" + (
                 f" after the {taken} steps taken" if taken is not None else "")
-        if getattr(self, "health", None) is not None:
-            self.health.look(self.step)  # the moves up to now, whatever the last checked step saw
-            self.save_health()  # read by the audit (nothing released, yet moved outside DP: VIOLATION, whitebox.py)
         counted = {}
         if accountant is not None and self.kind == "gradient":  # the rates it counted, read now (rate_check.py)
             from dpaudit.training.probe_opacus import accounted_rate
@@ -660,11 +667,15 @@ class WhiteBoxProbe:
             from dpaudit.audit.report import write_report
             from dpaudit.core.lock import remove_folder
 
-            remove_folder(self.out / "report")
+            folder = report if isinstance(report, Path) else self.out / "report"
+            remove_folder(folder)
+            alarm = self.__dict__.get("alarm")
             context = {"probe": self.source, "claimed eps": claimed_eps, "claimed eps from": source,
                        "delta": delta, **self._context(),
-                       **{k: v for k, v in facts.items() if not isinstance(v, dict)}}
-            write_report(self.out / "report", result, scores, members, context)
+                       **{k: v for k, v in facts.items() if not isinstance(v, dict)},
+                       **({"a look during the run": f"{alarm.verdict} (report: {self.alarm_report})"}
+                          if alarm is not None and folder != self.alarm_report.parent else {})}
+            write_report(folder, result, scores, members, context)
         return result
 
     def _sampler_rate(self, accountant) -> float | None:

@@ -228,11 +228,20 @@ def test_an_opacus_trainer_is_audited_white_box_and_a_missing_noise_is_caught(ti
 
     # the planned run's final look (max_steps 12), made after the accountant counted the last step: its claim
     looks = [json.loads(line) for line in (tmp_path / "dp" / "white-box" / RUNNING).read_text().splitlines()]
-    assert [(x["step"], x["final"], x["alpha"]) for x in looks] == [(12, True, 0.025)]
+    assert [(x["step"], x["final"], x["alpha"]) for x in looks] == [(12, True, 0.005)]  # the stop rule's 1 %
     assert looks[0]["claimed_epsilon"] == pytest.approx(claimed) and not looks[0]["violation"]
-    assert not audit.white_box.violation and not report["violation"]
+    assert not audit.white_box.violation and not report["violation"] and audit.exit_code == 0
+    parts = report["verdict_bound"]["parts"]  # the headline is the larger bound when both are consistent
+    assert report["epsilon_lower_bound"] == max(parts.values()) and set(parts) == {"black-box audit", "white-box audit"}
     audit, report = run(tmp_path / "broken", 0.0, 1.0)  # no noise, a claim of eps = 1: the white-box audit sees it
-    assert audit.white_box.violation and report["verdict"].startswith("VIOLATION")
+    assert audit.white_box.violation and report["verdict"].startswith("VIOLATION") and audit.exit_code == 1
+    # the bound that decided the verdict is the headline, in report.json and report.md, and in the last line
+    assert report["verdict_bound"]["from"] == "white-box audit"
+    assert report["epsilon_lower_bound"] == pytest.approx(audit.white_box.epsilon_lower_bound)
+    assert audit.white_box.epsilon_lower_bound > 1
+    md = (tmp_path / "broken" / "report" / "report.md").read_text()
+    assert f"**Headline eps lower bound:** {audit.white_box.epsilon_lower_bound:.4f}, from the white-box audit" in md
+    assert "from the white-box audit" in audit.verdict
 
 
 def test_a_broken_opacus_trainer_run_is_stopped_at_the_first_look_that_reads_violation(tiny_model_dir, tmp_path):

@@ -178,9 +178,11 @@ def test_fingerprints_see_one_changed_coordinate_in_the_sums():
     assert np.isfinite(h.first).sum() == 2 + 64
 
 
-def test_a_loop_that_steps_only_the_optimizer_built_before_make_private_is_a_violation_not_a_refusal(tmp_path):
+@pytest.mark.parametrize("call", ["claimed", "accountant", "attached"])
+def test_a_loop_that_steps_only_the_optimizer_built_before_make_private_is_a_violation_not_a_refusal(tmp_path, call):
     """The DP optimizer never steps, so nothing is released; the model trains all the same, without clipping or
-    noise. The audit says VIOLATION (PrivacyViolation), never 'no released steps' (a refusal would hide it)."""
+    noise. The audit says VIOLATION (PrivacyViolation), never 'no released steps' (a refusal would hide it), in
+    every documented form of the call: claimed_eps=, the README's accountant=, or the accountant attach found."""
     from opacus import PrivacyEngine
 
     from dpaudit.core.errors import PrivacyViolation
@@ -191,7 +193,8 @@ def test_a_loop_that_steps_only_the_optimizer_built_before_make_private_is_a_vio
     model = Adapted()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, y), batch_size=B)
-    dp_model, dp_opt, loader = PrivacyEngine(accountant="prv").make_private(
+    engine = PrivacyEngine(accountant="prv")
+    dp_model, dp_opt, loader = engine.make_private(
         module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
         poisson_sampling=False)
     probe = WhiteBoxProbe.attach(dp_opt, m=20, out=tmp_path / "probe", model=model, secret_seed=0)
@@ -200,7 +203,12 @@ def test_a_loop_that_steps_only_the_optimizer_built_before_make_private_is_a_vio
         torch.nn.functional.cross_entropy(dp_model(xb), yb).backward()
         optimizer.step()  # the optimizer built before make_private, not the DP one
     with pytest.raises(PrivacyViolation, match="VIOLATION: the DP optimizer released no step"):
-        probe.audit(4.0, 1e-5)
+        if call == "claimed":
+            probe.audit(4.0, 1e-5)
+        else:
+            probe.audit(accountant=engine.accountant if call == "accountant" else None, delta=1e-5)
     probe.close()
-    out = dpaudit("audit", "transcript", "--run", tmp_path / "probe", "--claimed-eps", "4", "--delta", "1e-5")
+    assert (tmp_path / "probe" / "health.json").is_file()
+    out = dpaudit("audit", "transcript", "--run", tmp_path / "probe", *(
+        ["--claimed-eps", "4", "--delta", "1e-5"] if call == "claimed" else []))
     assert out.returncode == 1 and "VIOLATION" in out.stdout and "no released steps" not in out.stderr

@@ -40,9 +40,11 @@ def test_a_loop_without_clipping_is_stopped_at_an_early_look_with_its_report(tmp
     taken = _loop(probe, 0, 200, clip=False, stop=True)
     assert taken <= 40 and probe.alarm is not None and probe.alarm.violation  # <= 20 % of the planned steps
     looks = [json.loads(line) for line in (tmp_path / "run" / RUNNING).read_text().splitlines()]
-    assert looks[-1]["violation"] and looks[0]["step"] == 16 and looks[0]["alpha"] == pytest.approx(0.025)
-    assert (tmp_path / "run" / "report" / "report.md").is_file()
-    assert "stopping the run" in capsys.readouterr().out
+    assert looks[-1]["violation"] and looks[0]["step"] == 16 and looks[0]["alpha"] == pytest.approx(0.005)
+    look = tmp_path / "run" / "looks" / f"step-{looks[-1]['step']}" / "report.md"
+    assert look.is_file() and "stopping the run" in capsys.readouterr().out
+    probe.audit(claimed_eps=4.0, delta=1e-5)  # the end-of-run report never replaces the look's, and names it
+    assert look.is_file() and str(look) in (tmp_path / "run" / "report" / "report.md").read_text().replace("\\", "")
 
 
 def test_raise_and_warn(tmp_path, capsys):
@@ -93,7 +95,7 @@ def test_a_planned_run_gets_a_final_look_at_half_alpha_and_the_series_the_other_
     """watch(planned_steps=T): looks at 16, 32, 64 at alpha / (2 j (j + 1)), then the last step's look at alpha / 2
     (the sum stays <= alpha); a resumed probe does not make the final look twice."""
     out = tmp_path / "run"
-    probe = _probe(out, 3).watch(delta=1e-5, claimed_eps=50.0, planned_steps=100)
+    probe = _probe(out, 3).watch(delta=1e-5, claimed_eps=50.0, planned_steps=100, alpha=0.05)
     _loop(probe, 3, 100)
     looks = [json.loads(line) for line in (out / RUNNING).read_text().splitlines()]
     assert [x["step"] for x in looks] == [16, 32, 64, 100]
