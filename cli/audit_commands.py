@@ -326,7 +326,14 @@ def _cyclic_separation(log: Path, bands: int, as_json: bool) -> None:
 
     if bands < 1:
         raise DPAuditError(f"--bands must be >= 1, got {bands}")
-    found = separation_violations(read_log(log), bands)
+    batches = list(read_log(log))
+    if not batches:  # nothing to check is no evidence of separation: a refusal, as the Poisson mode's
+        raise DPAuditError(f"{log} holds no batch; give the log of the run's batches (one line a step)")
+    negative = next(((step, i) for step, batch in enumerate(batches) for i in batch if i < 0), None)
+    if negative is not None:
+        raise DPAuditError(f"{log}:{negative[0] + 1}: example index {negative[1]} is negative; a log holds the "
+                           "examples' indices (0 to N - 1)")
+    found = separation_violations(batches, bands)
     if as_json:
         emit_json({"command": "audit sampler", "log": str(log), "bands": bands, "matches": not found,
                    "violations": len(found), "first": list(found[0]) if found else None})

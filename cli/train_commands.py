@@ -203,6 +203,9 @@ def train_cmd(
     texts = read_texts(data, detect_format(data, data_format), field)
     if check_inputs:
         _check_inputs(model, out, texts, resume)
+        from dpaudit.training.runner import check_inputs as run_checks
+
+        run_checks(cfg, texts, out, resume)
         emit({"command": "train", "inputs": "usable", "examples": len(texts)}, as_json,
              f"inputs usable: {len(texts)} examples, model {model}, run folder {out}")
         return

@@ -21,6 +21,9 @@ KNOWN_KEYS = {
     "steps", "epochs", "delta", "target_epsilon", "accountant", "calibrate", "sampling", "phases",
     "claim_accounted_as", "noise",
 }
+# Opacus' and the Hugging Face DP examples' names for the same privacy keys (make_private_with_epsilon's
+# target_delta, its accountants' sample_rate): read as ours, never ignored
+ALIASES = {"target_delta": "delta", "sample_rate": "sampling_rate"}
 SCHEDULE_KEYS = {"sampling_rate", "batch_size", "steps", "epochs"}  # given per phase when there are phases
 # a phase's keys, as the config spells them -> as --phase spells them
 PHASE_ALIASES = {"sigma": "sigma", "noise_multiplier": "sigma", "p": "p", "sampling_rate": "p", "steps": "steps",
@@ -172,8 +175,19 @@ def _ignored(data: dict, sectioned: bool) -> tuple[str, ...]:
     return tuple(k if _is_name(k) else "(a key that is not a name)" for k in unknown)
 
 
+def _canonical(data: dict) -> dict:
+    """``data`` with Opacus' names (ALIASES) under ours; both spellings of one key at once are refused."""
+    for alias, key in ALIASES.items():
+        if alias in data:
+            if key in data:
+                raise DPAuditError(f"config gives both {alias} and {key}; keep one")
+            data = {**{k: v for k, v in data.items() if k != alias}, key: data[alias]}
+    return data
+
+
 def load_privacy_config(path: Path) -> PrivacyConfig:
     data, sectioned = _read(Path(path))
+    data = _canonical(data)
     ignored = _ignored(data, sectioned)
     data = {k: v for k, v in data.items() if k in KNOWN_KEYS}
     mechanism = data.get("mechanism", "gaussian")

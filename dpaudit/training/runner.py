@@ -198,11 +198,24 @@ def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *,
     from dpaudit.training.distributed import launch_rank
 
     main_process = launch_rank() == 0
-    estimate = preflight(model_dir, cfg, len(texts), texts=texts) if main_process else None
     run_dir = Path(run_dir)
+    check_run_folder(run_dir, resume)
+    estimate = preflight(model_dir, cfg, len(texts), texts=texts) if main_process else None
     with folder_lock(run_dir) if main_process else nullcontext():
         return _train(model_dir, texts, run_dir, cfg, resume=resume, show_progress=show_progress,
                       estimate=estimate)
+
+
+def check_run_folder(run_dir: Path, resume: bool) -> None:
+    """What a run folder must be before anything (its lock included) is written there: a plain folder, never a
+    symbolic link (a run would write through it); with ``resume``, a folder holding a dpaudit run."""
+    from dpaudit.core import run_folder
+
+    if run_dir.is_symlink() or (run_dir.exists() and not run_dir.is_dir()):
+        raise DPAuditError(f"{run_dir} is not a plain folder (a symbolic link or a file); give a run folder path")
+    if resume and run_folder.run_config(run_dir, required=False) is None:
+        raise DPAuditError(f"{run_dir} holds no dpaudit run to resume (no {run_folder.RUN_CONFIG}); start a run there "
+                           "without --resume, in an empty folder")
 
 
 @dataclass
@@ -291,9 +304,7 @@ def _assemble(opening, texts: list[str], run_dir: Path, cfg: TrainConfig, world,
         if METHODS[cfg.method].canaries == "gradient" and not canaries.coordinates:
             canaries.place(sum(p.numel() for p in params))
     n = len(data) + (len(canaries.member_ids) if canaries else 0)
-    batch_size = cfg.batch_size or n  # 0: every example every step (p = 1)
-    if batch_size > n:
-        raise DPAuditError(f"batch size {batch_size} exceeds the {n} training examples")
+    batch_size = batch_of(cfg, n)
     plan, ledger, discarded = _privacy(opening, texts, run_dir, cfg, world, n, batch_size / n)
     stream = _direction_stream(run_dir, opening.start, params[0].device)
     if world.is_main:  # only rank 0 writes: ledger, log, checkpoints, model
@@ -365,6 +376,27 @@ def _allocation_secret(opening, run_dir: Path, cfg: TrainConfig, world, secret: 
             atomic_write_json(path, {"secret": secret}, private=True)
         return secret
     return kept
+
+
+def batch_of(cfg: TrainConfig, n: int) -> int:
+    """The run's expected batch size over its n examples (0: every example every step, p = 1), refused above n."""
+    batch_size = cfg.batch_size or n
+    if batch_size > n:
+        raise DPAuditError(f"batch size {batch_size} exceeds the {n} training examples")
+    return batch_size
+
+
+def check_inputs(cfg: TrainConfig, texts: list[str], run_dir: Path, resume: bool) -> None:
+    """``train --check-inputs``: the run's own refusals that need no model (the folder, the batch, the privacy plan
+    with its sigma, sampler and noise strategy), so an answer of "usable" is one the run keeps. The examples are
+    counted with half the white-box canaries as members (their number is drawn when the run starts)."""
+    check_run_folder(Path(run_dir), resume)
+    n = len(texts) + (cfg.white_box // 2 if cfg.white_box else 0)
+    plan = privacy_plan(cfg, batch_of(cfg, n) / n, n)
+    if plan.private:  # the ledger accounts the planned steps before the first (its accountant's refusals)
+        plan.epsilon_at(cfg.steps)
+        if plan.mechanism.strategy is not None:  # the noise the trainer correlates over the planned steps
+            plan.mechanism.strategy.coefs(cfg.steps)
 
 
 def privacy_plan(cfg: TrainConfig, rate: float, n: int) -> PrivacyPlan:
