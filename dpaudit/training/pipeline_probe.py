@@ -37,7 +37,7 @@ import numpy as np
 from dpaudit.audit.whitebox import CANARY_BATCHES as BATCHES
 from dpaudit.audit.whitebox_canaries import TRANSCRIPT
 from dpaudit.core.errors import DPAuditError
-from dpaudit.training.probe import WhiteBoxProbe
+from dpaudit.training.probe import WhiteBoxProbe, refuse_links
 
 BUDGET = 0.05  # the share of the training's wall time the canaries' directions may take (refreshed that often)
 CHUNK = 64  # canary sequences a backward pass
@@ -66,6 +66,9 @@ class PipelineProbe(WhiteBoxProbe):
         self.model, self.tokenizer = model, tokenizer
         self.step, self._begun, self._inserted = 0, None, False
         self._counted_from = None   # 0 or 1: how the caller counts steps (fixed by its first observe)
+        self.noise_multiplier, self.names = None, []  # no gradient release: no per-tensor noise check
+        self._noise_prior, self._noise_prior_steps, self._noise_sq, self._noise_steps = None, None, None, None
+        refuse_links(self.out)
         self._start(int(m), 1.0, seed)
         self.ids = self._add_tokens()
         from dpaudit.training.health import for_tensors

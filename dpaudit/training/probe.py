@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dpaudit.core.atomic import atomic_write_json
+from dpaudit.core.atomic import atomic_write_json, atomic_write_text
 from dpaudit.core.errors import DPAuditError
 from dpaudit.core.run_folder import PROBE, check_number as _check_number, read_probe_spec as read_spec
 from dpaudit.audit.clipping import TALLY as CLIP_TALLY
@@ -85,6 +85,7 @@ class WhiteBoxProbe:
 
         # the update's health check (training/health.py): a plain loop's probe looks every EVERY steps, at begin
         self.health = for_tensors(self.params, model, bracketed=False) if kind == "gradient" else None
+        refuse_links(self.out)
         # the per-tensor noise tally (tally_noise): what earlier attempts tallied, and this one's, on the device
         self._noise_prior, self._noise_prior_steps, self._noise_sq, self._noise_steps = None, None, None, None
         if resume:
@@ -547,8 +548,24 @@ class WhiteBoxProbe:
         path = self.out / RUNNING
         if not path.is_file():
             return 0, False
-        with open(path, encoding="utf-8") as fh:
-            lines = [json.loads(line) for line in fh if line.strip()]
+        if path.is_symlink():
+            raise DPAuditError(f"{path} is a symbolic link; refusing to append to it")
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            text = [line for line in fh.read(1 << 24).splitlines() if line.strip()]
+        lines = []
+        for k, line in enumerate(text):
+            try:
+                value = json.loads(line)
+                if not isinstance(value, dict):
+                    raise ValueError
+            except ValueError:
+                if k != len(text) - 1:
+                    raise DPAuditError(f"{path}: line {k + 1} is not as a watched probe writes it") from None
+                # a kill during the last append: that look was made (its alpha spent) though its line is torn;
+                # counted as a look of the series, and the line rewritten whole so the next appends stay readable
+                value = {"step": None, "torn": True, "final": False}
+                atomic_write_text(path, "".join(json.dumps(x) + "\n" for x in lines + [value]))
+            lines.append(value)
         return sum(1 for x in lines if not x.get("final")), any(x.get("final") for x in lines)
 
     def _maybe_look(self) -> None:
@@ -689,6 +706,23 @@ class WhiteBoxProbe:
         return {"sampling rate p": self.rate, "clip C": self.clip,
                 "canaries bypass": self.bypass or "nothing: the optimizer's own clipping acts on them",
                 **(health.lines() if health is not None else {})}
+
+
+def refuse_links(folder: Path) -> None:
+    """A probe folder, and each file a probe writes or appends to there, must not be a symbolic link (the probe
+    would write through it, truncating a file outside the folder on resume): refused when the probe starts, never
+    mid-run."""
+    from dpaudit.audit.whitebox import CANARY_BATCHES
+    from dpaudit.audit.whitebox_canaries import MANIFEST
+    from dpaudit.core.run_folder import HEALTH
+
+    folder = Path(folder)
+    if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+        raise DPAuditError(f"{folder} is not a plain folder (a symbolic link or a file); give the probe a folder path")
+    for name in (TRANSCRIPT, RUNNING, CLIP_TALLY, NOISE_TALLY, HEALTH, PROBE, MANIFEST, CANARY_BATCHES, "report",
+                 LOOKS):
+        if (folder / name).is_symlink():
+            raise DPAuditError(f"{folder / name} is a symbolic link; a probe writes only plain files in its folder")
 
 
 def per_tensor_counts(sizes: np.ndarray, m: int) -> np.ndarray:

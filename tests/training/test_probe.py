@@ -1,6 +1,7 @@
 """The white-box probe on the user's own DP training: Opacus in every grad_sample_mode, a plain PyTorch
 loop (the docs' example, run as written), scalar releases; bad input; independence from the user's RNG."""
 
+import json
 import re
 import warnings
 from pathlib import Path
@@ -463,3 +464,35 @@ def test_an_accountant_told_a_lower_rate_than_the_loader_samples_at_is_a_violati
     right = WhiteBoxProbe.attach(_opacus("hooks", sigma=1.0)[2], m=200, out=tmp_path / "q", secret_seed=SEED,
                                  data_loader=loader)
     assert not (right.out / "probe.json").read_text().count('"accounted_rate": 0.0125')
+
+
+@pytest.mark.parametrize("name", ["whitebox_transcript.f32", "running.jsonl", "clipping_check.json", None])
+def test_symbolic_links_in_a_probe_folder_are_refused_when_it_starts(tmp_path, name):
+    """A resumed probe appended to (and truncated) a symlinked transcript's target outside its folder; a symlinked
+    clipping tally was refused only at step 64, from inside observe()."""
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"x" * 1000)
+    folder = tmp_path / "probe"
+    if name is None:  # the probe folder itself
+        (tmp_path / "real").mkdir()
+        folder.symlink_to(tmp_path / "real")
+    model = torch.nn.Linear(40, 10)
+    if name is not None:
+        _, model = _gradient_probe(folder, steps=3)
+        (folder / name).unlink(missing_ok=True)
+        (folder / name).symlink_to(outside)
+    with pytest.raises(DPAuditError, match="symbolic link"):
+        WhiteBoxProbe(list(model.parameters()), m=200, clip=1.0, sample_rate=0.5, out=folder, resume=name is not None)
+    assert outside.read_bytes() == b"x" * 1000
+
+
+def test_a_torn_last_look_counts_as_spent_and_the_watch_goes_on(tmp_path):
+    from dpaudit.training.probe import RUNNING
+
+    _, model = _gradient_probe(tmp_path / "p", steps=3)
+    (tmp_path / "p" / RUNNING).write_text('{"step": 16, "look": 1, "final": false}\n{"step": 32, "lo')
+    again = WhiteBoxProbe(list(model.parameters()), m=200, clip=1.0, sample_rate=0.5, out=tmp_path / "p",
+                          resume=True).watch(delta=1e-5, claimed_eps=4.0)
+    assert again._watch["look"] == 2  # the torn look's alpha stays spent
+    lines = [json.loads(x) for x in (tmp_path / "p" / RUNNING).read_text().splitlines()]
+    assert lines[-1]["torn"] and len(lines) == 2
