@@ -32,8 +32,19 @@ import math
 from dpaudit.core.run_folder import OUTSIDE_DP
 
 SAMPLES = 64         # strided values a tensor's fingerprint keeps (besides its sum and sum of squares)
-EVERY = 50           # DP steps between checks (and the first step)
+EVERY = 50           # DP steps between checks, once the doublings (0, 1, 2, 4, ...) reach it
 TOO_LARGE = 10.0     # a checked update this many times the optimizer's bound is "too large"
+STILL_AFTER = 4      # DP steps after which a tensor the DP step releases must have moved (its noise moves it)
+# What a group of tensors with one finding is said as (one printed line a cause, not one a tensor)
+SUMMARY = {
+    "never-moved": "have not moved in {step} DP steps: frozen, not stepped by the optimizer, or their group's "
+                   "learning rate is 0",
+    "moved-outside": "moved outside the DP step: updated without clipping or noise",
+    "no-gradient": "get no gradient from the loss (clipped sums 0 at two checks): detached from the forward, so "
+                   "their updates are noise alone",
+    "too-large": "moved more in one DP step than the optimizer can move them from the release: something else "
+                 "updates them",
+}
 
 
 def fingerprints(tensors):
@@ -125,16 +136,33 @@ class UpdateHealth:
         self._zero_sum = [0] * self.dp
         self.unchecked: str | None = None  # why the update size is not checked (another optimizer)
         self.bracketed = True  # the caller calls before/after around each DP step (else only look)
+        self._new: list = []   # findings not printed yet (kind, tensor, line, cause)
 
     # -- findings ----------------------------------------------------------------------------------------
-    def _find(self, kind: str, name: str, line: str) -> None:
+    def _find(self, kind: str, name: str, line: str, cause: str | None = None) -> None:
+        """A finding, kept per tensor (the report, health.json); printed grouped by kind and cause (``_say``)."""
         if (kind, name) not in self.findings:
             self.findings[(kind, name)] = line
-            self.say(f"dpaudit: health: {line}")
+            self._new.append((kind, name, line, cause))
+
+    def _say(self, step: int | None = None) -> None:
+        """Print the findings since the last print: one line a (kind, cause), naming up to three tensors."""
+        groups: dict = {}
+        for kind, name, line, cause in self._new:
+            groups.setdefault((kind, cause), []).append((name, line))
+        self._new = []
+        for (kind, cause), found in groups.items():
+            if len(found) == 1 and cause is None:
+                self.say(f"dpaudit: health: {found[0][1]}")
+                continue
+            names = ", ".join(n for n, _ in found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+            words = cause or SUMMARY.get(kind, kind).format(step=self.steps if step is None else step)
+            self.say(f"dpaudit: health: {len(found)} tensor{'s' if len(found) > 1 else ''} ({names}) {words}")
 
     def due(self, step: int) -> bool:
-        """Whether DP step ``step`` (0-based) is checked: the first and every ``every``-th."""
-        return step % self.every == 0
+        """Whether DP step ``step`` (0-based) is checked: 0, 1, 2, 4, 8, ... (so a short run is checked too), then
+        every ``every``-th."""
+        return step % self.every == 0 or (step < self.every and step & (step - 1) == 0)
 
     @property
     def outside(self) -> list[str]:
@@ -152,7 +180,8 @@ class UpdateHealth:
     def lines(self) -> dict:
         """The report's lines: each finding, or that the checks found nothing."""
         if not self.findings:
-            said = f"no finding in {self.steps} DP steps (checked every {self.every})"
+            said = (f"no finding in {self.steps} DP steps (checked at steps 0, 1, 2, 4, ... then every {self.every}, "
+                    "and at the audit)")
             return {"health of the update": said + (f"; update size not checked: {self.unchecked}"
                                                     if self.unchecked else "")}
         out = {f"health: {k} {n}": line for (k, n), line in self.findings.items()}
@@ -170,6 +199,7 @@ class UpdateHealth:
         """A check without the step's bracket (a plain loop, a callback): moves since the start only."""
         self.steps = max(self.steps, step)
         self._moves(fingerprints(self.tensors), step)
+        self._say(step)
 
     def _moves(self, now, step: int) -> None:
         still = _same(now, self.first)
@@ -179,10 +209,12 @@ class UpdateHealth:
                     self._find("moved-outside", name, f"{name} is trainable, is not held by the DP optimizer, and "
                                "moved: it is updated without clipping or noise")
                 self.moved[k] = True
-            elif k < self.dp and step >= self.every and not self.moved[k]:
-                self._find("never-moved", name, f"{name} has not moved in {step} DP steps: it is frozen, not "
-                           "stepped by the optimizer, or its group's learning rate is 0")
-            elif step >= self.every and not self.moved[k]:
+            elif k < self.dp and step >= STILL_AFTER and not self.moved[k]:
+                rounding = _rounded_away(self.tensors[k])
+                self._find("never-moved", name, f"{name} has not moved in {step} DP steps: "
+                           + (rounding or "it is frozen, not stepped by the optimizer, or its group's learning rate "
+                                          "is 0"), cause=rounding)
+            elif step >= STILL_AFTER and not self.moved[k]:
                 self._find("never-moved", name, f"{name} is trainable but the DP optimizer does not hold it, and it "
                            f"has not moved in {step} DP steps: it is not trained (was the optimizer built before it "
                            "was added, as LoRA adapters added after the optimizer?)")
@@ -200,6 +232,7 @@ class UpdateHealth:
                                f"and {step}: an update outside the DP step (a second optimizer, one built before "
                                "make_private, or a manual change) sees no clipping or noise")
             self._after = None
+            self._say(step)
         self._before = now if self.due(step) else None
 
     def after(self, step: int, optimizer=None, released=None) -> None:
@@ -212,6 +245,7 @@ class UpdateHealth:
             if optimizer is not None:
                 self._size(now, optimizer, released)
             self._before = None
+            self._say(step + 1)
         if self.due(step + 1) and step + 1 > 0:
             self._after = fingerprints(self.tensors)
 
@@ -240,11 +274,41 @@ class UpdateHealth:
         for k, z in enumerate(zero):
             self._zero_sum[k] = self._zero_sum[k] + 1 if z else 0
             if self._zero_sum[k] >= 2:
+                cause = self._lora_partner(k)
                 self._find("no-gradient", self.names[k], f"{self.names[k]} gets no gradient from the loss (its clipped "
-                           f"sum was 0 at two checks): it is detached from the forward, and its updates are noise alone")
+                           "sum was 0 at two checks): " + (cause or "it is detached from the forward") +
+                           ", and its updates are noise alone", cause=cause)
+        self._say(step)
+
+    def _lora_partner(self, k: int) -> str | None:
+        """Why a LoRA ``lora_A`` gets no gradient, where that is the reason: its ``lora_B`` (zero at the start) is
+        not trained, so it stays zero and no gradient passes through it to lora_A."""
+        name = self.names[k]
+        if "lora_A" not in name:
+            return None
+        partner = name.replace("lora_A", "lora_B")
+        trained = partner in self.names
+        if trained:
+            return None
+        return ("its LoRA partner lora_B is not trained (frozen, or not in the DP optimizer) and is zero, so no "
+                "gradient reaches lora_A: train the lora_B adapters too")
 
     def stepped_outside(self, optimizer) -> None:
         """The optimizer under the DP optimizer stepped outside the DP step."""
         self._find("stepped-outside", type(optimizer).__name__,
                    f"the {type(optimizer).__name__} under the DP optimizer stepped by itself: it was built before "
                    "make_private and is stepped directly, so its updates see no clipping or noise")
+        self._say()
+
+
+def _rounded_away(tensor) -> str | None:
+    """Why a tensor in half precision (bf16, fp16) stays put though it is stepped, where that is likely: an update
+    below half the spacing of its values rounds back to the same number (bf16 keeps 8 bits: a value near 0.5 moves
+    only by 0.002 or more), so small learning rates leave it where it is."""
+    import torch
+
+    if tensor.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    return (f"it is stored in {str(tensor.dtype).replace('torch.', '')}, whose rounding swallows updates smaller than "
+            "half the spacing of its values (likely at a small learning rate): keep fp32 master weights, or raise "
+            "the learning rate")

@@ -94,7 +94,8 @@ def test_adapters_left_out_of_the_optimizer_are_named_and_are_not_a_violation(tm
     assert _kinds(health) == {("never-moved", "down.weight"), ("never-moved", "up.weight")}
     assert not result.unprotected and not result.violation
     assert "down.weight is trainable but the DP optimizer does not hold it" in report
-    assert capsys.readouterr().out.count("dpaudit: health:") == 2  # one line each, once
+    printed = capsys.readouterr().out  # one line for the two (one cause), once
+    assert printed.count("dpaudit: health:") == 1 and "2 tensors (down.weight, up.weight)" in printed
 
 
 def test_an_optimizer_built_before_make_private_and_stepped_itself_is_a_violation(tmp_path, capsys):
@@ -212,3 +213,33 @@ def test_a_loop_that_steps_only_the_optimizer_built_before_make_private_is_a_vio
     out = dpaudit("audit", "transcript", "--run", tmp_path / "probe", *(
         ["--claimed-eps", "4", "--delta", "1e-5"] if call == "claimed" else []))
     assert out.returncode == 1 and "VIOLATION" in out.stdout and "no released steps" not in out.stderr
+
+
+def test_a_short_run_is_checked_and_a_still_group_is_named(tmp_path, capsys):
+    """The check looked at step 0 and every 50: a 12-step run could never warn. Now at 0, 1, 2, 4, 8 (and the
+    audit): the group whose learning rate is 0 is named within the run."""
+    def build(m):
+        return torch.optim.SGD([{"params": m.base.parameters()},
+                                {"params": list(m.down.parameters()) + list(m.up.parameters()), "lr": 0.0}], lr=0.1)
+
+    probe, result, report, health = _run(tmp_path, build=build, steps=12)
+    assert _kinds(health) == {("never-moved", "down.weight"), ("never-moved", "up.weight")}
+    printed = capsys.readouterr().out
+    assert printed.count("dpaudit: health:") == 1 and "have not moved in" in printed
+
+
+def test_findings_of_one_cause_print_as_one_line_that_names_the_cause(capsys):
+    """A frozen lora_B keeps every lora_A's gradient at zero: one line, naming lora_B (48 lines blamed 'detached
+    from the forward' before); a bf16 tensor too small a step rounds away is said to be that."""
+    from dpaudit.training.health import UpdateHealth
+
+    tensors = [(f"layers.{i}.q_proj.lora_A.weight", torch.zeros(4, 8)) for i in range(24)]
+    health = UpdateHealth(tensors)
+    for step in (0, 1):
+        health.gradient_sums(step, [torch.zeros(4, 8) for _ in tensors])
+    printed = capsys.readouterr().out
+    assert printed.count("dpaudit: health:") == 1 and "24 tensors" in printed and "lora_B is not trained" in printed
+    still = UpdateHealth([("bias", torch.ones(8, dtype=torch.bfloat16))])
+    still.bracketed = False
+    still.look(8)
+    assert "stored in bfloat16, whose rounding swallows updates" in capsys.readouterr().out

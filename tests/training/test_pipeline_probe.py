@@ -192,14 +192,15 @@ def test_a_watched_pipeline_probe_stops_a_side_step_early_with_its_report(tmp_pa
     # speed (at the default 5 % the refreshes follow the wall clock, and a loaded machine refreshes them less)
     probe, _ = _run(tmp_path, bug="aux", batches=False, watch=watch, budget=1.0)
     assert probe.alarm is not None and probe.alarm.violation and probe.step < 40
-    assert (tmp_path / "probe" / "report" / "report.md").is_file()
+    assert probe.alarm_report.is_file() and probe.alarm_report.parent.parent == tmp_path / "probe" / "looks"
     looks = [json.loads(line) for line in (tmp_path / "probe" / "running.jsonl").read_text().splitlines()]
     assert looks[-1]["violation"] and looks[-1]["step"] <= 32 and looks[0]["step"] == 8
 
 
 def test_a_watched_pipeline_probe_makes_the_planned_final_look_after_the_last_step(tmp_path):
     """planned_steps: looks at 8 and 16 (alpha / (2 j (j + 1))), then at the last observed step, alpha / 2."""
-    watch = {"delta": 1e-5, "claimed_eps": 50.0, "on_violation": "warn", "first": 8, "planned_steps": 20}
+    watch = {"delta": 1e-5, "claimed_eps": 50.0, "on_violation": "warn", "first": 8, "planned_steps": 20,
+             "alpha": 0.05}
     probe, _ = _run(tmp_path, steps=20, batches=False, watch=watch)
     looks = [json.loads(line) for line in (tmp_path / "probe" / "running.jsonl").read_text().splitlines()]
     assert [(x["step"], x["final"]) for x in looks] == [(8, False), (16, False), (20, True)]
