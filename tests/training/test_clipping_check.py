@@ -93,3 +93,17 @@ def test_canaries_added_after_clipping_make_no_tally(tmp_path):
         probe.observe(step, [g + torch.randn(N_PARAMS)])
     result = probe.audit(claimed_eps=4.0, delta=1e-5, report=False)
     assert result.clipping is None and not (tmp_path / "run" / CLIP_TALLY).exists()
+
+
+def test_a_consistent_answer_says_the_checks_reach():
+    """Under batch-sum clipping the z-statistic reaches at most about sqrt(T / 2) / sd: a check without that power
+    says so beside its "consistent" (at eps 1 of the user-bug zoo it read 2.35, 1.71, 1.21 with a reach of 2.8)."""
+    from dpaudit.audit.clipping import check
+
+    weak = check({"small": [3100, 3100 * 0.0, 3100 * 3.6 ** 2], "large": [3100, 3100 * 0.1, 3100 * 3.6 ** 2],
+                  "size_ratio": 8, "steps": 200}, 0.005)
+    assert not weak.refused and weak.reach == pytest.approx((200 / 2) ** 0.5 / 3.6, rel=1e-3)
+    assert "could reach z = 2.78 here, short of the 3.86" in weak.verdict
+    strong = check({"small": [3100, 0.0, 3100 * 1.2 ** 2], "large": [3100, 3100 * 0.01, 3100 * 1.2 ** 2],
+                    "size_ratio": 8, "steps": 200}, 0.005)
+    assert "could reach z = 8.33 here" in strong.verdict and "short of" not in strong.verdict
