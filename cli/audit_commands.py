@@ -76,6 +76,11 @@ def present(result: AuditResult, context: dict, as_json: bool, *, report: Path |
             if float(k) * result.nonmembers >= 1:  # fewer non-members cannot resolve this FPR
                 most = allowed.get(k)
                 ceiling = f"  (the claim allows at most {most['max_tpr']:.4f})" if most else ""
+                if most and v > most["max_tpr"] and not result.violation:  # as report.md says it
+                    negatives = d["canaries"]["roc_negatives"]
+                    ceiling += (f": above it, not a violation (the FPR is measured on {negatives} non-members, "
+                                f"{float(k) * negatives:.3g} at this FPR; only the headline bound, which pays for its "
+                                "chance, decides)")
                 table.add_row(f"TPR at FPR {float(k):.1%}", f"{v:.4f}{ceiling}")
         if "claim_ceiling" in d:
             c = d["claim_ceiling"]
@@ -86,7 +91,7 @@ def present(result: AuditResult, context: dict, as_json: bool, *, report: Path |
             mark = " (headline)" if name == result.headline else ""
             table.add_row(f"eps lower bound: {name}{mark}", escape(f"{b.epsilon:.4f}  [delta={b.delta:g}, "
                                                                    f"alpha={b.alpha:g}{where}{mu}]"))
-        console.print(table)
+        console.print(table, width=min(console.width, TABLE_WIDTH))  # in a pipe too: long cells wrap inside
         style = "bold red" if result.violation else "bold green"
         console.print(f"[{style}]{escape(result.verdict)}[/{style}]", highlight=False)
         console.print(f"headline: {result.headline}; valid for {escape(result.headline_bound.valid_for)}",
@@ -97,6 +102,7 @@ def present(result: AuditResult, context: dict, as_json: bool, *, report: Path |
         raise typer.Exit(1)
 
 
+TABLE_WIDTH = 120  # the audit's table, whatever the terminal (a pipe's console is unbounded: lines never wrap)
 MAX_SCORES = 1_000_000  # rows of a scores CSV (white-box DP-SGD audits use up to 5000; canary audits up to 1e5)
 
 

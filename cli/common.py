@@ -96,7 +96,9 @@ PhaseOpt = Annotated[Optional[list[str]], typer.Option(
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON only.")]
 NoiseOpt = Annotated[Optional[str], typer.Option(
     "--noise", help="Correlated noise: bandmf,b=B (banded matrix factorisation; cyclic Poisson batches are "
-                    "amplified), blt,theta=T1:T2,omega=W1:W2[,order=fixed] or blt,buffers=D (theta and omega searched for "
+                    "amplified: every example sampled at p B = B_batch b / N, the N mod b leftovers included; for "
+                    "jax_privacy's sampler, which drops them and samples each group at B_batch / floor(N / b), give "
+                    "-N b floor(N / b)), blt,theta=T1:T2,omega=W1:W2[,order=fixed] or blt,buffers=D (theta and omega searched for "
                     "the schedule); default independent (DP-SGD). sigma is "
                     "then relative to the strategy's sensitivity.")]
 McSamplesOpt = Annotated[Optional[int], typer.Option(

@@ -130,7 +130,8 @@ class AuditResult:
             "headline": {"bound": self.headline, "why_valid": WHY[self.headline],
                          "valid_for": self.headline_bound.valid_for},
             "delta": self.delta, "alpha": self.alpha,
-            "canaries": {"m": self.m, "members": self.members, "nonmembers": self.nonmembers},
+            "canaries": {"m": self.m, "members": self.members, "nonmembers": self.nonmembers,
+                         "roc_negatives": self.roc.negatives or self.nonmembers},
             "score": {"name": self.score.name, "description": self.score.description},
             "auc": self.roc.auc,
             "tpr_at_fpr": {f"{k:g}": v for k, v in self.roc.tpr_at_fpr.items()},
@@ -175,8 +176,13 @@ def _refutable_by_count(members: int, m: int, *rest) -> float:
 
 
 def _perfect_bound(members, delta, alpha, guess_counts, seed, score, headline, mechanism, model) -> float:
+    import numpy as np
+
     counts = None if guess_counts is None else list(guess_counts)
-    return analyse(members.astype(float), members, delta=delta, alpha=alpha, guess_counts=counts, seed=seed,
+    # every member above every non-member, and no two scores tied: a guess set cut inside a tie is not the scores'
+    # choice and scores nothing (guesses.decided), which perfect scores must not suffer
+    scores = members.astype(float) + 1e-6 * np.arange(members.size, 0, -1) / members.size
+    return analyse(scores, members, delta=delta, alpha=alpha, guess_counts=counts, seed=seed,
                    score=score, headline=headline, mechanism=mechanism, model=model, _perfect=True).epsilon_lower_bound
 
 

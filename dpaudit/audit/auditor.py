@@ -103,17 +103,27 @@ class CanaryScoreAuditor:
 
     @staticmethod
     def _ceiling(c: Candidate | None, counts: list[int], f) -> float | None:
-        """``f(k)``: the bound had all k guesses been right. At the guess set chosen; when none was (a bound of
-        0), the most any of the sets' sizes ``counts`` could give: what this audit could have refuted at all."""
+        """``f(k)``: the bound had every guess of the k that can be right been right (``_most_right``). At the guess
+        set chosen; when none was (a bound of 0), the most any of the sets' sizes ``counts`` could give: what this
+        audit could have refuted at all."""
         if c is not None:
             return f(c.k)
         return max((f(k) for k in counts), default=None)
+
+    def _most_right(self, k: int, two_sided: bool = False) -> int:
+        """The most of k guesses this membership lets be right: k guessed member cannot all be right when fewer
+        are members (a ceiling of "all k right" would overstate what the audit can show)."""
+        n_in = int(self.members.sum())
+        if two_sided:
+            return min((k + 1) // 2, n_in) + min(k // 2, self.m - n_in)
+        return min(k, n_in)
 
     def epsilon_one_run(self, alpha: float, delta: float, strategy=TopGuesses()) -> Bound:
         """Steinke, Nasr & Jagielski (2023): valid for any (eps, delta)-DP mechanism."""
         eps, c, n, counts = self._search(strategy, lambda c, a, floor: one_run.epsilon_lower_bound(
             self.m, c.k, c.v, delta, a, floor=floor), alpha)
-        ceiling = self._ceiling(c, counts, lambda k: one_run.ceiling(self.m, k, delta, alpha / n))
+        ceiling = self._ceiling(c, counts, lambda k: one_run.ceiling(self.m, k, delta, alpha / n,
+                                                                     self._most_right(k, strategy.two_sided)))
         return Bound(name="steinke" + _suffix(strategy),
                      method="Steinke, Nasr & Jagielski 2023 (one run)", epsilon=eps, delta=delta, alpha=alpha,
                      guesses=strategy.name, tests=n, k=c.k if c else None, v=c.v if c else None,
@@ -128,7 +138,8 @@ class CanaryScoreAuditor:
         if family == "gdp":
             mu, c, n, counts = self._search(
                 strategy, lambda c, a, floor: fdp.mu_lower_bound(self.m, c.k, c.v, a, floor), alpha)
-            ceiling = self._ceiling(c, counts, lambda k: gdp.epsilon_from_mu(fdp.ceiling(self.m, k, alpha / n), delta))
+            ceiling = self._ceiling(c, counts, lambda k: gdp.epsilon_from_mu(
+                fdp.ceiling(self.m, k, alpha / n, self._most_right(k)), delta))
             return Bound(name="fdp-gdp" + _suffix(strategy), method="Mahloujifar, Melis & Chaudhuri 2025 (f-DP in one run), G_mu family",
                          epsilon=gdp.epsilon_from_mu(mu, delta), delta=delta, alpha=alpha, guesses=strategy.name,
                          tests=n, k=c.k if c else None, v=c.v if c else None, at=c.label if c else None, mu=mu,
@@ -140,7 +151,8 @@ class CanaryScoreAuditor:
         return Bound(name="fdp" + _suffix(strategy), method="Mahloujifar, Melis & Chaudhuri 2025 (f-DP in one run), (eps, delta) curve",
                      epsilon=eps, delta=delta, alpha=alpha, guesses=strategy.name, tests=n,
                      k=c.k if c else None, v=c.v if c else None, at=c.label if c else None,
-                     ceiling=self._ceiling(c, counts, lambda k: fdp.epsilon_ceiling(self.m, k, delta, alpha / n)),
+                     ceiling=self._ceiling(c, counts, lambda k: fdp.epsilon_ceiling(self.m, k, delta, alpha / n,
+                                                                                     self._most_right(k))),
                      valid_for=ANY_MECHANISM)
 
     def epsilon_gaussian(self, alpha: float, delta: float) -> Bound:

@@ -77,15 +77,16 @@ def mu_lower_bound(m: int, k: int, v: int, alpha: float, floor: float = 0.0) -> 
 
 
 @lru_cache(maxsize=4096)  # pure: asked again at every look and for every guess set's size
-def ceiling(m: int, k: int, alpha: float) -> float:
-    """The largest mu any k guesses on m canaries can show (all right)."""
-    return mu_lower_bound(m, k, k, alpha)
+def ceiling(m: int, k: int, alpha: float, right: int | None = None) -> float:
+    """The largest mu any k guesses on m canaries can show (all right, or ``right`` of them where no more can be)."""
+    return mu_lower_bound(m, k, k if right is None else right, alpha)
 
 
 @lru_cache(maxsize=4096)
-def epsilon_ceiling(m: int, k: int, delta: float, alpha: float) -> float:
-    """The largest eps any k guesses on m canaries can show against the (eps, delta) curve (all right)."""
-    return epsilon_lower_bound(m, k, k, delta, alpha)
+def epsilon_ceiling(m: int, k: int, delta: float, alpha: float, right: int | None = None) -> float:
+    """The largest eps any k guesses on m canaries can show against the (eps, delta) curve (all right, or
+    ``right`` of them where no more can be)."""
+    return epsilon_lower_bound(m, k, k if right is None else right, delta, alpha)
 
 
 def epsilon_lower_bound(m: int, k: int, v: int, delta: float, alpha: float, floor: float = 0.0) -> float:

@@ -59,6 +59,7 @@ def epsilon_lower_bound(m: int, r: int, v: int, delta: float = 0.0, alpha: float
 
 
 @lru_cache(maxsize=4096)  # a pure function of its numbers, asked again at every look and for every guess set's size
-def ceiling(m: int, r: int, delta: float = 0.0, alpha: float = 0.05) -> float:
-    """The largest bound this audit can ever report: all r guesses correct."""
-    return epsilon_lower_bound(m, r, r, delta, alpha)
+def ceiling(m: int, r: int, delta: float = 0.0, alpha: float = 0.05, right: int | None = None) -> float:
+    """The largest bound r guesses can report: all of them correct, or ``right`` of them where the membership allows
+    no more (r above the number of members)."""
+    return epsilon_lower_bound(m, r, r if right is None else right, delta, alpha)

@@ -125,10 +125,12 @@ def _above_why(d: dict, k: str, row: dict) -> str:
     if row["share"] is None or row["share"] <= 1 or d["violation"]:
         return ""
     lo_hi = d.get("tpr_interval", {}).get(k)
-    negatives = d["canaries"]["nonmembers"]
+    negatives = d["canaries"].get("roc_negatives", d["canaries"]["nonmembers"])  # the ROC's: controls included
+    controls = negatives - d["canaries"]["nonmembers"]
     inside = (f"the 95 % interval reaches down to {lo_hi[0]:.3f}, below it; " if lo_hi and lo_hi[0] <= row["max_tpr"]
               else "")
-    return (f" (above the ceiling, not a violation: {inside}the FPR itself is measured on {negatives} non-members, "
+    return (f" (above the ceiling, not a violation: {inside}the FPR itself is measured on {negatives} non-members"
+            + (f" ({controls} of them never-inserted controls)" if controls > 0 else "") + ", "
             f"so FPR {float(k):.1%} is {float(k) * negatives:.3g} of them; only the headline bound, which pays for "
             "its chance, decides)")
 

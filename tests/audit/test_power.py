@@ -12,9 +12,10 @@ def test_the_smallest_m_is_the_first_whose_perfect_audit_refutes_the_claim(claim
     m = smallest_m(claim, 1e-5, 0.05)
     assert most_certifiable(m - 1, 1e-5, 0.05) <= claim < most_certifiable(m, 1e-5, 0.05)
     members = np.arange(m) % 2 == 0
-    perfect = analyse(members.astype(float), members, claimed_epsilon=claim, delta=1e-5)  # every guess right
+    ordered = members + np.linspace(0.5, 0.0, m)  # every member above every non-member, no two scores tied
+    perfect = analyse(ordered, members, claimed_epsilon=claim, delta=1e-5)  # every guess right
     assert perfect.violation  # the audit does reach it
-    fewer = analyse(members[:-1].astype(float), members[:-1], claimed_epsilon=claim, delta=1e-5)
+    fewer = analyse(ordered[:-1], members[:-1], claimed_epsilon=claim, delta=1e-5)
     assert not fewer.violation  # and one canary fewer cannot, even with every guess right
 
 
