@@ -193,6 +193,25 @@ def convert_to(source: Path, folder: Path) -> Path:
     return _convert(source, Path(folder), digest)
 
 
+def stored_precision(source: Path):
+    """(torch dtype, why) the converted weights are written in: the GGUF's own where transformers loads it (F16,
+    BF16, F32 matrices), else float32: a quantized block (Q8_0, Q4_K, ...) dequantizes to products of an integer and
+    a 16-bit scale that 16 bits would round, and transformers cannot load the blocks themselves."""
+    import gguf
+    import torch
+
+    own = {gguf.GGMLQuantizationType.F16: torch.float16, gguf.GGMLQuantizationType.BF16: torch.bfloat16,
+           gguf.GGMLQuantizationType.F32: torch.float32}
+    kinds = {t.tensor_type for t in gguf.GGUFReader(str(source)).tensors if len(t.shape) >= 2}
+    if len(kinds) == 1 and next(iter(kinds)) in own:
+        return own[next(iter(kinds))], "the GGUF's own precision"
+    if kinds and kinds <= set(own):
+        return torch.float32, "the GGUF mixes 16- and 32-bit matrices: float32 holds each exactly"
+    quantized = sorted(gguf.GGMLQuantizationType(k).name for k in kinds if k not in own)
+    return torch.float32, (f"its {', '.join(quantized)} blocks dequantize to values 16 bits would round, and "
+                           "transformers cannot load the blocks themselves")
+
+
 def _convert(source: Path, folder: Path, digest: str) -> Path:
     from dpaudit.core.atomic import save_model_folder
     from dpaudit.models.dependency import require_transformers
@@ -210,15 +229,21 @@ def _convert(source: Path, folder: Path, digest: str) -> Path:
     print(f"converting {source} to a plain Hugging Face folder {folder} (once; later commands reuse it)",
           file=sys.stderr, flush=True)
     began = time.perf_counter()
+    dtype, why = stored_precision(source)
+    print(f"weights written in {str(dtype).replace('torch.', '')}: {why}", file=sys.stderr, flush=True)
     kwargs = {"gguf_file": source.name, "local_files_only": True, "trust_remote_code": False}
     try:
+        import torch
+
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(source.parent), **kwargs)
-        loaded = transformers.AutoModelForCausalLM.from_pretrained(str(source.parent), **kwargs)
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(str(source.parent), dtype=dtype, **kwargs)
         config = loaded.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config
-        model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=False)
-        model.load_state_dict(loaded.state_dict(), strict=True)  # a plain (saveable) copy of the weights
+        with torch.device("meta"):  # no second copy of the weights: the plain model takes the loaded tensors
+            model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=False, dtype=dtype)
+        model.load_state_dict(loaded.state_dict(), strict=True, assign=True)  # a plain (saveable) model
+        del loaded
         model.tie_weights()
     except DPAuditError:
         raise

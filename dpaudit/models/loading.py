@@ -26,6 +26,10 @@ def load_causal_lm(path: str | Path, dtype=None):
     try:
         tokenizer = load_tokenizer(path)
         model = transformers.AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+        import torch
+
+        if dtype is None and next(model.parameters()).dtype == torch.float16:
+            model = model.float()  # fp16 weights (a converted F16 GGUF): training takes no loss scaling, so fp32
     except DPAuditError:
         raise
     except Exception as exc:  # transformers raises many types for a bad checkpoint; report one line

@@ -111,3 +111,23 @@ def test_model_embedded_writes_the_embedded_default(tmp_path):
     out = dpaudit("model", "embedded", "-o", tmp_path / "m")
     assert out.returncode == 0, out.stderr
     assert is_embedded(tmp_path / "m")
+
+
+@pytest.mark.parametrize("quant, dtype", [("F16", torch.float16), ("Q8_0", torch.float32)])
+def test_a_converted_gguf_keeps_its_own_precision_where_transformers_loads_it(llama_like_dir, tmp_path, quant, dtype):
+    """An F16 GGUF was written as fp32 (twice its size); a quantized one stays fp32 (its dequantized values need it).
+    dpaudit loads an fp16 folder in fp32 (training takes no loss scaling)."""
+    from safetensors import safe_open
+
+    from dpaudit.models.gguf import convert_to, stored_precision
+    from dpaudit.models.loading import load_causal_lm
+
+    model, tok = load_causal_lm(llama_like_dir)
+    path = write_llama_gguf(model, tok, tmp_path / f"tiny-{quant}.gguf", quant=quant)
+    assert stored_precision(path)[0] == dtype
+    folder = convert_to(path, tmp_path / "plain")
+    with safe_open(str(next(folder.glob("*.safetensors"))), "pt") as fh:
+        weights = {fh.get_tensor(k).dtype for k in fh.keys() if fh.get_tensor(k).ndim == 2}
+    assert weights == {dtype}
+    loaded, _ = load_causal_lm(folder)
+    assert next(loaded.parameters()).dtype == torch.float32
