@@ -176,13 +176,10 @@ def _refutable_by_count(members: int, m: int, *rest) -> float:
 
 
 def _perfect_bound(members, delta, alpha, guess_counts, seed, score, headline, mechanism, model) -> float:
-    import numpy as np
-
     counts = None if guess_counts is None else list(guess_counts)
-    # every member above every non-member, and no two scores tied: a guess set cut inside a tie is not the scores'
-    # choice and scores nothing (guesses.decided), which perfect scores must not suffer
-    scores = members.astype(float) + 1e-6 * np.arange(members.size, 0, -1) / members.size
-    return analyse(scores, members, delta=delta, alpha=alpha, guess_counts=counts, seed=seed,
+    # every member above every non-member: the tied blocks stand for any order inside them (the guess sets cut
+    # there are decided, guesses.decided with perfect), and the continuous bounds read them as the exact split
+    return analyse(members.astype(float), members, delta=delta, alpha=alpha, guess_counts=counts, seed=seed,
                    score=score, headline=headline, mechanism=mechanism, model=model, _perfect=True).epsilon_lower_bound
 
 
@@ -245,6 +242,7 @@ def analyse(scores, members, *, claimed_epsilon: float | None = None, delta: flo
     if resolved[0] < 1 or resolved[-1] > m:
         raise DPAuditError(f"guess counts must lie in [1, m={m}], got {resolved}")
     auditor = CanaryScoreAuditor.from_labels(scores, members, seed, model)
+    auditor.perfect = _perfect
     n_in, n_out = int(members.sum()), int((~members).sum())
     bounds = {}
     for name, spec in BOUNDS.items():  # every bound the registry holds that applies here

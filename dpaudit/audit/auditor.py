@@ -30,11 +30,11 @@ class GuessCounts:
     def resolve(self, m: int) -> list[int]:
         return sorted(set(self.counts)) if self.counts else default_guess_counts(m)
 
-    def candidates(self, scores: np.ndarray, members: np.ndarray, seed: int) -> list[Candidate]:
+    def candidates(self, scores: np.ndarray, members: np.ndarray, seed: int, perfect: bool = False) -> list[Candidate]:
         order = ranking(scores, seed)
         ranked, m = scores[order], len(scores)
         return [Candidate(r, make_guesses(order, members, r).correct
-                          if decided(ranked, (r + 1) // 2, *([m - r // 2] if r // 2 else []))
+                          if decided(ranked, (r + 1) // 2, *([m - r // 2] if r // 2 else []), perfect=perfect)
                           else 0, f"r = {r}") for r in self.resolve(m)]
 
 
@@ -78,6 +78,7 @@ class CanaryScoreAuditor:
         self.m = self.scores.size
         self.seed = seed
         self.model = model  # family.ScoreModel: how the scores were formed from the run's releases (or None)
+        self.perfect = False  # the perfect-score audit: its tied blocks decide (guesses.decided)
 
     @classmethod
     def from_labels(cls, scores, members, seed: int = 0, model=None) -> "CanaryScoreAuditor":
@@ -89,7 +90,7 @@ class CanaryScoreAuditor:
     def _search(self, strategy, bound_at, alpha: float) -> tuple[float, Candidate | None, int, list[int]]:
         """Best bound over the strategy's guess sets, each tested at alpha / (number of sets); also the sets'
         distinct sizes k (for the ceiling when no set gave a bound)."""
-        cands = strategy.candidates(self.scores, self.members, self.seed)
+        cands = strategy.candidates(self.scores, self.members, self.seed, perfect=self.perfect)
         a = alpha / max(1, len(cands))
         best, arg = 0.0, None
         # Most precise guess sets first: a later set is then mostly ruled out by one cheap test at `best`.

@@ -46,14 +46,14 @@ def ranking(scores: np.ndarray, seed: int = 0) -> np.ndarray:
     return np.lexsort((tiebreak, -scores))
 
 
-def decided(ranked_scores: np.ndarray, *cuts: int) -> bool:
+def decided(ranked_scores: np.ndarray, *cuts: int, perfect: bool = False) -> bool:
     """Whether the scores themselves choose the guess set cut from the ranking at ``cuts`` (the first k canaries;
     or the last m - k): not when the set is every canary (m guesses of one kind, whatever the scores), nor when a
     cut falls inside a run of tied scores (the seeded tie-break, not the model, picks who is in). A guess set the
     scores do not choose tests the membership coin alone; it stays in the count paid for and is scored as no right
     guess, so it can never raise a bound (all-tied scores give 0 whatever the number of members)."""
     m = len(ranked_scores)
-    return all(0 < k < m and ranked_scores[k - 1] != ranked_scores[k] for k in cuts if k != 0)
+    return all(0 < k < m and (perfect or ranked_scores[k - 1] != ranked_scores[k]) for k in cuts if k != 0)
 
 
 def default_guess_counts(m: int) -> list[int]:
@@ -120,12 +120,13 @@ class TopGuesses:
     name = "one-sided, top-k for counts k on a geometric grid fixed in advance (at most 12; equal ones merged)"
     two_sided = False
 
-    def candidates(self, scores: np.ndarray, members: np.ndarray, seed: int) -> list[Candidate]:
+    def candidates(self, scores: np.ndarray, members: np.ndarray, seed: int, perfect: bool = False) -> list[Candidate]:
         order = ranking(scores, seed)
         hits, ranked = np.cumsum(members[order]), scores[order]
         counts = sorted({min(len(scores), max(1, int(round(f * len(scores))))) for f in self.fractions})
-        return [Candidate(k, int(hits[k - 1]) if decided(ranked, k) else 0,
-                          f"top {k}" + ("" if decided(ranked, k) else " (not chosen by the scores: not scored)"))
+        chosen = {k: decided(ranked, k, perfect=perfect) for k in counts}
+        return [Candidate(k, int(hits[k - 1]) if chosen[k] else 0,
+                          f"top {k}" + ("" if chosen[k] else " (not chosen by the scores: not scored)"))
                 for k in counts]
 
 
@@ -138,7 +139,7 @@ class HullThresholds:
     name = "one-sided, ROC-hull thresholds (jax_privacy's rule)"
     two_sided = False
 
-    def candidates(self, scores: np.ndarray, members: np.ndarray, seed: int) -> list[Candidate]:
+    def candidates(self, scores: np.ndarray, members: np.ndarray, seed: int, perfect: bool = False) -> list[Candidate]:
         # Every hull vertex is paid for, (0, 0) included (it can never win), as jax_privacy counts them; the last,
         # every canary guessed member, is not chosen by the scores (decided) and scores no right guess.
         m = len(scores)
