@@ -496,3 +496,16 @@ def test_a_torn_last_look_counts_as_spent_and_the_watch_goes_on(tmp_path):
     assert again._watch["look"] == 2  # the torn look's alpha stays spent
     lines = [json.loads(x) for x in (tmp_path / "p" / RUNNING).read_text().splitlines()]
     assert lines[-1]["torn"] and len(lines) == 2
+
+
+def test_opacus_adaptive_clipping_is_refused_at_attach_in_one_line(tmp_path):
+    """attach then opt.step() raised AttributeError ('SimpleNamespace' has no 'sample_size') inside the user's step."""
+    from opacus.optimizers import AdaClipDPOptimizer
+
+    model = torch.nn.Linear(20, 2)
+    optimizer = AdaClipDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0,
+                                   target_unclipped_quantile=0.5, clipbound_learning_rate=0.2, max_clipbound=10.0,
+                                   min_clipbound=0.1, unclipped_num_std=20.0, max_grad_norm=1.0, expected_batch_size=8)
+    with pytest.raises(DPAuditError, match="adaptive clipping"):
+        WhiteBoxProbe.attach(optimizer, m=20, out=tmp_path / "p", sample_rate=0.1)
+    assert not (tmp_path / "p").exists()
