@@ -183,8 +183,9 @@ def test_a_consistent_audit_says_what_it_could_have_refuted_even_at_a_zero_bound
     members = rng.random(200) < 0.5
     result = analyse(rng.normal(0, 1, 200), members, claimed_epsilon=1.0, delta=1e-5, score="neg-loss")
     head = result.headline_bound
-    perfect = analyse(members.astype(float), members, claimed_epsilon=1.0, delta=1e-5, score="neg-loss")
-    assert head.epsilon == 0.0 and result.refutable == perfect.epsilon_lower_bound > 1.0
+    ordered = members + np.linspace(0.5, 0.0, 200)  # every member above every non-member, no two tied
+    perfect = analyse(ordered, members, claimed_epsilon=1.0, delta=1e-5, score="neg-loss")
+    assert head.epsilon == 0.0 and result.refutable == pytest.approx(perfect.epsilon_lower_bound) and result.refutable > 1
     assert f"cannot exceed {result.refutable:.3g}" in markdown(result, {})
 
 

@@ -77,6 +77,7 @@ def _followed(advice: dict, sigma: float, n: int, b: int) -> float:
     if advice["sampling"] == "fixed":
         return epsilon(schedule("gaussian", sigma, None, b, n, advice["steps"], None, "fixed"), DELTA).epsilon
     assert advice["sampling"] == "poisson"
+    sigma = sigma / advice.get("sensitivity", 1.0)  # "--sigma S/2" where the advice says sensitivity 2C
     return epsilon(schedule("gaussian", sigma, advice["p"], None, None, advice["steps"]), DELTA).epsilon
 
 
@@ -89,6 +90,15 @@ def test_advice_followed_is_never_below_a_valid_bound(kind, n, b, epochs, sigma,
     advice = verdict.advice
     assert advice["words"] in verdict.verdict or verdict.poisson_accounting_valid
     assert _followed(advice, sigma, n, b) >= _truth_floor(kind, log, sigma, n, b, epochs) - 1e-9, (kind, verdict.verdict)
+
+
+def test_fixed_size_batches_read_as_a_fixed_order_are_accounted_at_sensitivity_2c():
+    """Random fixed-size batches read by chance (at the audit's alpha) as a fixed order got "account it as 4
+    full-batch releases" at sensitivity C: 13.2, below the replace-one truth 18.4 (n 116, b 9, sigma 0.8)."""
+    log = _log("fixed", 116, 9, 1, 2907)
+    verdict = analyse_batches(log, 116, 9 / 116)
+    assert verdict.advice["sensitivity"] == 2.0 and "sensitivity 2C" in verdict.verdict
+    assert _followed(verdict.advice, 0.8, 116, 9) >= _truth_floor("fixed", log, 0.8, 116, 9, 1)
 
 
 @pytest.mark.parametrize("kind", KINDS)
