@@ -21,7 +21,7 @@ from scipy.stats import beta
 
 from dpaudit.accounting import pld
 from dpaudit.accounting.mechanism import Mechanism
-from dpaudit.training.probe import RUNNING, STOP_ALPHA, WhiteBoxProbe
+from dpaudit.probes.probe import RUNNING, STOP_ALPHA, WhiteBoxProbe
 
 C, SIGMA, N_PARAMS, RATE, DELTA = 1.0, 1.0, 400, 0.3, 1e-5
 

@@ -20,7 +20,7 @@ from pathlib import Path
 def run(seed: int, args, sigma: float, claim: float, folder: Path) -> dict:
     import torch
 
-    from dpaudit.training.probe import RUNNING, WhiteBoxProbe
+    from dpaudit.probes.probe import RUNNING, WhiteBoxProbe
 
     C, p = 1.0, args.p
     param = torch.zeros(args.dim, requires_grad=True)

@@ -1,1 +1,1 @@
-"""Layer 7, the `dpaudit` command line (imported as dpaudit.cli). May import every layer."""
+"""Layer 8, the `dpaudit` command line (imported as dpaudit.cli). May import every layer."""

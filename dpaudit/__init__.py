@@ -19,11 +19,11 @@ def __getattr__(name: str):
 
         return SamplerAudit
     if name == "WhiteBoxProbe":
-        from dpaudit.training.probe import WhiteBoxProbe
+        from dpaudit.probes.probe import WhiteBoxProbe
 
         return WhiteBoxProbe
     if name == "PipelineProbe":
-        from dpaudit.training.pipeline_probe import PipelineProbe
+        from dpaudit.probes.pipeline_probe import PipelineProbe
 
         return PipelineProbe
     if name in _API:

@@ -1,7 +1,8 @@
 """The layers point one way (issue 37): an import graph built from the source (AST; nothing is imported or run)
 must have no cycle and no arrow from a lower layer to a higher one. Failures name the file and line.
 
-    core -> accounting -> audit statistics -> models, canaries -> training -> workflows -> integrations -> api, cli
+    core -> accounting -> audit statistics -> models, canaries -> probes -> training -> workflows -> integrations
+    -> api, cli
 
 Each package's __init__ docstring says what it may import; LAYERS below is the one table of it.
 """
@@ -14,8 +15,8 @@ REPO = Path(__file__).resolve().parents[1]
 # Where each import name lives (the design card keeps cli/ and canaries/ at the top of the repository).
 ROOTS = {"dpaudit.cli": REPO / "cli", "dpaudit.canaries": REPO / "canaries", "dpaudit": REPO / "dpaudit"}
 LAYERS = {  # package (or top-level module) of dpaudit -> its rank; a module may import its own rank or lower
-    "core": 0, "accounting": 1, "audit": 2, "models": 3, "canaries": 3, "training": 4, "workflows": 5,
-    "integrations": 6, "api": 7, "cli": 7, "__init__": 7, "samplers": 7,
+    "core": 0, "accounting": 1, "audit": 2, "models": 3, "canaries": 3, "probes": 4, "training": 5, "workflows": 6,
+    "integrations": 7, "api": 8, "cli": 8, "__init__": 8, "samplers": 8,
 }
 
 
@@ -119,3 +120,16 @@ def test_every_package_is_in_the_wheel():
     found = {m for m, f in modules().items() if f.name == "__init__.py"}
     assert found - listed == set(), "packages missing from pyproject.toml's [tool.setuptools] packages"
     assert listed - found == set(), "pyproject.toml lists packages that do not exist"
+
+
+def test_the_probes_sit_between_the_audit_and_the_trainers():
+    """Issue 67: the probes in a room of their own, below training (which attaches them for its white-box runs) and
+    above audit (whose statistics they call); no probe module is left in training/."""
+    mods, edges = graph()
+    probes = [m for m in mods if layer(m) == "probes"]
+    assert {"dpaudit.probes.probe", "dpaudit.probes.pipeline_probe", "dpaudit.probes.probe_opacus",
+            "dpaudit.probes.health"} <= set(probes)
+    assert not [m for m in mods if layer(m) == "training" and m.rsplit(".", 1)[-1] in
+                ("probe", "pipeline_probe", "probe_opacus", "health")]
+    assert any(b.startswith("dpaudit.probes.") for a, t in edges.items() if layer(a) == "training" for b, _ in t)
+    assert any(layer(b) == "audit" for a, t in edges.items() if layer(a) == "probes" for b, _ in t)

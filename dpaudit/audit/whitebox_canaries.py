@@ -10,7 +10,7 @@ step (public, from the canary seed), so the data's steady drift cancels out of t
 The transcript holds only canary-aligned numbers: for DP-SGD each step's released noisy sum at the m
 coordinates (m floats a step, whitebox_transcript.f32), for DP-ZO the (seed, scalar) log itself. The
 secret seed is never written. Scores are computed from the transcript by ``dpaudit.audit.whitebox``.
-Gradient canaries enter and are read by ``training.probe.WhiteBoxProbe``: the bundled trainer's and a user's
+Gradient canaries enter and are read by ``probes.probe.WhiteBoxProbe``: the bundled trainer's and a user's
 loop's go the same way.
 """
 
@@ -45,7 +45,7 @@ class WhiteBoxCanaries:
     members: np.ndarray             # bool, (m,)
     gain: float = GAIN
     coordinates: list[int] = field(default_factory=list)  # DP-SGD: flat indices into the trainable parameters
-    run_id: str | None = None       # a probe's (training/probe.py): its transcript and manifest belong together
+    run_id: str | None = None       # a probe's (probes/probe.py): its transcript and manifest belong together
 
     @classmethod
     def make(cls, m: int, seed: int, membership_seed: int) -> "WhiteBoxCanaries":

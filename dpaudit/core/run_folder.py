@@ -6,7 +6,7 @@
     whitebox_canaries.json white-box canaries (0600: membership), whitebox_transcript.f32 (DP-SGD releases)
     allocation_secret.json balls-in-bins: the secret each epoch's allocation is drawn from (0600; read back by
                            --resume, removed when the run finishes)
-    probe.json             a WhiteBoxProbe's folder instead of a run's (training/probe.py)
+    probe.json             a WhiteBoxProbe's folder instead of a run's (probes/probe.py)
     checkpoint/            sealed resume checkpoint (training/checkpoint.py), model/ the finished model
 
 Readers cap sizes and turn anything malformed into one DPAuditError (torch-free: the auditors use them).
@@ -25,7 +25,7 @@ RUN_CONFIG = "run_config.json"
 LEDGER = "privacy_ledger.json"
 ZO_LOG = "zo_steps.jsonl"
 PROBE = "probe.json"
-HEALTH = "health.json"  # a probe's health check of the update (training/health.py)
+HEALTH = "health.json"  # a probe's health check of the update (probes/health.py)
 OUTSIDE_DP = ("moved-outside", "stepped-outside")  # its findings that mean updates without clipping or noise
 ALLOCATION_SECRET = "allocation_secret.json"
 MODEL = "model"

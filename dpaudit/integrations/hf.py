@@ -128,7 +128,7 @@ class DPAuditCallback(TrainerCallback):
 
         repeats = _tiers(repeats)
         _check_arguments(m, kind, secret_length, canary_budget, preflight, claimed_eps, delta, alpha)
-        from dpaudit.training.probe import ON_VIOLATION
+        from dpaudit.probes.probe import ON_VIOLATION
 
         if on_violation not in (*ON_VIOLATION, "off"):
             raise DPAuditError(f"on_violation must be one of {', '.join(ON_VIOLATION)} or off, got {on_violation!r}")
@@ -202,8 +202,8 @@ class DPAuditCallback(TrainerCallback):
         dp = _dp_optimizer(optimizer)
         if dp is not None and self.settings.white_box_m >= 2:
             from dpaudit.core.run_folder import read_probe_spec
-            from dpaudit.training.probe import WhiteBoxProbe
-            from dpaudit.training.probe_opacus import hooked_accountant, loader_sample_rate
+            from dpaudit.probes.probe import WhiteBoxProbe
+            from dpaudit.probes.probe_opacus import hooked_accountant, loader_sample_rate
 
             folder = self.out / WHITE_BOX
             resume = folder.is_dir() and any(folder.iterdir())
@@ -225,7 +225,7 @@ class DPAuditCallback(TrainerCallback):
             claim = self.settings.claimed_eps
             if self.settings.on_violation != "off" and self.settings.delta and (
                     claim is not None or getattr(self.probe, "accountant", None) is not None):
-                from dpaudit.training.probe import STOP_ALPHA
+                from dpaudit.probes.probe import STOP_ALPHA
 
                 # the looks at 1 % over the run (a correct run is stopped at most that often), the end at alpha
                 self.probe.watch(delta=self.settings.delta, claimed_eps=claim, alpha=min(self.settings.alpha, STOP_ALPHA),
@@ -265,7 +265,7 @@ class DPAuditCallback(TrainerCallback):
         context = self._context(args, state, steps, claimed, source, score)
         context.update(tier_lines(self.tiers, self.result))
         if getattr(self.probe, "health", None) is not None:
-            context.update(self.probe.health.lines())  # the update's health check (training/health.py)
+            context.update(self.probe.health.lines())  # the update's health check (probes/health.py)
         if self.probe is not None and getattr(self.probe, "canaries", None) is not None:
             try:
                 self.white_box = self.probe.audit(claimed, self.settings.delta, report=True, claimed_from=source)

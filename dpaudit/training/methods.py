@@ -100,7 +100,7 @@ def _dp_zo(s: TrainerSetup) -> Trainer:
 
 
 def _dp_sgd(s: TrainerSetup) -> Trainer:
-    from dpaudit.training.probe import WhiteBoxProbe
+    from dpaudit.probes.probe import WhiteBoxProbe
     from dpaudit.training.sgd import FirstOrderTrainer
     from dpaudit.training.streams import attempt_seed, step_key
 

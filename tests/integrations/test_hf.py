@@ -224,7 +224,7 @@ def test_an_opacus_trainer_is_audited_white_box_and_a_missing_noise_is_caught(ti
     assert audit.white_box is not None and "the white-box audit" in report["context"]["verdict from"]
     claimed = report["context"]["claimed eps"]
     assert 0 < claimed < 50 and "get_epsilon" in report["context"]["claimed eps from"]  # the accountant's eps
-    from dpaudit.training.probe import RUNNING
+    from dpaudit.probes.probe import RUNNING
 
     # the planned run's final look (max_steps 12), made after the accountant counted the last step: its claim
     looks = [json.loads(line) for line in (tmp_path / "dp" / "white-box" / RUNNING).read_text().splitlines()]
@@ -250,7 +250,7 @@ def test_a_broken_opacus_trainer_run_is_stopped_at_the_first_look_that_reads_vio
     from transformers import DataCollatorForLanguageModeling, TrainingArguments
 
     from dpaudit.integrations.hf import DPAuditCallback, opacus_trainer
-    from dpaudit.training.probe import RUNNING
+    from dpaudit.probes.probe import RUNNING
 
     model, tok = _model(tiny_model_dir)
     out = tmp_path / "broken"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from dpaudit.training.probe import CLIP_TALLY, WhiteBoxProbe
+from dpaudit.probes.probe import CLIP_TALLY, WhiteBoxProbe
 
 C, SIGMA, N_PARAMS = 1.0, 1.0, 400
 

@@ -99,7 +99,7 @@ def test_a_sharded_dp_zo_run_takes_white_box_canaries_as_one_process_does(tiny_m
 
 @pytest.mark.parametrize("layout", [("shard",), ()], ids=["sharded", "data-parallel"])
 def test_dp_sgd_white_box_canaries_under_torchrun_read_what_one_process_reads(tiny_model_dir, tmp_path, layout):
-    """DP-SGD's gradient canaries (training/probe.py) on two processes: sharded, each joins the one slice
+    """DP-SGD's gradient canaries (probes/probe.py) on two processes: sharded, each joins the one slice
     holding its coordinate and the ranks' readings are summed; data-parallel, rank 0 adds them once and reads
     the reduced release. Either way the transcript is one process's (the noise streams are the same)."""
     import numpy as np

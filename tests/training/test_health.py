@@ -14,7 +14,7 @@ import torch
 from cli_helpers import dpaudit
 from dpaudit import WhiteBoxProbe
 from dpaudit.core.run_folder import HEALTH
-from dpaudit.training.health import EVERY, UpdateHealth, update_bound
+from dpaudit.probes.health import EVERY, UpdateHealth, update_bound
 
 warnings.filterwarnings("ignore", module="opacus")
 N, B, STEPS = 256, 32, EVERY + 10
@@ -231,7 +231,7 @@ def test_a_short_run_is_checked_and_a_still_group_is_named(tmp_path, capsys):
 def test_findings_of_one_cause_print_as_one_line_that_names_the_cause(capsys):
     """A frozen lora_B keeps every lora_A's gradient at zero: one line, naming lora_B (48 lines blamed 'detached
     from the forward' before); a bf16 tensor too small a step rounds away is said to be that."""
-    from dpaudit.training.health import UpdateHealth
+    from dpaudit.probes.health import UpdateHealth
 
     tensors = [(f"layers.{i}.q_proj.lora_A.weight", torch.zeros(4, 8)) for i in range(24)]
     health = UpdateHealth(tensors)

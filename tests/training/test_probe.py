@@ -487,7 +487,7 @@ def test_symbolic_links_in_a_probe_folder_are_refused_when_it_starts(tmp_path, n
 
 
 def test_a_torn_last_look_counts_as_spent_and_the_watch_goes_on(tmp_path):
-    from dpaudit.training.probe import RUNNING
+    from dpaudit.probes.probe import RUNNING
 
     _, model = _gradient_probe(tmp_path / "p", steps=3)
     (tmp_path / "p" / RUNNING).write_text('{"step": 16, "look": 1, "final": false}\n{"step": 32, "lo')

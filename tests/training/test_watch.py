@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dpaudit.core.errors import DPAuditError, PrivacyViolation
-from dpaudit.training.probe import RUNNING, WhiteBoxProbe
+from dpaudit.probes.probe import RUNNING, WhiteBoxProbe
 
 C, SIGMA, N_PARAMS, RATE = 1.0, 1.0, 400, 0.3
 

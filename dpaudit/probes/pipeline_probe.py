@@ -37,7 +37,7 @@ import numpy as np
 from dpaudit.audit.whitebox import CANARY_BATCHES as BATCHES
 from dpaudit.audit.whitebox_canaries import TRANSCRIPT
 from dpaudit.core.errors import DPAuditError
-from dpaudit.training.probe import WhiteBoxProbe, refuse_links
+from dpaudit.probes.probe import WhiteBoxProbe, refuse_links
 
 BUDGET = 0.05  # the share of the training's wall time the canaries' directions may take (refreshed that often)
 CHUNK = 64  # canary sequences a backward pass
@@ -71,7 +71,7 @@ class PipelineProbe(WhiteBoxProbe):
         refuse_links(self.out)
         self._start(int(m), 1.0, seed)
         self.ids = self._add_tokens()
-        from dpaudit.training.health import for_tensors
+        from dpaudit.probes.health import for_tensors
 
         # the update's health check: the model's trainable tensors as they are now (freeze first) must each move
         self.health = for_tensors([p for p in model.parameters() if p.requires_grad], model, bracketed=False)

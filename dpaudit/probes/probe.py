@@ -81,9 +81,9 @@ class WhiteBoxProbe:
         self.names = [named.get(id(p), f"parameter {k} {tuple(p.shape)}") for k, p in enumerate(self.params)]
         self.unprotected = [] if model is None or kind != "gradient" else [
             name for name, p in model.named_parameters() if p.requires_grad and id(p) not in noised]
-        from dpaudit.training.health import for_tensors
+        from dpaudit.probes.health import for_tensors
 
-        # the update's health check (training/health.py): a plain loop's probe looks every EVERY steps, at begin
+        # the update's health check (probes/health.py): a plain loop's probe looks every EVERY steps, at begin
         self.health = for_tensors(self.params, model, bracketed=False) if kind == "gradient" else None
         refuse_links(self.out)
         # the per-tensor noise tally (tally_noise): what earlier attempts tallied, and this one's, on the device
@@ -493,7 +493,7 @@ class WhiteBoxProbe:
         you train with), the canaries are sampled at its rate and the audit checks the accountant counts that rate;
         given ``model``, it also checks that every trainable tensor is noised by this optimizer. How:
         probe_opacus.py."""
-        from dpaudit.training.probe_opacus import attach
+        from dpaudit.probes.probe_opacus import attach
 
         return attach(cls, optimizer, m=m, out=out, sample_rate=sample_rate, accountant=accountant, gain=gain,
                       seed=seed, resume=resume, model=model, secret_seed=secret_seed, data_loader=data_loader)
@@ -672,7 +672,7 @@ class WhiteBoxProbe:
                 f" after the {taken} steps taken" if taken is not None else "")
         counted = {}
         if accountant is not None and self.kind == "gradient":  # the rates it counted, read now (rate_check.py)
-            from dpaudit.training.probe_opacus import accounted_rate
+            from dpaudit.probes.probe_opacus import accounted_rate
 
             rate, rate_source = accounted_rate(accountant)
             if rate is not None:
