@@ -19,6 +19,10 @@ alpha_n = alpha x NOISE_SHARE, the bounds the rest. s is the noise the claim is 
 noise multiplier times the probe's clip norm, or ``noise_multiplier=`` given to a plain loop's probe); a probe that
 does not know it says the check was not made.
 
+Only full-precision releases are checked. In bf16 (fp16) the release is the clipped sum plus noise rounded to 8 (11)
+bits: where the sum at a coordinate is some 256 (2048) times the noise or more, rounding can return the sum itself, a
+post-processing that keeps DP but reads as noise missing. A tensor released in 16 bits is named as not checked.
+
 Written here: two chi-square tails over memory-mapped columns; scipy gives the chi-square distribution.
 """
 
@@ -53,10 +57,20 @@ class NoiseCheck:
     noise_std: float            # s = sigma x C, in the release's units
     tensors: tuple[TensorNoise, ...]
     statistics: int = 2         # per tensor: the canary columns' two, and the direct tally where there is one
+    unchecked: tuple = ()       # tensors released in 16 bits: not checked (module doc)
 
     @property
     def level(self) -> float:
         return self.alpha / (self.statistics * max(1, len(self.tensors)))  # Bonferroni: tensors x statistics
+
+    @property
+    def _unchecked(self) -> str:
+        if not self.unchecked:
+            return ""
+        names = ", ".join(self.unchecked[:3]) + (f" and {len(self.unchecked) - 3} more" if len(self.unchecked) > 3
+                                                 else "")
+        return (f"; {len(self.unchecked)} released in 16 bits not checked (rounding can swallow noise there and keep "
+                f"DP): {names}")
 
     @property
     def missing(self) -> tuple[TensorNoise, ...]:
@@ -81,7 +95,9 @@ class NoiseCheck:
     @property
     def verdict(self) -> str:
         if self.refused:
-            return f"noise missing: {self.reason}"
+            return f"noise missing: {self.reason}{self._unchecked}"
+        if not self.tensors:
+            return "no tensor checked" + self._unchecked
         measured = [t for t in self.tensors if t.direct]
         words = (f"no trainable tensor was released with less than the accounted noise (std {self.noise_std:.4g}; "
                  f"lowest measured {min(t.ratio for t in self.tensors):.3g}x)")
@@ -96,13 +112,14 @@ class NoiseCheck:
             names = ", ".join(f"{t.name} ({t.ratio:.3g}x)" for t in blind[:3])
             more = f" and {len(blind) - 3} more" if len(blind) > 3 else ""
             words += f"; as it is on {len(blind)}, so not shown either way: {names}{more}"
-        return words
+        return words + self._unchecked
 
     def to_dict(self) -> dict:
         return {"verdict": self.verdict, "refused": self.refused, "alpha": self.alpha, "noise_std": self.noise_std,
                 "tensors": [{"name": t.name, "canaries": t.canaries, "noise_ratio": t.ratio,
                              "noise_ratio_differences": t.ratio_diff, "p_value": t.p_value,
-                             "noise_measured": t.direct, "data_as_large_as_noise": t.blind} for t in self.tensors]}
+                             "noise_measured": t.direct, "data_as_large_as_noise": t.blind} for t in self.tensors],
+                "unchecked_16_bit": list(self.unchecked)}
 
 
 def column_squares(releases: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -143,22 +160,24 @@ def read_tally(folder: Path, run_id: str) -> dict | None:
 
 
 def check(releases: np.ndarray, tensor_of: np.ndarray, names: list[str], noise_std: float,
-          alpha: float, tally: dict | None = None) -> NoiseCheck:
+          alpha: float, tally: dict | None = None, skipped: set | None = None) -> NoiseCheck:
     """``releases``: (steps, m) released values at the canary coordinates; ``tensor_of[i]``: the tensor canary i
     sits on (an index into ``names``); ``noise_std``: s, the accounted noise's std in the releases' units;
     ``tally``: the probe's direct measurement of each tensor's noise (read_tally), a third statistic where given:
-    its sum of squares over s^2 is exactly chi2(size x steps) when the noise is as accounted."""
+    its sum of squares over s^2 is exactly chi2(size x steps) when the noise is as accounted. ``skipped``: the
+    indices of tensors released in 16 bits (not checked, named)."""
     from scipy.stats import chi2
 
     steps = releases.shape[0]
     squares, diffs = column_squares(releases)
     direct = tally is not None and any(tally["steps"]) and len(tally["sizes"]) == len(names)
     statistics = 3 if direct else 2
-    level = alpha / (statistics * max(1, len(set(tensor_of.tolist()))))  # Bonferroni: tensors x statistics
+    skipped = skipped or set()
+    level = alpha / (statistics * max(1, len(set(tensor_of.tolist()) - skipped)))  # Bonferroni: tensors x statistics
     out = []
     for k, name in enumerate(names):
         cols = np.flatnonzero(tensor_of == k)
-        if cols.size == 0:
+        if cols.size == 0 or k in skipped:
             continue
         n = cols.size * steps
         s = float(squares[cols].sum()) / noise_std ** 2
@@ -182,4 +201,5 @@ def check(releases: np.ndarray, tensor_of: np.ndarray, names: list[str], noise_s
             ratio, direct = math.sqrt(s / n), False
         out.append(TensorNoise(name=name, canaries=int(cols.size), ratio=ratio, ratio_diff=ratio_diff,
                                p_value=p, blind=bool(blind), direct=direct))
-    return NoiseCheck(alpha=alpha, noise_std=float(noise_std), tensors=tuple(out), statistics=statistics)
+    return NoiseCheck(alpha=alpha, noise_std=float(noise_std), tensors=tuple(out), statistics=statistics,
+                      unchecked=tuple(names[k] for k in sorted(skipped)))

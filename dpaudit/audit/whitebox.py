@@ -359,7 +359,10 @@ def _noise_check(run_dir: Path, spec: dict, alpha: float):
     tally = noise_check.read_tally(run_dir, spec["run_id"])
     if tally is not None and tally["sizes"] != sizes.tolist():
         raise DPAuditError(f"{run_dir}: {noise_check.TALLY} was written for other parameters than probe.json's")
-    return noise_check.check(rows, tensor_of, names, float(sigma) * float(spec["clip"]), alpha, tally)
+    dtypes = spec.get("parameter_dtypes")
+    skipped = {k for k, d in enumerate(dtypes) if d not in ("float32", "float64")} \
+        if isinstance(dtypes, list) and len(dtypes) == len(shapes) else set()
+    return noise_check.check(rows, tensor_of, names, float(sigma) * float(spec["clip"]), alpha, tally, skipped)
 
 
 def audit_run_folder(run_dir: Path, *, claimed_epsilon: float | None, delta: float, alpha: float = 0.05,

@@ -40,6 +40,7 @@ LOOKS = "looks"  # a look that reads VIOLATION keeps its report here (looks/step
 RUNNING = "running.jsonl"  # a watched probe's looks, one JSON line each
 BLOCK_ROWS = 64  # steps whose rows wait on the device before one copy to the transcript (probe.flush)
 SAMPLING_DOMAIN = 0x77627370  # "wbsp": the canaries' per-step sampling, apart from membership's stream
+FULL_PRECISION = ("torch.float32", "torch.float64")  # releases the per-tensor noise check measures (tally_noise)
 SIZE_RATIO = 8.0  # canary_examples: odd canaries' rows are this much larger (the per-example clipping check)
 
 
@@ -210,6 +211,7 @@ class WhiteBoxProbe:
                 "canaries_bypass": self.bypass, "transcript": TRANSCRIPT, "floats_per_step": self.width,
                 "unprotected_parameters": self._unprotected_now(),
                 **({"parameter_shapes": _shapes(self.params), "parameter_names": self.names,
+                    "parameter_dtypes": [str(p.dtype).replace("torch.", "") for p in self.params],
                     "noise_multiplier": self.noise_multiplier} if self.kind == "gradient" else {}),
                 "membership": "from secret_seed (reproducible: tests and benchmarks only)"
                 if self.secret_seed is not None else "OS entropy", **extra}
@@ -430,7 +432,10 @@ class WhiteBoxProbe:
         if self.noise_multiplier is None or len(released) != len(self.params):
             return
         device = self.params[0].device
-        measured = [r is not None and c is not None for r, c in zip(released, clipped)]
+        # 16-bit releases are not measured: rounding the clipped sum plus noise can swallow the noise where the sum is
+        # large (a post-processing, still DP), which would read as noise missing (noise_check.py)
+        measured = [r is not None and c is not None and str(r.dtype) in FULL_PRECISION
+                    for r, c in zip(released, clipped)]
         squares = torch.stack([torch.linalg.vector_norm(r.reshape(-1).float() - c.reshape(-1).float()).to(device) ** 2
                                if ok else torch.zeros((), device=device)
                                for r, c, ok in zip(released, clipped, measured)]).double()
