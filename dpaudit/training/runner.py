@@ -208,12 +208,15 @@ def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *,
 
 def check_run_folder(run_dir: Path, resume: bool) -> None:
     """What a run folder must be before anything (its lock included) is written there: a plain folder, never a
-    symbolic link (a run would write through it); with ``resume``, a folder holding a dpaudit run."""
+    symbolic link (a run would write through it); with ``resume``, a folder holding something of a dpaudit run (its
+    config, ledger or checkpoint: what it holds is then checked by the resume, resume.py)."""
     from dpaudit.core import run_folder
+    from dpaudit.training import checkpoint
 
     if run_dir.is_symlink() or (run_dir.exists() and not run_dir.is_dir()):
         raise DPAuditError(f"{run_dir} is not a plain folder (a symbolic link or a file); give a run folder path")
-    if resume and run_folder.run_config(run_dir, required=False) is None:
+    traces = (run_folder.RUN_CONFIG, run_folder.LEDGER, checkpoint.FINAL, checkpoint.TMP, checkpoint.OLD)
+    if resume and not any((run_dir / name).exists() for name in traces):  # a run's remains go to the resume's checks
         raise DPAuditError(f"{run_dir} holds no dpaudit run to resume (no {run_folder.RUN_CONFIG}); start a run there "
                            "without --resume, in an empty folder")
 

@@ -16,7 +16,8 @@ import sys
 import pytest
 
 from dpaudit.audit import whitebox_canaries as whitebox
-from dpaudit.training import checkpoint, probe, zo
+from dpaudit.probes import probe
+from dpaudit.training import checkpoint, zo
 from dpaudit.training.runner import TrainConfig, train
 
 TEXTS = [f"Alice number {i} lives in Paris and likes bread." for i in range(30)]

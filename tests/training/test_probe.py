@@ -319,7 +319,7 @@ def test_rows_kept_on_the_device_are_written_in_blocks_and_read_the_same(tmp_pat
     """On a GPU a step's row waits on the device (no host synchronisation a step) and BLOCK_ROWS rows go to the
     transcript at once; forced here on the CPU: the file lags by less than a block, and flush (a checkpoint, an
     audit, close) writes the same transcript as one row a step does. One gather a tensor, not one read a canary."""
-    from dpaudit.training import probe as probe_module
+    from dpaudit.probes import probe as probe_module
 
     transcripts = {}
     for kept in (False, True):
