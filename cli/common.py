@@ -98,7 +98,8 @@ NoiseOpt = Annotated[Optional[str], typer.Option(
     "--noise", help="Correlated noise: bandmf,b=B (banded matrix factorisation; cyclic Poisson batches are "
                     "amplified: every example sampled at p B = B_batch b / N, the N mod b leftovers included; for "
                     "jax_privacy's sampler, which drops them and samples each group at B_batch / floor(N / b), give "
-                    "-N b floor(N / b)), blt,theta=T1:T2,omega=W1:W2[,order=fixed] or blt,buffers=D (theta and omega searched for "
+                    "-N b floor(N / b)), blt,theta=T1:T2,omega=W1:W2[,order=fixed] or blt,buffers=D (theta and "
+                    "omega searched for "
                     "the schedule); default independent (DP-SGD). sigma is "
                     "then relative to the strategy's sensitivity.")]
 McSamplesOpt = Annotated[Optional[int], typer.Option(

@@ -101,18 +101,19 @@ class SamplerVerdict:
         every other one gets no amplification, which holds for any data-independent order: no example is in more
         than c batches (c counted in the log), so the run is at most c full-batch releases (add/remove, sensitivity
         C each; where every batch has one size, the sampler's relation is replace-one and each release moves by 2C:
-        ``sensitivity`` 2, sigma / 2 to account). Balls-in-bins' amplification needs each epoch's allocation drawn at random from a secret, which no
-        log can show, so it is offered only on that condition, never as the figure."""
+        ``sensitivity`` 2, sigma / 2 to account). Balls-in-bins' amplification needs each epoch's allocation drawn
+        at random from a secret, which no log can show, so it is offered only on that condition, never as the
+        figure."""
         c = int(self.tests["most inclusions of one example"]["count"])
         releases = {"sampling": "poisson", "p": 1.0, "steps": c, "sensitivity": 1.0,
                     "words": f"no amplification by sampling: account it as {c} full-batch release(s) (`--p 1 -T {c}`: "
                              f"no example is in more than {c} batch(es) of this log)"}
         if self.tests["batch sizes"]["dispersion"] == 0:  # every batch of one size: replace-one, a release moves by 2C
             releases = {**releases, "sensitivity": 2.0,
-                        "words": f"no amplification by sampling: account it as {c} full-batch release(s) at sensitivity "
-                                 f"2C (every batch has one size, so its neighbours replace an example: `--sigma "
-                                 f"S/2 --p 1 -T {c}` for noise multiplier S; no example is in more than {c} batch(es) "
-                                 "of this log)"}
+                        "words": f"no amplification by sampling: account it as {c} full-batch release(s) at "
+                                 "sensitivity 2C (every batch has one size, so its neighbours replace an example: "
+                                 f"`--sigma S/2 --p 1 -T {c}` for noise multiplier S; no example is in more than {c} "
+                                 "batch(es) of this log)"}
         if self.poisson_accounting_valid:
             return {"sampling": "poisson", "p": self.sample_rate, "steps": self.steps,
                     "words": f"Poisson accounting at p = {self.sample_rate:.4g}"}

@@ -228,7 +228,8 @@ class DPAuditCallback(TrainerCallback):
                 from dpaudit.probes.probe import STOP_ALPHA
 
                 # the looks at 1 % over the run (a correct run is stopped at most that often), the end at alpha
-                self.probe.watch(delta=self.settings.delta, claimed_eps=claim, alpha=min(self.settings.alpha, STOP_ALPHA),
+                self.probe.watch(delta=self.settings.delta, claimed_eps=claim,
+                                 alpha=min(self.settings.alpha, STOP_ALPHA),
                                  on_violation=self.settings.on_violation,
                                  planned_steps=int(state.max_steps) if (state.max_steps or 0) > 0 else None)
         return control

@@ -8,9 +8,9 @@ and, as a member, is Poisson-sampled at each step with the run's rate p from the
 (never the user's torch or numpy state: attaching a probe changes neither the user's batches nor their
 noise).
 
-- Gradient canaries (DP-SGD): canary i is gain x C x s[i, t] on its own coordinate j_i, chosen among the
-  smallest trainable tensors (so its per-sample row costs little). Released: each step's noisy gradient
-  sum at the m coordinates (m x 4 bytes a step).
+- Gradient canaries (DP-SGD): canary i is gain x C x s[i, t] on its own coordinate j_i: at least one on every
+  trainable tensor, the rest spread by size (``_place``), so each tensor's release is read (the per-tensor noise
+  check, audit/noise_check.py). Released: each step's noisy gradient sum at the m coordinates (m x 4 bytes a step).
 - Scalar canaries (DP-ZO-style releases): canary i adds gain x C x s[i, t], clipped to +-C, to the step's
   clipped sum of scalars. Released: the step's noisy sum (4 bytes a step).
 
@@ -174,7 +174,8 @@ class WhiteBoxProbe:
             self._clip_tally = np.array([tally["small"], tally["large"]], float)
         noise = read_noise_tally(self.out, self.run_id)
         if noise is not None:  # each tallied step's noise was a real draw: kept, whatever the transcript kept
-            self._noise_prior, self._noise_prior_steps = np.array(noise["squares"], float), np.array(noise["steps"], float)
+            self._noise_prior = np.array(noise["squares"], float)
+            self._noise_prior_steps = np.array(noise["steps"], float)
         self._cut_transcript(self.step)  # a crash mid-row: that row was never complete, so its release was not read
 
     def _place(self, m: int) -> list[int]:
@@ -625,7 +626,8 @@ class WhiteBoxProbe:
                             report=folder)  # the same look, its report written
         self.alarm, self.alarm_report = result, folder / "report.md"
         which = "the final look" if final else f"look {watch['look']}"
-        words = f"dpaudit: {result.verdict} ({which} at step {self.step}, alpha {level:.3g}; report: {self.alarm_report})"
+        words = (f"dpaudit: {result.verdict} ({which} at step {self.step}, alpha {level:.3g}; report: "
+                 f"{self.alarm_report})")
         if watch["on"] == "raise":
             from dpaudit.core.errors import PrivacyViolation
 

@@ -42,9 +42,9 @@ def attach(cls, optimizer, *, m, out, sample_rate, accountant, gain, seed, resum
     if isinstance(optimizer, Probed):
         raise DPAuditError("a WhiteBoxProbe is already attached to this optimizer (one probe a run)")
     if getattr(optimizer, "target_unclipped_quantile", None) is not None:
-        raise DPAuditError("WhiteBoxProbe.attach does not support Opacus adaptive clipping (clipping='adaptive'): its "
-                           "clip norm changes every step, while the canaries and the per-tensor noise check hold one C; "
-                           "probe a run with a fixed max_grad_norm")
+        raise DPAuditError("WhiteBoxProbe.attach does not support Opacus adaptive clipping (clipping='adaptive'): "
+                           "its clip norm changes every step, while the canaries and the per-tensor noise check hold "
+                           "one C; probe a run with a fixed max_grad_norm")
     loader_rate, loader_source = loader_sample_rate(data_loader) if data_loader is not None else (None, "")
     accountant = accountant if accountant is not None else hooked_accountant(optimizer)
     hooked = hooked_sample_rate(optimizer)
