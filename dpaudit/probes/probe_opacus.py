@@ -97,6 +97,8 @@ class Probed:
     dpaudit_steps = 0
     dpaudit_in_step = False
     dpaudit_in_place = None  # whether add_noise adds into the clipped sums in place (learnt at the first step)
+    dpaudit_unmeasurable = False  # the noise could not be measured (tensors it cannot read): the canaries' releases
+                                  # alone then carry the per-tensor check
 
     def step(self, closure=None):
         """Opacus' step, bracketed for the update's health check (what moved in the step, and between steps); after
@@ -128,15 +130,22 @@ class Probed:
     def add_noise(self):
         if self.dpaudit_probe_ghost:
             self._join_once()
-        measure = bool(self.dpaudit_probe.noise_multiplier)
-        sums = [getattr(p, "summed_grad", None) for p in self.params] if measure else None
-        copies = snapshot(self.params, sums) if measure and self.dpaudit_in_place is not False else None
+        measure = bool(self.dpaudit_probe.noise_multiplier) and not self.dpaudit_unmeasurable
+        try:
+            sums = [getattr(p, "summed_grad", None) for p in self.params] if measure else None
+            copies = snapshot(self.params, sums) if measure and self.dpaudit_in_place is not False else None
+        except Exception:  # noqa: BLE001 - tensors the measurement cannot read (sharded): never the user's step
+            measure, self.dpaudit_unmeasurable = False, True
         super().add_noise()
         if measure:  # what this step added to each tensor: the noise itself, for the per-tensor check
-            self.dpaudit_in_place = any(s is not None and p.grad is not None and s.data_ptr() == p.grad.data_ptr()
-                                        for p, s in zip(self.params, sums))
-            if not self.dpaudit_in_place or copies is not None:
-                self.dpaudit_probe.tally_noise([p.grad for p in self.params], copies if self.dpaudit_in_place else sums)
+            try:
+                self.dpaudit_in_place = any(s is not None and p.grad is not None and s.data_ptr() == p.grad.data_ptr()
+                                            for p, s in zip(self.params, sums))
+                if not self.dpaudit_in_place or copies is not None:
+                    self.dpaudit_probe.tally_noise([p.grad for p in self.params],
+                                                   copies if self.dpaudit_in_place else sums)
+            except Exception:  # noqa: BLE001 - as above: the steps measured so far stay in the tally
+                self.dpaudit_unmeasurable = True
 
     def scale_grad(self):
         super().scale_grad()
