@@ -6,6 +6,7 @@ import hashlib
 
 from dpaudit.core.errors import DPAuditError
 from dpaudit.canaries.manifest import Manifest, TokenizerIdentity
+from dpaudit.models.extension import add_tokens, add_zero_tokens
 
 
 def tokenizer_identity(tokenizer, name_or_path: str | None = None) -> TokenizerIdentity:
@@ -36,12 +37,7 @@ def check_tokenizer_matches(tokenizer, manifest: Manifest, where: str) -> None:
 
 def extend_tokenizer(tokenizer, manifest: Manifest) -> list[int]:
     """Add each secret as one new token; returns their ids."""
-    return _add_tokens(tokenizer, list(manifest.secrets))
-
-
-def _add_tokens(tokenizer, tokens: list[str]) -> list[int]:
-    tokenizer.add_tokens([s for s in tokens if s not in tokenizer.get_vocab()])
-    return tokenizer.convert_tokens_to_ids(tokens)
+    return add_tokens(tokenizer, list(manifest.secrets))
 
 
 def extend_model(model, tokenizer, manifest: Manifest) -> list[int]:
@@ -49,20 +45,3 @@ def extend_model(model, tokenizer, manifest: Manifest) -> list[int]:
     return add_zero_tokens(model, tokenizer, list(manifest.secrets))
 
 
-def add_zero_tokens(model, tokenizer, tokens: list[str]) -> list[int]:
-    """Add ``tokens`` (one new token each) to the tokenizer and the model; returns their ids. New output rows start
-    at zero (logit 0), ties are kept (tied: the new input rows are zero too)."""
-    import torch
-
-    old = model.get_input_embeddings().weight.shape[0]
-    ids = _add_tokens(tokenizer, tokens)
-    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-    out = model.get_output_embeddings()
-    new = slice(old, out.weight.shape[0])
-    with torch.no_grad():
-        # Zero output rows: every new token starts with logit 0, the same for members and non-members.
-        # With tied weights this also zeroes the new input rows (the tie is kept, not broken).
-        out.weight[new].zero_()
-        if getattr(out, "bias", None) is not None:
-            out.bias[new].zero_()
-    return ids

@@ -10,11 +10,19 @@ from dpaudit.models.hf import load_tokenizer, refuse_remote_code, require_transf
 
 
 def load_causal_lm(path: str | Path, dtype=None):
-    """(model, tokenizer) from a model folder, a hub-cache folder or a .gguf file."""
+    """(model, tokenizer) from a model folder, a hub-cache folder, a .gguf file or an extension folder (a base
+    model's folder plus new tokens, models/extension.py)."""
     transformers = require_transformers()
+    from dpaudit.models.extension import add_zero_tokens, added_tokens
+
     path = resolve_model_path(path)
     if not path.is_dir():
         raise DPAuditError(f"checkpoint directory not found: {path}")
+    extension = added_tokens(path)
+    if extension is not None:  # a base model plus zero rows for new tokens (models/extension.py)
+        model, tokenizer = load_causal_lm(extension.base, dtype)
+        add_zero_tokens(model, tokenizer, extension.tokens)
+        return model, tokenizer
     refuse_remote_code(path)
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         raise DPAuditError(f"no model weights (*.safetensors or *.bin) in {path}")

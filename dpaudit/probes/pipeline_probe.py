@@ -86,7 +86,7 @@ class PipelineProbe(WhiteBoxProbe):
     def _add_tokens(self) -> list[int]:
         import torch
 
-        from dpaudit.canaries.hf import add_zero_tokens
+        from dpaudit.models.extension import add_zero_tokens
 
         tokens = [f"<dpaudit-{self.run_id[:8]}-{i}>" for i in range(self.m)]
         ids = add_zero_tokens(self.model, self.tokenizer, tokens)

@@ -78,20 +78,22 @@ def _step_settings(folder: Path, model, cfg, texts: list[str] | None) -> tuple[d
 
 def micro_batch_that_fits(model_dir: Path, cfg, texts: list[str], share: float = 0.7) -> int:
     """For a run whose own recipe sets the batch (``audit run``'s full batches on a pretrained model): 0 (the whole
-    batch at once) when a step is estimated within ``share`` of the available memory, else the most examples a
-    forward/backward may take to stay within it (at least 1; the same batches, noise and accounting)."""
+    batch at once) when a step is estimated within the budget (``cfg.max_memory`` when given, else ``share`` of the
+    available memory), else the most examples a forward/backward may take to stay within it (at least 1; the same
+    batches, noise and accounting)."""
     from dpaudit.models.hf import meta_model, resolve_model_path
     from dpaudit.training import memory
 
     folder = resolve_model_path(model_dir)
     available = memory.available_bytes()
-    if not (folder / "config.json").is_file() or available is None:
+    budget = cfg.max_memory or (int(share * available) if available is not None else None)
+    if not (folder / "config.json").is_file() or budget is None:
         return cfg.micro_batch
     settings, _, shards = _step_settings(folder, meta_model(folder), cfg, texts)
     at_once = math.ceil(memory.largest_batch(cfg.batch_size or len(texts)) / shards)
-    if memory.process_peak_bytes(examples=at_once, **settings) <= share * available:
+    if memory.process_peak_bytes(examples=at_once, **settings) <= budget:
         return 0
-    return max(1, memory.examples_that_fit(int(share * available), **settings))
+    return max(1, memory.examples_that_fit(budget, **settings))
 
 
 def longest_tokens(folder: Path, texts: list[str], max_length: int) -> int:

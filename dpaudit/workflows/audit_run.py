@@ -1,7 +1,8 @@
 """`dpaudit audit run`: canaries -> insert -> extend the model -> train privately -> score -> report.
 
 Everything lands in one output folder: base_model/ (the embedded default, when no model is given),
-canaries.json, train_data.jsonl, extended_model/, run/ (ledger, logs, checkpoint, model) and report/.
+canaries.json, train_data.jsonl, extended_model/ (the base plus the canaries' tokens: config and tokenizer, no
+weights of its own; models/extension.py), run/ (ledger, logs, checkpoint, model) and report/.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from dpaudit.audit.claims import held_claim
 from dpaudit.canaries.manifest import NEW_TOKEN_PREFIX
-from dpaudit.core.atomic import atomic_write_json, atomic_write_text, save_model_folder
+from dpaudit.core.atomic import atomic_write_json, atomic_write_text
 from dpaudit.audit.analysis import AuditResult, analyse
 from dpaudit.audit.report import prepare_folder, write_report
 from dpaudit.core.lock import remove_folder
@@ -85,6 +86,11 @@ class AuditRunSettings:
     logit_step: float | None = None  # set: the DP-SGD rate comes from the extended model (``sgd_exposure``)
     logit_noise: float | None = None  # set: the DP-ZO rate and phi come from the extended model (``zo_exposure``)
     phi_from_model: bool = False      # DP-ZO's phi too (the user did not set one)
+
+    @property
+    def fitted(self) -> bool:
+        """The recipe reads the model (its rate, and the micro batch unless given: ``_fitted_to_the_model``)."""
+        return self.logit_step is not None or self.logit_noise is not None
 
 
 def sgd_exposure(h: float, examples: int, clip: float, logit_step: float) -> float:
@@ -180,8 +186,11 @@ def run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, force:
     the folder's lock so a second run into the same folder is refused."""
     from dpaudit.core.lock import folder_lock
 
-    if kwargs.get("model") is not None:
-        preflight(kwargs["model"], cfg, settings.examples, warn=False)  # refusals before the folder exists
+    if kwargs.get("model") is not None:  # refusals before the folder exists; where the recipe sets the micro batch
+        # (_fitted_to_the_model), only a step it cannot make fit (one example at a time) is refused here
+        fits = settings.fitted and not cfg.micro_batch
+        preflight(kwargs["model"], dataclasses.replace(cfg, micro_batch=1) if fits else cfg, settings.examples,
+                  warn=False)
     out = prepare_folder(out, force)
     with folder_lock(out):
         return _run_audit(out, cfg, settings, **kwargs)
@@ -196,6 +205,7 @@ def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model
     from dpaudit.canaries.insert import insert_canaries
     from dpaudit.core.texts import detect_format, read_texts
     from dpaudit.models.corpus import sentences
+    from dpaudit.models.extension import save_extension
     from dpaudit.models.loading import load_causal_lm
 
     base = model if model is not None else embedded_default(out / "base_model", settings.seed)
@@ -222,10 +232,10 @@ def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model
     train_file = out / f"train_data.{fmt}"
     insert_canaries(manifest, data, train_file, fmt=fmt, field=field, repeats=settings.repeats,
                     seed=settings.seed, force=True)
-    fitted = settings.logit_step is not None or settings.logit_noise is not None  # the recipe reads |h|
-    if lm is not None:
+    fitted = settings.fitted  # the recipe reads |h|
+    if lm is not None:  # the extended model is the base plus zero rows: its folder holds no weights of its own
         extend_model(lm, tok, manifest)
-        save_model_folder(out / "extended_model", lm, tok)
+        save_extension(out / EXTENDED, base, lm, tok, list(manifest.secrets))
         made = {"canaries_sha256": _public_key(manifest)}
         if fitted:  # measured while the model is loaded (reloading SmolLM2-135M for it took 3.7 s on 2 CPU cores)
             made[HIDDEN_NORM] = prefix_hidden_norm(lm, tok, manifest)
@@ -233,13 +243,13 @@ def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model
         atomic_write_json(out / REUSE_STAMP, {**stamp, **made})
     texts = read_texts(train_file, fmt, field)
     if fitted:
-        cfg, why = _fitted_to_the_model(out / "extended_model", cfg, settings, manifest, texts,
+        cfg, why = _fitted_to_the_model(out / EXTENDED, cfg, settings, manifest, texts,
                                         _stamped(out, HIDDEN_NORM))
         power = {**power, **why}
     remove_folder(out / "run")
-    result = train(out / "extended_model", texts, out / "run", cfg, show_progress=show_progress)
+    result = train(out / EXTENDED, texts, out / "run", cfg, show_progress=show_progress)
     score = score_for(cfg.trainable)
-    scores, members = score_checkpoint(result.model_dir, manifest, score=score, base=out / "extended_model",
+    scores, members = score_checkpoint(result.model_dir, manifest, score=score, base=out / EXTENDED,
                                        show_progress=show_progress)
     claimed = result.epsilon if math.isfinite(result.epsilon) else None
     claimed, delta, group = held_claim(claimed, cfg.delta, settings.repeats, len(members))
@@ -311,6 +321,7 @@ def _ceiling(cfg, result, claimed, group):
     return run_ceiling(Mechanism(cfg.mechanism, result.sigma, result.sampling_rate, result.steps), cfg.delta, claimed)
 
 
+EXTENDED = "extended_model"          # the base plus the canaries' tokens, as an extension folder (models/extension.py)
 REUSE_STAMP = "extended_model.json"  # what canaries.json and extended_model/ were made from
 HIDDEN_NORM = "prefix_hidden_norm"   # in the stamp: |h| of the extended model at the canaries' prefixes
 _MADE = ("canaries_sha256", HIDDEN_NORM)  # the stamp's entries that were made, not compared
@@ -332,12 +343,11 @@ def _extension_stamp(base: Path, settings: AuditRunSettings) -> dict:
     """What the canaries and the extended model depend on: the base model's files (the folder it resolves to,
     its files' names, sizes and modification times: a changed file is a new model) and the canary settings (count, seed, prefix length).
     The same stamp is the same secrets and prefixes; membership is drawn afresh for each run."""
+    from dpaudit.models.extension import files_stamp
     from dpaudit.models.hf import resolve_model_path
 
     folder = resolve_model_path(base).resolve()  # a hub cache's snapshot, a GGUF's converted folder
-    files = sorted(f for f in folder.iterdir() if f.is_file())
-    return {"format": 1, "base": str(Path(base).resolve()), "folder": str(folder),
-            "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files],
+    return {"format": 2, "base": str(Path(base).resolve()), "folder": str(folder), "files": files_stamp(folder),
             "canaries": settings.canaries, "seed": settings.seed, "prefix_length": settings.prefix_length}
 
 
@@ -352,7 +362,7 @@ def _reusable_canaries(out: Path, stamp: dict):
     try:
         old = read_json(out / REUSE_STAMP, "canary extension stamp")
         if not old or {k: v for k, v in old.items() if k not in _MADE} != stamp \
-                or not (out / "extended_model" / "config.json").is_file():
+                or not (out / EXTENDED / "config.json").is_file():
             return None
         manifest = load_manifest(out / "canaries.json")
         return manifest if old.get("canaries_sha256") == _public_key(manifest) else None

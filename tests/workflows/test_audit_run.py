@@ -1,9 +1,12 @@
 """`dpaudit audit run` end to end on the embedded default: no DP leaks, DP at eps = 1 does not, and a
 trainer that claims eps = 1 with its noise switched off is caught."""
 
+import dataclasses
 import json
 
 import pytest
+
+from dpaudit.core.errors import DPAuditError
 
 from cli_helpers import assert_one_line_error, dpaudit
 
@@ -87,6 +90,10 @@ def test_a_rerun_reuses_its_canaries_and_extended_model(tiny_model_dir, tmp_path
 
     first = run()
     made = (tmp_path / "a" / "extended_model" / "config.json").stat().st_mtime_ns
+    # issue 67, item 23: one copy of the weights, the trained model's; the extended model is the base plus zero
+    # rows (models/extension.py), so its folder holds none
+    weights = sorted(str(f.relative_to(tmp_path / "a")) for f in (tmp_path / "a").rglob("*.safetensors"))
+    assert weights == ["run/model/model.safetensors"], weights
     manifest = (tmp_path / "a" / "canaries.json").read_text()
     again = run()
     assert "canaries" not in first and "reused" in again["canaries"]
@@ -122,6 +129,9 @@ def test_the_pretrained_recipe_rate_moves_a_logit_as_far_as_the_embedded_recipe_
     cfg = TrainConfig(method="dp-sgd", target_epsilon=4.0, trainable="new-tokens", batch_size=0, optimizer="sgd")
     texts = ["a b c d e f g h"] * 1500
     assert micro_batch_that_fits(tmp_path / "extended", cfg, texts) == 0  # a small model fits at once
+    # --max-memory is the budget where given, not the free memory
+    small = dataclasses.replace(cfg, max_memory=memory.IMPORTS + 2**25)
+    assert 1 <= micro_batch_that_fits(tmp_path / "extended", small, texts) < 1500
     monkeypatch.setattr(memory, "available_bytes", lambda: memory.IMPORTS + 2**25)
     assert 1 <= micro_batch_that_fits(tmp_path / "extended", cfg, texts) < 1500
 
@@ -195,3 +205,25 @@ def test_white_box_dp_sgd_on_the_embedded_default_trains_at_a_rate_that_does_not
     assert black_box_recipe(True, True, False).lr == 5e-4
     assert black_box_recipe(False, True, False) == OTHER_RECIPE       # DP-ZO keeps its own default
     assert black_box_recipe(True, True, True) == OTHER_RECIPE         # a pretrained model: its pretrained rate
+
+
+def test_the_pretrained_recipe_micro_batches_within_max_memory_instead_of_refusing(tiny_model_dir, tmp_path):
+    """Issue 67, item 23: `audit run --model M --max-memory X` was refused before the folder existed ("a step ...
+    needs about 38.2 GB, over --max-memory 3 GB") where the recipe itself would have micro-batched the full batch
+    to fit X. The early check now refuses only a step that cannot fit one example at a time."""
+    from dpaudit.training.preflight import preflight
+    from dpaudit.training.runner import TrainConfig
+    from dpaudit.workflows.audit_run import AuditRunSettings, PRETRAINED_RECIPE, run_audit
+
+    cfg = TrainConfig(method="dp-sgd", target_epsilon=8.0, trainable="new-tokens", batch_size=0, optimizer="sgd",
+                      steps=1, secret_seed=1)
+    one = preflight(tiny_model_dir, dataclasses.replace(cfg, micro_batch=1), 60, warn=False)
+    whole = preflight(tiny_model_dir, cfg, 60, warn=False)
+    assert one < whole
+    cfg = dataclasses.replace(cfg, max_memory=(one + whole) // 2)
+    with pytest.raises(DPAuditError, match="over --max-memory"):
+        preflight(tiny_model_dir, cfg, 60, warn=False)
+    settings = AuditRunSettings(canaries=20, examples=40, logit_step=PRETRAINED_RECIPE.logit_step)
+    audit, result, summary = run_audit(tmp_path / "out", cfg, settings, model=tiny_model_dir, show_progress=False)
+    ran = json.loads((tmp_path / "out" / "run" / "run_config.json").read_text())["config"]
+    assert result.steps == 1 and ran["max_memory"] == cfg.max_memory  # trained within it (train's own check)
