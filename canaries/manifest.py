@@ -19,7 +19,7 @@ MAX_CANARIES = 100_000
 NEW_TOKEN_PREFIX = 1  # random tokens before a new-token secret: a longer prefix is more loss to learn, whose gradient
 # crowds the secret's row out of the clipped norm (embedded default, one canary's gradient: 27 % of its norm on the
 # row with 1 token, 14 % with 2, 5 % with 8; a whole-model AdamW run at claimed eps 4 read AUC 0.61 against 0.51;
-# issue 39, audit run's black box: median 0.15 -> 0.53)
+# audit run's black box: median 0.15 -> 0.53)
 
 
 KINDS = ("new-token", "existing")  # a new vocabulary token (the model is extended), or a span of the model's own

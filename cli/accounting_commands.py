@@ -11,7 +11,7 @@ import typer
 
 from dpaudit.accounting import ACCOUNTANTS, calibrate_sigma, default_accountant, epsilon, max_steps
 from dpaudit.accounting.calibrate import epsilons_over_steps
-from dpaudit.accounting.mechanism import check_epsilon
+from dpaudit.core.validate import check_epsilon
 from dpaudit.accounting.noises import noise
 from dpaudit.accounting.result import json_float
 from dpaudit.core.atomic import guard_new_file

@@ -250,7 +250,7 @@ def audit_transcript(
     """White-box audit of a run's transcript (DP-SGD canary-aligned releases, DP-ZO (seed, scalar) log, a probe's
     folder)."""
     from dpaudit.audit.whitebox import audit_run_folder
-    from dpaudit.core.run_folder import check_number
+    from dpaudit.core.validate import check_number
 
     if sample_rate is not None:
         check_number("--sample-rate", sample_rate, above=0, at_most=1)

@@ -132,13 +132,12 @@ def _run(argv, caught) -> None:
         where = f": {exc.filename}" if exc.filename else ""
         _say((exc.strerror or type(exc).__name__) + where)
         sys.exit(USAGE_ERROR)
-    except (ValueError, OverflowError, ZeroDivisionError, FloatingPointError, MemoryError) as exc:
-        _say(_fold(f"cannot answer this query: {type(exc).__name__}: {exc}", caught))
-        sys.exit(USAGE_ERROR)
     except Exception as exc:  # noqa: BLE001 - the one place an unexpected failure becomes a line and exit 3
+        # (a ValueError or an overflow too: input is refused by DPAuditError, core/validate.py, so any other
+        # exception is a check dpaudit lacks, never "bad input")
         if os.environ.get("DPAUDIT_DEBUG") == "1":
             raise
-        _internal(exc)
+        _internal(exc, caught)
     if code == INTERRUPTED:  # typer turns Ctrl-C into a silent exit 130
         _say("interrupted (Ctrl-C); nothing was decided")
     else:
@@ -146,10 +145,10 @@ def _run(argv, caught) -> None:
     sys.exit(code if isinstance(code, int) else 0)
 
 
-def _internal(exc: BaseException) -> None:
+def _internal(exc: BaseException, caught: list = ()) -> None:
     first = (str(exc).strip().splitlines() or [""])[0][:300]
-    _say(f"internal error: {type(exc).__name__}{': ' + first if first else ''} (this is a dpaudit bug; "
-         "DPAUDIT_DEBUG=1 shows the traceback)")
+    said = _fold(f"internal error: {type(exc).__name__}{': ' + first if first else ''}", caught)
+    _say(f"{said} (this is a dpaudit bug; DPAUDIT_DEBUG=1 shows the traceback)")
     sys.exit(INTERNAL_ERROR)
 
 

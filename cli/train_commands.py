@@ -112,7 +112,7 @@ def make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, bat
                        accountant=accountant, max_memory=parse_memory(max_memory) if max_memory else None, **extra)
 
 
-# train's flag -> the run config's key (run_config.json "config"), for --resume
+# train's flag -> the run record's setting (core/run_record.RunSettings), for --resume
 _RESUMED = {"method": "method", "delta": "delta", "mech": "mechanism", "clip": "clip", "lr": "lr",
             "optimizer": "optimizer", "steps": "steps", "batch_size": "batch_size", "phi": "phi",
             "direction": "direction", "trainable": "trainable", "bf16": "bf16", "seed": "seed",
@@ -125,22 +125,22 @@ def _resumed_flags(out: Path, flags: dict) -> dict:
     """``flags`` with every one left at its default replaced by the value the run was started with."""
     import click
 
-    from dpaudit.core import run_folder
+    from dpaudit.core import run_record
 
-    saved = run_folder.run_config(out, required=False) if out.is_dir() else None
+    saved = run_record.read(out, required=False) if out.is_dir() else None
     ctx = click.get_current_context(silent=True)
     if saved is None or ctx is None:
         return flags
-    config = saved["config"]
+    settings = saved.settings
     defaulted = {name for name in flags if ctx.get_parameter_source(name) in (None, click.core.ParameterSource.DEFAULT)}
     for name, key in _RESUMED.items():
-        if name in defaulted and key in config:
-            flags[name] = config[key]
+        if name in defaulted:
+            flags[name] = getattr(settings, key)
     if {"eps", "sigma"} <= defaulted:  # the claim: a target eps (calibrated) or a given sigma
-        if config.get("sigma") is not None:
-            flags["eps"], flags["sigma"] = None, float(config["sigma"])
+        if settings.sigma is not None:
+            flags["eps"], flags["sigma"] = None, settings.sigma
         else:
-            flags["eps"], flags["sigma"] = str(config.get("target_epsilon")), None
+            flags["eps"], flags["sigma"] = str(settings.target_epsilon), None
     return flags
 
 
@@ -222,7 +222,7 @@ def _check_inputs(model: Path, out: Path, texts: list[str], resume: bool) -> Non
     """What `train` refuses before it builds anything, checked without loading weights (``--check-inputs``): the
     model a folder with a config (a GGUF file: its header), the data two examples or more, the run folder empty
     (or, with --resume, a run folder)."""
-    from dpaudit.core import run_folder
+    from dpaudit.core import run_record
     from dpaudit.models.gguf import gguf_file_in, scan_header
     from dpaudit.models.hf import refuse_remote_code, resolve_model_path
 
@@ -238,7 +238,7 @@ def _check_inputs(model: Path, out: Path, texts: list[str], resume: bool) -> Non
         raise DPAuditError("the training set needs at least 2 examples")
     out = Path(out)
     if resume:
-        run_folder.run_config(out)   # refuses a folder that is not a run folder
+        run_record.read(out)   # refuses a folder that is not a run folder
     elif out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DPAuditError(f"{out} is not empty: give a new run folder (or --resume a run)")
 

@@ -1,6 +1,7 @@
 """Launched by tests/training/test_distributed.py under torchrun: one short training run, same seeds on every rank.
 argv: model run method [options: shard, sphere, bf16, micro, save, resume, bandmf, blt, stop=K (exit at step K)]."""
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -41,7 +42,8 @@ def stop_after(steps: int) -> None:
 
     cyclic = sampling.cyclic_source   # correlated runs: BandMF draws cyclic Poisson batches, fixed-order BLT its order
     sampling.cyclic_source = lambda *args, **kwargs: counted_draws(cyclic(*args, **kwargs))
-    sampling.fixed_order_source = counted_draws(sampling.fixed_order_source)
+    fixed = sampling.SOURCES["shuffle"]   # the trainers draw it as one fixed order (batches.BatchSource)
+    sampling.SOURCES["shuffle"] = dataclasses.replace(fixed, draw=counted_draws(fixed.draw))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass, replace
 
 from dpaudit.core import limits as budget
-from dpaudit.accounting.mechanism import Mechanism, check_delta, check_epsilon, miss_log_probability
+from dpaudit.accounting.mechanism import Mechanism, miss_log_probability
+from dpaudit.core.validate import check_delta, check_epsilon
 from dpaudit.accounting.noises import noise
 from dpaudit.accounting.registry import ACCOUNTANTS, default_accountant, epsilon, get_accountant
 from dpaudit.accounting import search

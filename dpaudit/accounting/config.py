@@ -10,8 +10,9 @@ from pathlib import Path
 import yaml
 
 from dpaudit.accounting.mechanism import (
-    Mechanism, Phases, check_delta, check_epsilon, compose_phases, phase_from, schedule,
+    Mechanism, Phases, compose_phases, phase_from, schedule,
 )
+from dpaudit.core.validate import check_delta, check_epsilon
 from dpaudit.accounting.noises import NOISES
 from dpaudit.accounting.samplers import names as sampler_names
 from dpaudit.core.errors import DPAuditError

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from dpaudit.accounting.noises import noise
 from dpaudit.accounting.samplers import scheme
 from dpaudit.core.errors import DPAuditError
+from dpaudit.core.validate import check_sampling_rate, check_sigma, check_steps
 
 MAX_PHASES = 1000  # a schedule of more distinct phases is refused (each is a PLD of its own)
 
@@ -191,7 +192,7 @@ def compose_phases(parts) -> Mechanism | Phases:
     Only for samplers whose steps are independent (``Scheme.independent_steps``: Poisson, fixed-size), where
     T1 + T2 steps are exactly the two phases. Shuffled epochs are not additive: the phases touch up to
     ceil(T1 / K) + ceil(T2 / K) epochs (a run restarted mid-epoch starts a fresh permutation), which can be
-    one more than ceil((T1 + T2) / K), so merging them would under-count (issue 36)."""
+    one more than ceil((T1 + T2) / K), so merging them would under-count."""
     merged: list[Mechanism] = []
     for m in parts:
         if not isinstance(m, Mechanism):
@@ -217,33 +218,6 @@ def compose_phases(parts) -> Mechanism | Phases:
                            "(each accounts one sampler): account each part on its own and add the eps at the sum of "
                            "the deltas (basic composition, valid but looser)")
     return merged[0] if len(merged) == 1 else Phases(tuple(merged))
-
-
-def check_sigma(sigma: float) -> None:
-    if not (isinstance(sigma, (int, float)) and math.isfinite(sigma) and sigma > 0):
-        raise DPAuditError(f"sigma must be a finite number > 0, got {sigma!r}")
-
-
-def check_sampling_rate(p: float) -> None:
-    if not (isinstance(p, (int, float)) and math.isfinite(p) and 0 < p <= 1):
-        raise DPAuditError(f"sampling rate p must be in (0, 1], got {p!r}")
-
-
-def check_steps(steps: int) -> None:
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise DPAuditError(f"steps must be an integer >= 1, got {steps!r}")
-
-
-def check_epsilon(eps: float) -> None:
-    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
-        raise DPAuditError(f"epsilon must be a finite number > 0, got {eps!r}")
-
-
-def check_delta(delta: float, allow_zero: bool = False) -> None:
-    low_ok = delta >= 0 if allow_zero else delta > 0
-    if not (isinstance(delta, (int, float)) and math.isfinite(delta) and low_ok and delta < 1):
-        interval = "[0, 1)" if allow_zero else "(0, 1)"
-        raise DPAuditError(f"delta must be in {interval}, got {delta!r}")
 
 
 def sampling_rate_from(batch_size: int | None, dataset_size: int | None, p: float | None) -> float:

@@ -17,7 +17,8 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from dpaudit.accounting import analytic, pure, rdp
-from dpaudit.accounting.mechanism import Mechanism, Phases, check_delta, check_epsilon
+from dpaudit.accounting.mechanism import Mechanism, Phases
+from dpaudit.core.validate import check_delta, check_epsilon
 from dpaudit.accounting.noises import noise
 from dpaudit.accounting.result import DeltaResult, EpsilonResult, NeighboringRelation
 from dpaudit.accounting.samplers import scheme

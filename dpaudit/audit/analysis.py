@@ -25,6 +25,7 @@ from dpaudit.audit.headlines import BOUNDS, HEADLINES, WHY
 from dpaudit.audit.roc import RocSummary, summarise
 from dpaudit.audit.scores import Score, get_score
 from dpaudit.core.errors import DPAuditError
+from dpaudit.core.validate import check_alpha, check_claimed_epsilon, check_delta
 
 @dataclass
 class AuditResult:
@@ -184,12 +185,9 @@ def _perfect_bound(members, delta, alpha, guess_counts, seed, score, headline, m
 
 
 def check_audit_parameters(alpha: float, delta: float, claimed_epsilon: float | None) -> None:
-    if not 0 < alpha < 1:
-        raise DPAuditError(f"alpha must be in (0, 1), got {alpha}")
-    if not 0 <= delta < 1:
-        raise DPAuditError(f"delta must be in [0, 1), got {delta}")
-    if claimed_epsilon is not None and not (claimed_epsilon >= 0 and math.isfinite(claimed_epsilon)):
-        raise DPAuditError(f"claimed eps must be a finite number >= 0, got {claimed_epsilon}")
+    check_alpha(alpha)
+    check_delta(delta, allow_zero=True)
+    check_claimed_epsilon(claimed_epsilon)
 
 
 def choose_headline(score: Score, delta: float, headline: str = "auto", mechanism: str | None = None,

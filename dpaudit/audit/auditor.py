@@ -17,6 +17,7 @@ from dpaudit.audit import clopper_pearson, family, fdp, gaussian, gdp, one_run
 from dpaudit.audit.guesses import (  # noqa: F401 - the strategies, importable from here as before
     Candidate, HullThresholds, TopGuesses, decided, default_guess_counts, make_guesses, ranking, roc_hull,
 )
+from dpaudit.core.errors import DPAuditError
 from dpaudit.audit.headlines import ANY_MECHANISM, GAUSSIAN_SHAPE, INDEPENDENT, RUN_FAMILY, WHITE_BOX_SUMS
 
 
@@ -72,7 +73,7 @@ class CanaryScoreAuditor:
         self.in_scores = np.asarray(in_scores, dtype=float)
         self.out_scores = np.asarray(out_scores, dtype=float)
         if self.in_scores.size == 0 or self.out_scores.size == 0:
-            raise ValueError("need at least one member and one non-member score")
+            raise DPAuditError("need at least one member and one non-member score")
         self.scores = np.r_[self.in_scores, self.out_scores]
         self.members = np.r_[np.ones(self.in_scores.size, bool), np.zeros(self.out_scores.size, bool)]
         self.m = self.scores.size
@@ -135,7 +136,7 @@ class CanaryScoreAuditor:
         """Mahloujifar, Melis & Chaudhuri (2025), one-sided guesses; family "gdp" tests G_mu (report mu and
         its eps at delta), family "approx" tests the (eps, delta) trade-off curve itself."""
         if strategy.two_sided:
-            raise ValueError("the f-DP one-run test here takes one-sided guesses")
+            raise DPAuditError("the f-DP one-run test here takes one-sided guesses")
         if family == "gdp":
             mu, c, n, counts = self._search(
                 strategy, lambda c, a, floor: fdp.mu_lower_bound(self.m, c.k, c.v, a, floor), alpha)
@@ -146,7 +147,7 @@ class CanaryScoreAuditor:
                          tests=n, k=c.k if c else None, v=c.v if c else None, at=c.label if c else None, mu=mu,
                          ceiling=ceiling, valid_for=GAUSSIAN_SHAPE)
         if family != "approx":
-            raise ValueError(f"unknown f-DP family {family!r}; use gdp or approx")
+            raise DPAuditError(f"unknown f-DP family {family!r}; use gdp or approx")
         eps, c, n, counts = self._search(strategy, lambda c, a, floor: fdp.epsilon_lower_bound(
             self.m, c.k, c.v, delta, a, floor), alpha)
         return Bound(name="fdp" + _suffix(strategy), method="Mahloujifar, Melis & Chaudhuri 2025 (f-DP in one run), (eps, delta) curve",
@@ -167,7 +168,7 @@ class CanaryScoreAuditor:
     def epsilon_gaussian_run(self, alpha: float, delta: float) -> Bound:
         """The continuous statistic's mu lower limit read through the run's own mechanism family (family.py)."""
         if self.model is None:
-            raise ValueError("the gaussian-run bound needs the run's family (rate, steps, how scores were formed)")
+            raise DPAuditError("the gaussian-run bound needs the run's family (rate, steps, how scores were formed)")
         mu, mu_hat = gaussian.mu_lower_bound(self.in_scores, self.out_scores, alpha)
         eps, sigma = family.epsilon_lower_bound(self.model, mu, self.in_scores.size, self.out_scores.size, delta)
         return Bound(name="gaussian-run", method="continuous statistic read through the run's mechanism family ("

@@ -27,6 +27,19 @@ def _json(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+def _record(folder: Path, probe: bool = False):
+    """The folder's run record (its probe record), or None (absent or unreadable: no claim here)."""
+    from dpaudit.core import run_record
+    from dpaudit.core.errors import DPAuditError
+
+    try:
+        if probe:
+            return run_record.read_probe(folder) if (folder / run_folder.PROBE).is_file() else None
+        return run_record.read(folder, required=False)
+    except (DPAuditError, OSError):
+        return None
+
+
 def _name(score) -> str | None:
     """The score's name in a report.json ({"name": ...}); anything else (a hand-edited file) is no name."""
     name = score.get("name") if isinstance(score, dict) else None
@@ -41,25 +54,22 @@ def run_claims(path: Path) -> dict | None:
     """The claims of the run that produced ``path`` (a model folder or a scores file), or None: the nearest
     folder that holds a claim wins, the audited folder itself first (a run or probe folder given as it is), then
     the folder it sits in (<run>/model, <report>/scores.csv), then that one's parent. A claim in a parent never
-    overrides the folder's own (issue 36: a run_config.json claiming eps 1000 beside a probe folder turned its
+    overrides the folder's own (a run_config.json claiming eps 1000 beside a probe folder turned its
     VIOLATION into "consistent")."""
     path = Path(path)
     folders = ((path,) if path.is_dir() else ()) + (path.parent, path.parent.parent)
     for folder in folders:
-        config = _json(folder / run_folder.RUN_CONFIG)
-        if config and isinstance(config.get("config"), dict):
-            cfg, ledger = config["config"], _json(folder / run_folder.LEDGER) or {}
-            return {"source": str(folder), "method": cfg.get("method"), "delta": _number(cfg.get("delta")),
+        record = _record(folder)
+        if record is not None:
+            cfg, ledger = record.settings, _json(folder / run_folder.LEDGER) or {}
+            return {"source": str(folder), "method": cfg.method, "delta": cfg.delta,
                     "epsilon": _number(ledger.get("epsilon_total", ledger.get("epsilon_planned"))),
-                    "sigma": _number(config.get("sigma")),
-                    "sampling rate p": _number(config.get("sampling_rate")), "steps": _number(cfg.get("steps")),
-                    "mechanism": cfg.get("mechanism"), "white_box": bool(cfg.get("white_box"))}
-        probe = _json(folder / run_folder.PROBE)
-        if probe and probe.get("format") == "dpaudit-probe/1":
-            return {"source": str(folder), "delta": _number(probe.get("delta")),
-                    "epsilon": _number(probe.get("claimed_epsilon")), "white_box": True,
-                    "claimed eps from": probe.get("claimed_epsilon_source") if isinstance(
-                        probe.get("claimed_epsilon_source"), str) else None}
+                    "sigma": record.sigma, "sampling rate p": record.sampling_rate, "steps": cfg.steps,
+                    "mechanism": cfg.mechanism, "white_box": bool(cfg.white_box)}
+        probe = _record(folder, probe=True)
+        if probe is not None:
+            return {"source": str(folder), "delta": probe.delta, "epsilon": probe.claimed_epsilon,
+                    "white_box": True, "claimed eps from": probe.claimed_epsilon_source}
         report = _json(folder / "report.json")
         if report and "delta" in report:
             return {"source": str(folder), "delta": _number(report.get("delta")),

@@ -20,7 +20,7 @@ about C / sqrt(k), while the noise gives each observation a standard deviation n
 observations of each size) the z-statistic then reaches at most about sqrt(T / 2) / sigma, whatever the canaries'
 sizes or number. The check says that reach beside a "consistent" answer: it catches batch-sum clipping reliably only
 where the reach clears the threshold by about 1.3 (90 % power), e.g. T = 200 needs sigma <= 2.0 at alpha_c 0.005
-(measured, issue 67 item 4: at eps 1, sigma 3.59, T 200 it read z 2.35, 1.71, 1.21 over three seeds; its reach
+(measured: at eps 1, sigma 3.59, T 200 it read z 2.35, 1.71, 1.21 over three seeds; its reach
 there is 2.8).
 
 Written here: a two-sample z on tallies; scipy gives the normal quantile.

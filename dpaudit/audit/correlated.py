@@ -1,4 +1,4 @@
-"""White-box canaries in a BandMF run, read through the run's strategy (issue 56).
+"""White-box canaries in a BandMF run, read through the run's strategy.
 
 Model. BandMF releases, each step, g_t = x_t + w_t with w = C^-1 z, z ~ N(0, sigma^2 C^2 I) i.i.d. over steps, C
 lower-triangular banded Toeplitz with b bands and column norm 1; batches are cyclic Poisson: an example (a canary)

@@ -1,4 +1,4 @@
-"""The white-box mean-shift audit read through the run's own mechanism family, not through G_mu (issue 55).
+"""The white-box mean-shift audit read through the run's own mechanism family, not through G_mu.
 
 Model. A white-box canary's per-step observation (its release times its public sign, in units of C) in a run that
 Poisson-samples it at rate p and adds N(0, sigma^2 C^2) noise is

@@ -27,6 +27,8 @@ from functools import lru_cache
 from scipy import optimize
 from scipy.special import ndtr, ndtri
 
+from dpaudit.core.errors import DPAuditError
+
 MU_CEILING = 40.0  # beyond this every G_mu is indistinguishable from "no privacy" at double precision
 EPS_CEILING = 100.0
 
@@ -67,7 +69,7 @@ def rejects(mu: float, m: int, k: int, v: int, alpha: float) -> float:
 def mu_lower_bound(m: int, k: int, v: int, alpha: float, floor: float = 0.0) -> float:
     """The largest mu rejected at level alpha (``floor`` when none above it is): P[mu_lb > mu] <= alpha."""
     if not (0 <= v <= k <= m):
-        raise ValueError(f"need 0 <= v <= k <= m, got m={m}, k={k}, v={v}")
+        raise DPAuditError(f"need 0 <= v <= k <= m, got m={m}, k={k}, v={v}")
     if rejects(floor, m, k, v, alpha) <= 0:
         return floor
     if rejects(MU_CEILING, m, k, v, alpha) > 0:

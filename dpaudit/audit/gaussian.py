@@ -21,6 +21,8 @@ import math
 import numpy as np
 from scipy import optimize, stats
 
+from dpaudit.core.errors import DPAuditError
+
 
 def mu_estimate(in_scores: np.ndarray, out_scores: np.ndarray) -> tuple[float, float, float]:
     """(mu_hat, t statistic, scale factor sqrt(1/n1 + 1/n0)) with the pooled standard deviation."""
@@ -38,7 +40,7 @@ def mu_lower_bound(in_scores, out_scores, alpha: float = 0.05) -> tuple[float, f
     """(mu_lb, mu_hat): P[mu_lb > mu] <= alpha for Gaussian-shift scores; mu_lb is 0 when not positive."""
     in_scores, out_scores = np.asarray(in_scores, float), np.asarray(out_scores, float)
     if len(in_scores) < 2 or len(out_scores) < 2:
-        raise ValueError("the Gaussian audit needs at least 2 members and 2 non-members")
+        raise DPAuditError("the Gaussian audit needs at least 2 members and 2 non-members")
     mu_hat, t, factor = mu_estimate(in_scores, out_scores)
     if not math.isfinite(t):
         return (math.inf, math.inf) if t > 0 else (0.0, mu_hat)

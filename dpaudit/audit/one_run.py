@@ -19,6 +19,9 @@ from functools import lru_cache
 import numpy as np
 from scipy import optimize, stats
 
+from dpaudit.core.errors import DPAuditError
+from dpaudit.core.validate import check_alpha, check_delta
+
 EPS_CEILING = 100.0  # no audit with fewer than ~1e40 guesses can certify more
 
 
@@ -44,11 +47,9 @@ def epsilon_lower_bound(m: int, r: int, v: int, delta: float = 0.0, alpha: float
     flips); a search over many guess sets passes the best bound so far and skips the rest cheaply.
     """
     if not (0 <= v <= r <= m):
-        raise ValueError(f"need 0 <= v <= r <= m, got m={m}, r={r}, v={v}")
-    if not 0 < alpha < 1:
-        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
-    if not 0 <= delta < 1:
-        raise ValueError(f"delta must be in [0, 1), got {delta}")
+        raise DPAuditError(f"need 0 <= v <= r <= m, got m={m}, r={r}, v={v}")
+    check_alpha(alpha)
+    check_delta(delta, allow_zero=True)
     if r == 0 or p_value(floor, m, r, v, delta) > alpha:
         return floor
     if p_value(EPS_CEILING, m, r, v, delta) <= alpha:

@@ -52,15 +52,9 @@ class RateCheck:
                 "accounted_source": self.accounted_source}
 
     @classmethod
-    def from_spec(cls, spec: dict) -> "RateCheck | None":
-        """From a probe's probe.json (the fields the probe writes), or None where it wrote none."""
-        def number(key):
-            value = spec.get(key)
-            return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 \
-                else None
-
-        loader, accounted = number("loader_rate"), number("accounted_rate")
-        if loader is None and accounted is None:
+    def from_spec(cls, spec) -> "RateCheck | None":
+        """From a probe's record (core/run_record.ProbeRecord), or None where it wrote no rate."""
+        if spec.loader_rate is None and spec.accounted_rate is None:
             return None
-        return cls(loader_rate=loader, loader_source=str(spec.get("loader_rate_source", "")),
-                   accounted_rate=accounted, accounted_source=str(spec.get("accounted_rate_source", "")))
+        return cls(loader_rate=spec.loader_rate, loader_source=spec.loader_rate_source or "",
+                   accounted_rate=spec.accounted_rate, accounted_source=spec.accounted_rate_source or "")

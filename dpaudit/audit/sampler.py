@@ -11,13 +11,13 @@ fingerprints in the batches, each tested against its exact null distribution:
    lower tail.
 3. The most inclusions of one example, max_i c_i: P(max >= c) = 1 - F(c - 1)^N with F the Binomial(T, p)
    CDF, exact. One example drawn at 10x p (a bug that oversamples it) moves K by little among N but the
-   maximum by many standard deviations (issue 36: N = 60,000, T = 2,000, 92 inclusions where 8.5 are
+   maximum by many standard deviations (N = 60,000, T = 2,000, 92 inclusions where 8.5 are
    expected passed the dispersion tests 6 times in 10).
 
 The null distributions of S and K. Each is a sum of iid terms (X - np)^2 / (np(1 - p)), X ~ Binomial(n, p),
 whose variance is 2 + (1 - 6p(1 - p)) / (np(1 - p)), not the chi-square's 2: at small np (T p of 0.1-0.3
-for the inclusions) it is about 1 / (np) and a chi-square tail raised 22-50 % false alarms at alpha = 0.05
-(issue 36). So the null is simulated exactly instead: the histogram of m iid Binomial(n, p) values is
+for the inclusions) it is about 1 / (np) and a chi-square tail raised 22-50 % false alarms at alpha = 0.05.
+So the null is simulated exactly instead: the histogram of m iid Binomial(n, p) values is
 Multinomial(m, pmf), one draw per replicate whatever m, the statistic recomputed from it (with p estimated
 again from each replicate when the audit estimates it: a parametric bootstrap), and the tail p-value is the
 Monte-Carlo one, (1 + #{replicates at least as extreme}) / (1 + R), valid at any R. The pmf is cut where its
@@ -60,6 +60,7 @@ from pathlib import Path
 import numpy as np
 
 from dpaudit.core.errors import DPAuditError
+from dpaudit.core.validate import check_alpha, check_number
 
 MAX_STEPS = 10_000_000
 MAX_EXAMPLES = 100_000_000
@@ -280,8 +281,7 @@ def analyse_batches(batches, dataset_size: int | None = None, sample_rate: float
     """The verdict on a sequence of batches (each an iterable of example indices)."""
     from scipy import stats
 
-    if not (0 < alpha < 1):
-        raise DPAuditError(f"alpha must be in (0, 1), got {alpha}")
+    check_alpha(alpha)
     c = _Collector()
     for batch in batches:
         c.add(batch)
@@ -300,8 +300,7 @@ def analyse_batches(batches, dataset_size: int | None = None, sample_rate: float
     if sample_rate is None:
         p, source, estimated = sizes.mean() / n, "estimated from the batches", True
     else:
-        if not (0 < sample_rate <= 1):
-            raise DPAuditError(f"the sample rate must be in (0, 1], got {sample_rate}")
+        check_number("sample rate", sample_rate, above=0, at_most=1)
         p, source, estimated = float(sample_rate), "given", False
     notes = []
     if dataset_size is None:
@@ -421,7 +420,7 @@ def _placement_tests(steps: np.ndarray, t: int, alpha: float, seed: int) -> dict
     example and epoch. ``steps`` (epochs x N: each complete epoch's step of each example) is tested against that
     null with the two statistics of ``_placement_statistics``, both tails of each (alpha / 4 a tail, Bonferroni),
     the null simulated exactly (seeded Monte Carlo: the verdict is a function of the log). A keyed permutation over a
-    domain too small to be random (issue 53: N = 6, B = 2) returns examples to the same steps, or moves pairs
+    domain too small to be random (N = 6, B = 2) returns examples to the same steps, or moves pairs
     together; a rotation (example i in step (i + e) mod t) places them too evenly. Needs two complete epochs."""
     epochs = steps.shape[0] if steps.ndim == 2 else 0
     if epochs < 2 or t < 2:

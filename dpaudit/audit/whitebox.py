@@ -14,25 +14,47 @@ Gaussian audit applies.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from dpaudit.core import run_folder
+from dpaudit.core import run_folder, run_record
 from dpaudit.core.errors import DPAuditError
+from dpaudit.core.run_record import ProbeRecord, RunRecord
 
 
-def _run_config(run_dir: Path) -> dict:
-    """What the scoring needs of a run folder (run_config.json), or of a probe's folder (probe.json)."""
-    if run_folder.is_probe_folder(run_dir):
-        spec = run_folder.read_probe_spec(run_dir)
-        release = {"gradient": "gradient-transcript", "scalar": "scalar-sums", "pipeline": "pipeline-rows"}[spec["kind"]]
-        return {"config": {"clip": spec["clip"]}, "probe": spec, "release": release}
-    return run_folder.run_config(run_dir)
+@dataclass(frozen=True)
+class Released:
+    """What the white-box audit reads of a folder: a bundled run's record (run_config.json), or a probe's
+    description (probe.json), and the release the folder holds."""
+    release: str | None
+    record: RunRecord | None = None
+    probe: ProbeRecord | None = None
+
+    @classmethod
+    def of(cls, run_dir: Path) -> Released:
+        if run_folder.is_probe_folder(run_dir):
+            spec = run_record.read_probe(run_dir)
+            return cls(release=PROBE_RELEASES[spec.kind], probe=spec)
+        record = run_record.read(run_dir)
+        return cls(release=record.release, record=record)
+
+    @property
+    def clip(self) -> float | None:
+        return self.probe.clip if self.probe is not None else self.record.settings.clip
+
+    @property
+    def mechanism(self) -> str | None:
+        """The run's noise (None for a probe: it does not say)."""
+        return self.record.settings.mechanism if self.record is not None else None
+
+
+PROBE_RELEASES = {"gradient": "gradient-transcript", "scalar": "scalar-sums", "pipeline": "pipeline-rows"}
 
 
 # The robust reading. The alignment score's variance is estimated from the scores, so a few huge entries (one
-# step set to 50 at 3 of 200 coordinates) inflate it and hid a VIOLATION of 43.1 (issue 36). A second statistic
+# step set to 50 at 3 of 200 coordinates) inflate it and hid a VIOLATION of 43.1. A second statistic
 # clips every release entry to median +- ROBUST_CUT robust standard deviations (1.4826 x the median absolute
 # deviation): a function of the transcript applied alike to every canary, blind to membership, so its scores are
 # as valid for the one-run bounds as the raw ones. It is a second statistic (alpha split, Bonferroni), not a
@@ -51,7 +73,7 @@ LIKELIHOOD = "likelihood ratio"  # family.likelihood_ratio of each step's x, at 
 def _alignment_scores(releases: np.ndarray, canaries, clip: float, rate: float | None = None
                       ) -> tuple[dict[str, np.ndarray], float]:
     """The raw and the robust alignment of every canary, reading the (memory-mapped) releases a block of steps at
-    a time, so memory is O(block), not O(transcript) (issue 36: a 100 MB transcript took 850 MB). The robust cut
+    a time, so memory is O(block), not O(transcript) (a 100 MB transcript took 850 MB). The robust cut
     comes from an evenly strided sample of at most 2^20 entries (a function of the transcript, blind to
     membership, like the cut itself). With the Poisson ``rate``, a third statistic: each canary's log-likelihood
     ratio under the run's family at the entries' robust scale (family.py). Also returns that scale, in units of C."""
@@ -141,21 +163,24 @@ def _transcript_rows(run_dir: Path, m: int) -> np.ndarray:
     return np.memmap(path, dtype="<f4", mode="r", shape=(size // (4 * m), m))
 
 
-def transcript_scores(run_dir: Path, meta: dict | None = None
+def transcript_scores(run_dir: Path, meta: Released | None = None
                       ) -> tuple[dict[str, np.ndarray], np.ndarray, str, dict]:
-    """({statistic: scores}, members, score name, facts) for a white-box run folder (``meta``: its
-    ``_run_config``, when the caller has read it)."""
+    """({statistic: scores}, members, score name, facts) for a white-box run folder (``meta``: what
+    ``Released.of`` read of it, when the caller has read it)."""
     from dpaudit.audit.whitebox_canaries import TRANSCRIPT, WhiteBoxCanaries, step_signs
 
     run_dir = Path(run_dir)
-    meta = meta if meta is not None else _run_config(run_dir)
-    cfg = meta["config"]
+    meta = meta if meta is not None else Released.of(run_dir)
     canaries = WhiteBoxCanaries.load(run_dir)
-    release = run_folder.release_of(meta)
-    clip = float(cfg["clip"]) if release != "pipeline-rows" else None
-    probe = meta.get("probe")
+    release = meta.release
+    clip = None
+    if release != "pipeline-rows":
+        if meta.clip is None:
+            raise DPAuditError(f"{run_dir}: its run does not say its clip norm C; refusing to audit it")
+        clip = float(meta.clip)
+    probe = meta.probe
     if probe is not None:
-        if canaries.run_id != probe["run_id"] or canaries.m != probe["m"]:
+        if canaries.run_id != probe.run_id or canaries.m != probe.m:
             raise DPAuditError(f"{run_dir}: the canary manifest and probe.json come from different probe runs")
     rate = _poisson_rate(meta)
     strategy = _bandmf(meta)
@@ -183,15 +208,16 @@ def transcript_scores(run_dir: Path, meta: dict | None = None
     elif release == "zo-log":
         seeds, scalars = run_folder.zo_log(run_dir)
         steps = len(scalars)
-        batch = float(meta.get("expected_batch_size") or cfg["batch_size"])
-        sums = scalars * 2 * float(cfg["phi"]) * batch
+        settings = meta.record.settings
+        batch = float(meta.record.expected_batch_size or settings.batch_size)
+        sums = scalars * 2 * settings.phi * batch
         signs = np.stack([step_signs(canaries.seed, t, canaries.m) for t in range(steps)])
         stats = {"correlation": signs.T @ sums / clip}
-        sigma = meta.get("sigma")
+        sigma = meta.record.sigma
         if sigma:
-            known = public_noise(seeds, cfg["mechanism"], clip * float(sigma))
+            known = public_noise(seeds, settings.mechanism, clip * sigma)
             stats["correlation, public-seed noise removed"] = signs.T @ (sums - known) / clip
-        if cfg.get("mechanism") == "gaussian":
+        if settings.mechanism == "gaussian":
             stats, scale = _scalar_likelihood(stats, signs, sums / clip, rate)
         name = "white-box-dp-zo"
     else:
@@ -206,12 +232,12 @@ def transcript_scores(run_dir: Path, meta: dict | None = None
     return stats, canaries.members, name, facts if release == "pipeline-rows" else {**facts, "canary gain (x C)": canaries.gain}
 
 
-def _bandmf(meta: dict):
+def _bandmf(meta: Released):
     """A bundled run's BandMF strategy (config noise:), or None."""
     from dpaudit.accounting.matrix.strategy import parse
 
-    noise = (meta.get("config") or {}).get("noise")
-    strategy = parse(noise) if isinstance(noise, str) else None
+    noise = meta.record.settings.noise if meta.record is not None else None
+    strategy = parse(noise) if noise is not None else None
     return strategy if strategy is not None and strategy.family == "bandmf" else None
 
 
@@ -238,20 +264,17 @@ def _bandmf_scores(rows, canaries, clip: float, rate, strategy, steps: int):
 BANDMF = "BandMF round views, likelihood ratio"
 
 
-def _poisson_rate(meta: dict) -> float | None:
+def _poisson_rate(meta: Released) -> float | None:
     """The rate p < 1 at which the run Poisson-samples its white-box canaries: a probe's own (it samples them), a
     bundled run's (white-box runs are Poisson only); None where the folder does not say it, or at p = 1, where the
     family is G_mu itself (the gaussian bound reads it exactly) and the likelihood ratio is affine in x."""
-    probe = meta.get("probe")
-    rate = probe.get("sample_rate") if probe is not None else meta.get("sampling_rate")
-    sampling = (meta.get("config") or {}).get("sampling", "poisson")
-    if probe is None and sampling != "poisson":
+    if meta.probe is not None:
+        rate = meta.probe.sample_rate
+    elif meta.record.settings.sampling == "poisson":   # the only runs the bundled trainers plant canaries in
+        rate = meta.record.sampling_rate
+    else:
         return None
-    try:
-        rate = float(rate)
-    except (TypeError, ValueError):
-        return None
-    return rate if 0 < rate < 1 else None
+    return float(rate) if rate is not None and 0 < rate < 1 else None
 
 
 def _scalar_likelihood(stats: dict, signs: np.ndarray, x: np.ndarray, rate: float | None):
@@ -266,15 +289,14 @@ def _scalar_likelihood(stats: dict, signs: np.ndarray, x: np.ndarray, rate: floa
     return {**stats, LIKELIHOOD: likelihood_ratio_step(signs * x[:, None], rate, scale).sum(0)}, scale
 
 
-def score_models(meta: dict, stats: dict, facts: dict) -> dict:
+def score_models(meta: Released, stats: dict, facts: dict) -> dict:
     """{statistic: family.ScoreModel} for the statistics the gaussian-run bound can read: the linear ones and the
     likelihood ratio, in a Gaussian run whose canaries are Poisson-sampled at a known rate p < 1 (not the robust
     statistic, whose cut depends on the transcript; not a pipeline probe's, whose steps are standardised)."""
     from dpaudit.audit import family
 
     rate = _poisson_rate(meta)
-    mechanism = (meta.get("config") or {}).get("mechanism", "gaussian")
-    if rate is None or mechanism != "gaussian" or run_folder.release_of(meta) == "pipeline-rows":
+    if rate is None or (meta.mechanism or "gaussian") != "gaussian" or meta.release == "pipeline-rows":
         return {}
     steps = int(facts["steps"])
     scale = facts.get("likelihood-ratio scale (x C)")
@@ -290,11 +312,13 @@ def score_models(meta: dict, stats: dict, facts: dict) -> dict:
     return models
 
 
-def _run_ceiling(meta: dict, steps: int, claimed_epsilon, delta: float):
+def _run_ceiling(meta: Released, steps: int, claimed_epsilon, delta: float):
     """The claim's ceiling from the run's own mechanism (its white-box canaries are sampled like any example), when
     the run folder says it (sigma, Poisson rate, mechanism) and delta > 0; else None (the claim's region)."""
-    sigma, rate, kind = meta.get("sigma"), meta.get("sampling_rate"), (meta.get("config") or {}).get("mechanism")
-    if claimed_epsilon is None or not delta or not sigma or not rate or not isinstance(kind, str):
+    if meta.record is None or claimed_epsilon is None or not delta:
+        return None
+    sigma, rate, kind = meta.record.sigma, meta.record.sampling_rate, meta.mechanism
+    if not sigma or not rate:
         return None
     strategy = _bandmf(meta)
     if strategy is not None:   # ``steps`` are the rounds, each at rate p b (correlated.py)
@@ -334,21 +358,18 @@ def canary_sampler_audit(run_dir: Path, members: np.ndarray, sample_rate: float,
     return analyse_batches(batches, dataset_size=len(index), sample_rate=sample_rate, alpha=alpha)
 
 
-def _noise_check(run_dir: Path, spec: dict, alpha: float):
+def _noise_check(run_dir: Path, spec: ProbeRecord, alpha: float):
     """A gradient probe's per-tensor noise check (noise_check.py), or None where the probe does not say the accounted
     noise multiplier (or says 0: nothing to check) or the shapes of the tensors its canaries sit on."""
     from dpaudit.audit import noise_check
     from dpaudit.audit.whitebox_canaries import WhiteBoxCanaries
 
-    sigma, shapes = spec.get("noise_multiplier"), spec.get("parameter_shapes")
-    if not isinstance(sigma, (int, float)) or isinstance(sigma, bool) or not sigma > 0 or not isinstance(shapes, list):
+    sigma, shapes = spec.noise_multiplier, spec.parameter_shapes
+    if not sigma or shapes is None:
         return None
-    try:
-        sizes = np.array([int(np.prod(s, dtype=np.int64)) for s in shapes], np.int64)
-    except (TypeError, ValueError):
-        raise DPAuditError(f"{run_dir}: probe.json's parameter_shapes are not as a probe writes them") from None
-    names = spec.get("parameter_names")
-    if not (isinstance(names, list) and len(names) == len(shapes) and all(isinstance(n, str) for n in names)):
+    sizes = np.array([int(np.prod(s, dtype=np.int64)) for s in shapes], np.int64)
+    names = spec.parameter_names
+    if names is None or len(names) != len(shapes):
         names = [f"parameter {k} {tuple(s)}" for k, s in enumerate(shapes)]
     canaries = WhiteBoxCanaries.load(run_dir)
     coords = np.asarray(canaries.coordinates, np.int64)
@@ -356,13 +377,13 @@ def _noise_check(run_dir: Path, spec: dict, alpha: float):
         raise DPAuditError(f"{run_dir}: the canaries' coordinates are not inside the probed parameters")
     tensor_of = np.searchsorted(np.cumsum(sizes), coords, side="right")
     rows = _transcript_rows(run_dir, canaries.m)
-    tally = noise_check.read_tally(run_dir, spec["run_id"])
+    tally = noise_check.read_tally(run_dir, spec.run_id)
     if tally is not None and tally["sizes"] != sizes.tolist():
         raise DPAuditError(f"{run_dir}: {noise_check.TALLY} was written for other parameters than probe.json's")
-    dtypes = spec.get("parameter_dtypes")
+    dtypes = spec.parameter_dtypes
     skipped = {k for k, d in enumerate(dtypes) if d not in ("float32", "float64")} \
-        if isinstance(dtypes, list) and len(dtypes) == len(shapes) else set()
-    return noise_check.check(rows, tensor_of, names, float(sigma) * float(spec["clip"]), alpha, tally, skipped)
+        if dtypes is not None and len(dtypes) == len(shapes) else set()
+    return noise_check.check(rows, tensor_of, list(names), sigma * spec.clip, alpha, tally, skipped)
 
 
 def audit_run_folder(run_dir: Path, *, claimed_epsilon: float | None, delta: float, alpha: float = 0.05,
@@ -373,20 +394,20 @@ def audit_run_folder(run_dir: Path, *, claimed_epsilon: float | None, delta: flo
     sampler audit of its member canaries (``AuditResult.sampler``), half to the statistics."""
     from dpaudit.audit.analysis import analyse
 
-    meta = _run_config(Path(run_dir))  # read once
+    meta = Released.of(Path(run_dir))  # read once
     stats, members, name, facts = transcript_scores(run_dir, meta)
     clipping = None
-    if meta.get("probe") is not None:
+    spec = meta.probe
+    if spec is not None:
         from dpaudit.audit.clipping import CLIP_SHARE, check, read_tally
 
-        tally = read_tally(run_dir, meta["probe"]["run_id"])
+        tally = read_tally(run_dir, spec.run_id)
         if tally is not None:  # the canaries entered as examples: the per-example clipping check pays alpha x share
             clipping = check(tally, alpha * CLIP_SHARE)
             alpha = alpha * (1 - CLIP_SHARE)
             facts = {**facts, "per-example clipping check": f"at alpha {clipping.alpha:g} (the rest at {alpha:g})"}
     noise = None
-    spec = meta.get("probe")
-    if spec is not None and spec.get("kind") == "gradient":
+    if spec is not None and spec.kind == "gradient":
         from dpaudit.audit.noise_check import NOISE_SHARE
 
         noise = _noise_check(Path(run_dir), spec, alpha * NOISE_SHARE)
@@ -396,7 +417,7 @@ def audit_run_folder(run_dir: Path, *, claimed_epsilon: float | None, delta: flo
         else:
             facts = {**facts, "per-tensor noise check": "not made: the probe does not know the accounted noise "
                                                         "(attach to an Opacus optimizer, or give noise_multiplier=)"}
-    logged = run_folder.release_of(meta) == "pipeline-rows" and (Path(run_dir) / CANARY_BATCHES).is_file()
+    logged = meta.release == "pipeline-rows" and (Path(run_dir) / CANARY_BATCHES).is_file()
     sampler = None
     if logged and sample_rate is not None:
         sampler = canary_sampler_audit(run_dir, members, sample_rate, alpha / 2)
@@ -404,14 +425,14 @@ def audit_run_folder(run_dir: Path, *, claimed_epsilon: float | None, delta: flo
     elif logged:
         facts = {**facts, "canaries' sampler audit": "not made: the batches were logged; give the sample rate the "
                                                       "run is accounted with to test them"}
-    mechanism = meta["config"].get("mechanism")
+    mechanism = meta.mechanism
     ceiling = _run_ceiling(meta, facts["steps"], claimed_epsilon, delta)
     models = score_models(meta, stats, facts)
     if headline == "gaussian-run":  # asked for by name: the statistics it can read
         stats = {k: v for k, v in stats.items() if k in models} or stats
     share = (alpha / 2 if sampler is not None else alpha) / len(stats)
     results = {k: analyse(v, members, claimed_epsilon=claimed_epsilon, delta=delta, alpha=share, score=name,
-                          mechanism=mechanism if isinstance(mechanism, str) else None,
+                          mechanism=mechanism,
                           headline=headline, ceiling=ceiling, model=models.get(k)) for k, v in stats.items()}
     best = max(results, key=lambda k: results[k].epsilon_lower_bound)
     facts = {**facts, "statistic": best, "statistics tried": len(stats),
@@ -425,6 +446,6 @@ def audit_run_folder(run_dir: Path, *, claimed_epsilon: float | None, delta: flo
         from dpaudit.audit.rate_check import RateCheck
 
         result.rate = RateCheck.from_spec(spec)
-    unprotected = (meta.get("probe") or {}).get("unprotected_parameters") or []
+    unprotected = spec.unprotected_parameters if spec is not None else ()
     result.unprotected = tuple(str(n) for n in unprotected)
     return result, stats[best], members, facts

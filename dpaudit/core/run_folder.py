@@ -1,6 +1,6 @@
 """A run folder's layout: the one module that knows its file names and how to read them back.
 
-    run_config.json        the run's configuration (no secret seed), base model, sigma, p, N
+    run_config.json        the run's configuration (no secret seed), base model, sigma, p, N (run_record.py)
     privacy_ledger.json    accountant, relation, steps executed (written ahead), eps spent
     zo_steps.jsonl         DP-ZO: the (seed, scalar) log, one step a line
     whitebox_canaries.json white-box canaries (0600: membership), whitebox_transcript.f32 (DP-SGD releases)
@@ -14,7 +14,6 @@ Readers cap sizes and turn anything malformed into one DPAuditError (torch-free:
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
@@ -43,18 +42,6 @@ def read_json(path: Path, what: str) -> dict | None:
     if not isinstance(data, dict):
         raise DPAuditError(f"{path} is not a {what} dpaudit wrote")
     return data
-
-
-def run_config(folder: Path, required: bool = True) -> dict | None:
-    """The folder's run_config.json (its "config" section checked)."""
-    meta = read_json(Path(folder) / RUN_CONFIG, "run config")
-    if meta is None:
-        if required:
-            raise DPAuditError(f"{folder} is not a run folder (no {RUN_CONFIG})")
-        return None
-    if not isinstance(meta.get("config"), dict):
-        raise DPAuditError(f"{Path(folder) / RUN_CONFIG} is not a run config dpaudit wrote")
-    return meta
 
 
 def ledger(folder: Path) -> dict | None:
@@ -91,47 +78,3 @@ def truncate_log(path: Path, steps: int) -> None:
         return
     lines = path.read_text(encoding="utf-8").splitlines()[:steps]
     path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-
-
-# A probe's releases: a WhiteBoxProbe's gradient sums or scalar sums, a PipelineProbe's row movements.
-PROBE_KINDS = ("gradient", "scalar", "pipeline")
-
-# What a folder holds of each step's release, which decides how a white-box audit reads it: the canaries'
-# coordinates of each noisy gradient sum (DP-SGD, gradient probes), each step's noisy scalar sum (scalar probes),
-# or the (seed, scalar) log (DP-ZO). A method's record names its own (training/methods.py).
-RELEASES = ("gradient-transcript", "scalar-sums", "zo-log", "pipeline-rows")
-_BEFORE_RELEASE = {"dp-sgd": "gradient-transcript", "dp-zo": "zo-log"}  # run folders written before it was said
-
-
-def release_of(meta: dict) -> str | None:
-    """A run folder's release (``RELEASES``; None: only the final model) from its run_config.json (``meta``)."""
-    if "release" in meta:
-        return meta["release"]
-    return _BEFORE_RELEASE.get((meta.get("config") or {}).get("method"))
-
-
-def read_probe_spec(folder: Path) -> dict:
-    """A probe folder's probe.json, checked: a clip, sample rate, gain or m no probe writes is refused (a clip of
-    -1 turned a VIOLATION into "consistent", issue 36)."""
-    from dpaudit.core.safe_json import load_json_file
-
-    spec = load_json_file(Path(folder) / PROBE, "probe description", max_bytes=1 << 20)
-    if not isinstance(spec, dict) or spec.get("format") != "dpaudit-probe/1" or spec.get("kind") not in PROBE_KINDS:
-        raise DPAuditError(f"{folder} holds no dpaudit probe (probe.json)")
-    try:
-        if spec["kind"] != "pipeline":  # a pipeline probe's canaries are the user's examples: no clip, rate or gain
-            check_number("clip norm C", spec.get("clip"), above=0)
-            check_number("sample rate", spec.get("sample_rate"), above=0, at_most=1)
-            check_number("gain", spec.get("gain"), above=0)
-        if type(spec.get("m")) is not int or spec["m"] < 2:
-            raise DPAuditError("m is not an integer >= 2")
-    except DPAuditError as exc:
-        raise DPAuditError(f"{Path(folder) / PROBE} is not as a probe writes it ({exc}); refusing to audit it") from None
-    return spec
-
-
-def check_number(what: str, x, *, above: float, at_most: float = math.inf) -> None:
-    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)) or not math.isfinite(x) \
-            or not (above < x <= at_most):
-        bounds = f"in ({above:g}, {at_most:g}]" if math.isfinite(at_most) else f"a finite number > {above:g}"
-        raise DPAuditError(f"the {what} must be {bounds}, got {x!r}")

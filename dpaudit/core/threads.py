@@ -1,7 +1,7 @@
 """How many CPU threads torch may use: the cores this process may run on and its CPU quota allow, never
 more, less the cores other processes are keeping busy right now (torch's threads wait for each other
 at every parallel region, so one thread on a taken core stalls them all: on a shared 2-core machine a
-step took 40-60 s instead of about 4 s in issue 13's measurement; benchmarks/threads.py)."""
+step took 40-60 s instead of about 4 s in one measurement; benchmarks/threads.py)."""
 
 from __future__ import annotations
 
@@ -122,7 +122,7 @@ def set_threads(threads: int | None) -> int:
     global _GOVERNOR
     n = default_threads() if threads is None else threads
     most = MAX_THREADS_PER_CORE * (os.cpu_count() or 1)
-    if n < 1 or n > most:  # each thread reserves a stack: 100,000 of them ran out of memory (issue 36)
+    if n < 1 or n > most:  # each thread reserves a stack: 100,000 of them ran out of memory
         raise DPAuditError(f"--threads must be between 1 and {most} ({MAX_THREADS_PER_CORE} a core), got {n}")
     import torch
 

@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from dpaudit.core.errors import DPAuditError, PrivacyViolation
+from dpaudit.core.validate import check_canaries
 from dpaudit.integrations.hf_preflight import preflight_problems
 from dpaudit.integrations.hf_rows import canary_row, contexts, row_format as find_format, rows_of
 from dpaudit.training.distributed import launch_rank
@@ -50,7 +51,7 @@ except ImportError:  # pragma: no cover - the train extra is missing
 MANIFEST = "canaries.json"
 CONTROLS = "controls.json"   # never-inserted canaries: more non-members for the FPR, at no training cost
 SETTINGS = "hf_audit.json"
-# The white-box probe's canaries: 5000, as `audit run --white-box` plants (issue 55: at m = 1000 the bound read 66 %
+# The white-box probe's canaries: 5000, as `audit run --white-box` plants (at m = 1000 the bound read 66 %
 # of a claim of 3.9 on an opacus_trainer run; the noncentral-t limit tightens as 1 / sqrt(m)).
 WHITE_BOX_M = 5000
 REPORT = "report"
@@ -201,7 +202,7 @@ class DPAuditCallback(TrainerCallback):
             self.preflight_notes = problems
         dp = _dp_optimizer(optimizer)
         if dp is not None and self.settings.white_box_m >= 2:
-            from dpaudit.core.run_folder import read_probe_spec
+            from dpaudit.core.run_record import read_probe
             from dpaudit.probes.probe import WhiteBoxProbe
             from dpaudit.probes.probe_opacus import hooked_accountant, loader_sample_rate
 
@@ -213,7 +214,7 @@ class DPAuditCallback(TrainerCallback):
                                    "layer frozen?); unfreeze what the run should train")
             coordinates = sum(p.numel() for p in trained)
             # one canary on each trainable tensor at least (probe._place), never more than there are coordinates
-            m = read_probe_spec(folder)["m"] if resume else min(max(self.settings.white_box_m, len(trained)),
+            m = read_probe(folder).m if resume else min(max(self.settings.white_box_m, len(trained)),
                                                                  coordinates)
             try:  # the canaries at the rate the Trainer's loader samples at, checked against the accountant's
                 loader_sample_rate(train_dataloader)
@@ -393,8 +394,7 @@ def _check_arguments(m, kind, secret_length, budget, preflight, claimed_eps, del
 
     if kind not in KINDS:
         raise DPAuditError(f"unknown canary kind {kind!r}; use {' or '.join(KINDS)}")
-    if isinstance(m, bool) or not isinstance(m, int) or m < 2:
-        raise DPAuditError(f"m (the number of canaries) must be an integer >= 2, got {m!r}")
+    check_canaries(m)
     if isinstance(secret_length, bool) or not isinstance(secret_length, int) or not 1 <= secret_length <= 256:
         raise DPAuditError(f"secret_length must be an integer in [1, 256] (tokens), got {secret_length!r}")
     if not 0 < budget <= 1:

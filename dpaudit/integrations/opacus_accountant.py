@@ -74,7 +74,7 @@ class DpauditAccountant(IAccountant):
 
 
 def _at_most_max_phases(history) -> list[Mechanism]:
-    """The history as phases, at most MAX_PHASES distinct ones: a per-step noise schedule (issue 36: refused past
+    """The history as phases, at most MAX_PHASES distinct ones: a per-step noise schedule (refused past
     1000) has each step's sigma rounded down and p rounded up to a geometric grid, coarser until the distinct
     pairs fit. Rounding that way only adds privacy loss (a smaller sigma is the larger one's output plus
     noise removed; a larger Poisson rate q' subsampled again at q / q' is the rate q), so eps stays an upper

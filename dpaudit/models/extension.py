@@ -1,4 +1,4 @@
-"""A model folder that adds new tokens to a base model without copying its weights (issue 67, item 23).
+"""A model folder that adds new tokens to a base model without copying its weights.
 
 An audit run extends the base model with one new token per canary, each with a zero output row (and, tied, a zero
 input row): the extended model is the base's weights plus zero rows, a function of the base's files and the token

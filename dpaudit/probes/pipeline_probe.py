@@ -37,6 +37,7 @@ import numpy as np
 from dpaudit.audit.whitebox import CANARY_BATCHES as BATCHES
 from dpaudit.audit.whitebox_canaries import TRANSCRIPT
 from dpaudit.core.errors import DPAuditError
+from dpaudit.core.validate import check_canaries, check_number
 from dpaudit.probes.probe import WhiteBoxProbe, refuse_links
 
 BUDGET = 0.05  # the share of the training's wall time the canaries' directions may take (refreshed that often)
@@ -53,10 +54,8 @@ class PipelineProbe(WhiteBoxProbe):
 
     def __init__(self, model, tokenizer, *, m: int = 500, out, seed: int = 0,
                  budget: float = BUDGET, secret_seed: int | None = None):
-        if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 4:
-            raise DPAuditError(f"m (the number of canaries) must be an integer >= 4, got {m!r}")
-        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1:
-            raise DPAuditError(f"budget (the probe's share of the wall time) must be in (0, 1], got {budget!r}")
+        m = check_canaries(m, least=4)
+        check_number("budget (the probe's share of the wall time)", budget, above=0, at_most=1)
         if any(type(p).__name__ == "DTensor" for p in model.parameters()):
             raise DPAuditError("a PipelineProbe reads the canaries' rows from one process's model: the weights here "
                                "are sharded (FSDP); use WhiteBoxProbe, or probe an unsharded run")

@@ -19,6 +19,7 @@ With Opacus, ``WhiteBoxProbe.attach(optimizer)`` attaches through the optimizer'
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
 from pathlib import Path
@@ -27,7 +28,9 @@ import numpy as np
 
 from dpaudit.core.atomic import atomic_write_json, atomic_write_text
 from dpaudit.core.errors import DPAuditError
-from dpaudit.core.run_folder import PROBE, check_number as _check_number, read_probe_spec as read_spec
+from dpaudit.core.run_folder import PROBE
+from dpaudit.core.run_record import ProbeRecord, read_probe, write_probe
+from dpaudit.core.validate import check_alpha, check_canaries, check_number as _check_number
 from dpaudit.audit.clipping import TALLY as CLIP_TALLY
 from dpaudit.audit.noise_check import TALLY as NOISE_TALLY, read_tally as read_noise_tally
 from dpaudit.audit.whitebox_canaries import GAIN, TRANSCRIPT, WhiteBoxCanaries
@@ -57,9 +60,7 @@ class WhiteBoxProbe:
         _check_number("clip norm C", clip, above=0)
         _check_number("sample rate", sample_rate, above=0, at_most=1)
         _check_number("gain", gain, above=0)
-        if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 2:
-            raise DPAuditError(f"m (the number of canaries) must be an integer >= 2, got {m!r}")
-        m = int(m)
+        m = check_canaries(m)
         if noise_multiplier is not None and noise_multiplier != 0:
             _check_number("noise multiplier", noise_multiplier, above=0)
         # sigma, the noise the claim is accounted with (std sigma x C on the released sum): the per-tensor noise
@@ -148,18 +149,18 @@ class WhiteBoxProbe:
         self._write_spec()
 
     def _resume(self, m: int) -> None:
-        spec = read_spec(self.out)
+        spec = read_probe(self.out)
         self.canaries = WhiteBoxCanaries.load(self.out)
-        if spec["kind"] != self.kind or spec["m"] != m or self.canaries.m != m:
-            raise DPAuditError(f"{self.out} holds a {spec['kind']} probe with m = {spec['m']}; resume it as it was")
-        if self.canaries.run_id != spec["run_id"]:
+        if spec.kind != self.kind or spec.m != m or self.canaries.m != m:
+            raise DPAuditError(f"{self.out} holds a {spec.kind} probe with m = {spec.m}; resume it as it was")
+        if self.canaries.run_id != spec.run_id:
             raise DPAuditError(f"{self.out}: its canary manifest belongs to another probe run")
-        self.run_id = spec["run_id"]
-        if spec.get("clip") != self.clip or spec.get("sample_rate") != self.rate:
-            raise DPAuditError(f"{self.out} was probing clip {spec.get('clip')} at sample rate {spec.get('sample_rate')}; "
+        self.run_id = spec.run_id
+        if spec.clip != self.clip or spec.sample_rate != self.rate:
+            raise DPAuditError(f"{self.out} was probing clip {spec.clip} at sample rate {spec.sample_rate}; "
                                "resume it with the same clip norm and sample rate")
-        shapes = spec.get("parameter_shapes")
-        if self.kind == "gradient" and shapes is not None and shapes != _shapes(self.params):
+        shapes = spec.parameter_shapes
+        if self.kind == "gradient" and shapes is not None and shapes != tuple(map(tuple, _shapes(self.params))):
             raise DPAuditError(f"{self.out} was probing parameters of other shapes; resume it with the same model")
         if self.kind == "gradient":
             if max(self.canaries.coordinates) >= sum(p.numel() for p in self.params):
@@ -207,17 +208,19 @@ class WhiteBoxProbe:
         return where
 
     def _write_spec(self, **extra) -> None:
-        spec = {"format": "dpaudit-probe/1", "kind": self.kind, "run_id": self.run_id, "m": self.canaries.m,
-                "clip": self.clip, "sample_rate": self.rate, "gain": self.canaries.gain, "source": self.source,
+        """probe.json (core/run_record.ProbeRecord): what the probe watches now, with ``extra`` (the loader's rate at
+        attach, the claim at the audit); what an earlier write said and this one does not say is kept."""
+        spec = {"kind": self.kind, "run_id": self.run_id, "m": self.canaries.m, "clip": self.clip,
+                "sample_rate": self.rate, "gain": self.canaries.gain, "source": self.source,
                 "canaries_bypass": self.bypass, "transcript": TRANSCRIPT, "floats_per_step": self.width,
-                "unprotected_parameters": self._unprotected_now(),
-                **({"parameter_shapes": _shapes(self.params), "parameter_names": self.names,
-                    "parameter_dtypes": [str(p.dtype).replace("torch.", "") for p in self.params],
+                "unprotected_parameters": tuple(self._unprotected_now()),
+                **({"parameter_shapes": tuple(map(tuple, _shapes(self.params))), "parameter_names": tuple(self.names),
+                    "parameter_dtypes": tuple(str(p.dtype).replace("torch.", "") for p in self.params),
                     "noise_multiplier": self.noise_multiplier} if self.kind == "gradient" else {}),
                 "membership": "from secret_seed (reproducible: tests and benchmarks only)"
                 if self.secret_seed is not None else "OS entropy", **extra}
-        old = read_spec(self.out) if (self.out / PROBE).exists() else {}
-        atomic_write_json(self.out / PROBE, {**old, **spec})
+        old = read_probe(self.out) if (self.out / PROBE).exists() else None
+        write_probe(self.out, dataclasses.replace(old, **spec) if old is not None else ProbeRecord(**spec))
 
     @property
     def width(self) -> int:
@@ -527,8 +530,7 @@ class WhiteBoxProbe:
             raise DPAuditError(f"on_violation must be one of {', '.join(ON_VIOLATION)}, got {on_violation!r}")
         if not delta or not 0 < float(delta) < 1:
             raise DPAuditError("give the delta the run claims (the bound depends on it)")
-        if not 0 < alpha < 1:
-            raise DPAuditError(f"alpha must be in (0, 1), got {alpha}")
+        check_alpha(alpha)
         if isinstance(first, bool) or not isinstance(first, int) or first < 1:
             raise DPAuditError(f"first must be an integer >= 1, got {first!r}")
         if planned_steps is not None and (isinstance(planned_steps, bool) or not isinstance(planned_steps, int)

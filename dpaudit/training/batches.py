@@ -1,7 +1,11 @@
-"""Batches: the private runs draw by their sampler (``SOURCES``: Poisson with rate p = B / N, or balls-in-bins
-with N // B steps an epoch, each accounted as such), the non-private baselines take shuffled fixed-size batches."""
+"""Batches: the private runs draw by their sampler (``SOURCES``: one ``BatchSource`` record per sampler the
+trainers can draw, keyed by the sampler's name in accounting/samplers/, which says how it is accounted), the
+non-private baselines take shuffled fixed-size batches. Code outside asks a source's facts, never its name."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -65,6 +69,26 @@ def fixed_order_source(n: int, batch_size: int, secret: int, rng: np.random.Gene
     return draw
 
 
-# --sampling NAME -> (n, B, secret, rng) -> (step -> the step's example indices). A sampler the trainers can draw
-# is one entry here; how it is accounted is its Scheme record (accounting/samplers/).
-SOURCES = {"poisson": _poisson_source, "balls-in-bins": _balls_in_bins_source}
+@dataclass(frozen=True)
+class BatchSource:
+    """How the trainers draw one sampler's batches, and what a run drawn so needs."""
+    draw: Callable        # (n, B, secret, rng) -> (step -> the step's example indices)
+    pattern: str          # "independent" (each step samples every example on its own: white-box canaries and
+    #                       BandMF's cyclic groups need it), "epochs" (each example once an epoch, drawn afresh each
+    #                       epoch) or "fixed-order" (one order every epoch: BLT's order=fixed)
+    keeps_secret: bool    # the secret that draws the batches must survive a resume (run_folder.ALLOCATION_SECRET)
+    words: str            # for refusals
+
+
+# --sampling NAME -> its source. A sampler the trainers can draw is one entry here; how it is accounted is its
+# Scheme record (accounting/samplers/). The trainers draw "shuffle" only as one fixed order (BLT's order=fixed),
+# which its accounting (shuffle's zero-out relation at a separation of N // B steps) covers.
+SOURCES = {
+    "poisson": BatchSource(_poisson_source, "independent", False, "Poisson batches"),
+    "balls-in-bins": BatchSource(_balls_in_bins_source, "epochs", True, "balls-in-bins epochs"),
+    "shuffle": BatchSource(fixed_order_source, "fixed-order", True, "one fixed order"),
+}
+
+
+def source(sampling: str) -> BatchSource | None:
+    return SOURCES.get(sampling)

@@ -1,7 +1,7 @@
 """Tokenised training examples and the per-example loss both trainers use.
 
 Examples are stored right-padded whatever the tokenizer's own ``padding_side``: ``batch`` keeps the first
-columns, so a left-padded store would hand the trainer padding only and mask every target (issue 36: Gemma 3
+columns, so a left-padded store would hand the trainer padding only and mask every target (Gemma 3
 and the SentencePiece Llama family pad on the left in transformers 5). ``tokenize`` pads by itself, on the right,
 so neither the tokenizer's padding side nor its pad token matters (many causal LMs have none: GPT-2, Llama, and
 SmolLM2 as transformers 5.17 reads its GGUF); the attention mask marks the padding, which is never attended or

@@ -1,5 +1,5 @@
 """Divergence: a training loss that rises well above where it started (a learning rate too large for the
-model, as 5e-3 AdamW is for a pretrained LM: 10.7 -> 12.8 -> 18.4 in issue 32's walk-through).
+model, as 5e-3 AdamW is for a pretrained LM: 10.7 -> 12.8 -> 18.4 on a pretrained LM's walk-through).
 
 Losses of single steps are noisy (Poisson batches, DP noise), so the watch compares medians of ``window``
 finite losses: the first ``window`` against the latest ``window``. It trips when the latest median exceeds
@@ -9,7 +9,7 @@ empty Poisson batch has no loss (the runner passes None) and is skipped. Torch-f
 
 What it is for: a warning, and a line in the report. Never a reason to skip an audit: a broken DP
 implementation (clipping skipped, noise too small) is one way training diverges, and it is what an audit exists
-to find (issue 36: a default stop turned planted bugs into "lower your lr", exit 2).
+to find (a default stop turned planted bugs into "lower your lr", exit 2).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """DP-ZO over new-token rows alone, without a pass through the model per evaluation (the black-box recipe,
-``--trainable new-tokens``; issue 39).
+``--trainable new-tokens``).
 
 When the only trainable weights are the new tokens' rows R (``new_tokens.py``: added to the input embedding, and
 to the head as extra logits h R_k), an example whose new tokens sit only at its last real position depends on R

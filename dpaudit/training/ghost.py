@@ -26,14 +26,14 @@ respect to the probe alone runs every hook while autograd skips the weight gradi
 (all trainable parameters sit in hooked layers), so by induction its input lies on a path to a probe and its
 hook runs too; a leaf of the user's own that requires a gradient breaks that, and the norm pass then refuses
 ("did not report"), never a stale norm. Probing only these roots spares an add and a sum over every layer's
-output (the largest: the vocabulary logits), issue 41: 3-5 % of a step.
+output (the largest: the vocabulary logits), 3-5 % of a step.
 
 Book-keeping, above. Opacus 1.6 (pinned) stores a layer's inputs in ``module.activations`` until its backward
 hook pops them; ``_keep`` reads them there first.
 
 Linear layers' norms (with book-keeping): from the kept (inputs, output gradients), by batched matmuls, the inputs'
 Gram matrix computed once for the layers that read one tensor (q, k and v; gate and up): ``_linear_norms``
-(issue 41: DP-SGD / SGD 1.32-1.35x -> 1.24-1.29x at B = 64, benchmarks/dp_sgd_paired.py).
+(DP-SGD / SGD 1.32-1.35x -> 1.24-1.29x at B = 64, benchmarks/dp_sgd_paired.py).
 
 Imported only when a DP-SGD trainer is built (it needs opacus, the ``train`` extra).
 """

@@ -62,9 +62,9 @@ class Method:
     canaries: str                 # white-box canary kind: "scalar" (one released sum) or "gradient"
     build: Callable[[TrainerSetup], Trainer]
     # Learning rates for a pretrained model (any model dpaudit did not build), by trainable subset: the
-    # defaults above were tuned on the tiny embedded model and blow a pretrained one up (issue 32).
+    # defaults above were tuned on the tiny embedded model and blow a pretrained one up.
     pretrained_lr: dict | None = None
-    # What the run folder holds of each step's release (core/run_folder.RELEASES): "gradient-transcript" (the
+    # What the run folder holds of each step's release (core/run_record.RELEASES): "gradient-transcript" (the
     # white-box canaries' coordinates of each noisy gradient sum), "zo-log" (the (seed, scalar) log, from which
     # the run replays), or None (only the final model).
     release: str | None = None

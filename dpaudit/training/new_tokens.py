@@ -45,7 +45,7 @@ class NewTokenEmbedding(nn.Module):
         slot = self.slot[input_ids]
         # Row 0 (every old token's slot) adds nothing, whatever it holds. padding_idx keeps its gradient at zero,
         # but DP-ZO perturbs and updates whole parameters: a moving row 0 shifted every token's input alike, a loss
-        # change common to every example (issue 39: it drowned the DP-ZO black box's signal), which ``merge``
+        # change common to every example (it drowned the DP-ZO black box's signal), which ``merge``
         # then dropped from the exported model.
         return self.base(input_ids) + self.rows(slot) * (slot != 0).unsqueeze(-1).to(self.rows.weight.dtype)
 

@@ -42,7 +42,7 @@ def supported_for_dp_sgd(model) -> None:
     """Refuse, in one line and before any step, a trainable layer whose per-example gradients dpaudit cannot
     take: one with buffers (state Opacus does not privatise, e.g. batch norm's running statistics), other than
     the constant scale of a scaled embedding, whose per-example gradient is c x the embedding's (registered
-    with Opacus here: issue 36, Gemma 3 failed with exit 3 after minutes of canary work)."""
+    with Opacus here: without it Gemma 3 failed with exit 3 after minutes of canary work)."""
     from opacus.grad_sample.utils import register_grad_sampler, register_norm_sampler
 
     for kind in check_layers(model):
@@ -104,7 +104,7 @@ def rms_norm_layers(model) -> set[type]:
 def rms_norm_grad_sample(layer, activations, backprops) -> dict:
     """Per-example gradients of an RMS norm's weight: sum_t b_t x x_hat_t (x_hat in float32, as the layers
     compute it). Written here because Opacus samples torch's nn.RMSNorm only; the Hugging Face models' own RMS
-    norm classes otherwise go through functorch, which cost 36 ms of a 0.77 s DP-SGD step (issue 41)."""
+    norm classes otherwise go through functorch, which cost 36 ms of a 0.77 s DP-SGD step."""
     if not layer.weight.requires_grad:
         return {}
     g = backprops.float() * _normalised(activations[0], _rms_eps(layer))

@@ -7,12 +7,14 @@ re-accounted at the new rate; a folder whose spending cannot be read is refused,
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
-from dpaudit.core import run_folder
+from dpaudit.core import run_folder, run_record
+from dpaudit.core.run_record import RunSettings
 from dpaudit.core.errors import DPAuditError
 from dpaudit.training import checkpoint
+from dpaudit.training.batches import source
 
 
 @dataclass
@@ -47,14 +49,14 @@ def open_run(run_dir: Path, model_dir, cfg, resume: bool, world) -> Opening:
 def _check_resumable(run_dir: Path, cfg, opening: Opening, world):
     if cfg.trainable == "lora":
         raise DPAuditError("resuming a LoRA run is not supported; start it again")
-    previous = run_folder.run_config(run_dir, required=False)
+    previous = run_record.read(run_dir, required=False)
     if previous is not None:
-        before, now = plan_of(previous["config"]), plan_of(config_for_state(cfg))
+        before, now = plan_of(previous.settings), plan_of(settings_of(cfg))
         if before != now:  # names only: values are the user's and are not echoed
             differ = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
             raise DPAuditError(f"{run_dir} holds a run with another configuration (not as it was started: "
                                f"{', '.join(differ)}; pass the run's own), or use a new folder")
-        opening.base_model = str(previous.get("base_model", opening.base_model))
+        opening.base_model = previous.base_model or opening.base_model
     opening.previous_ledger = run_folder.ledger(run_dir)
     opening.released_before = released_steps(run_dir, opening.previous_ledger, cfg)
     if opening.previous_ledger is None and (opening.released_before or any(
@@ -99,7 +101,8 @@ def resume_phases(plan, header: dict, previous: dict, released: int, run_dir: Pa
         raise DPAuditError(f"{run_dir / run_folder.LEDGER} does not say its {', '.join(missing)}: refusing to resume a "
                            "run whose spending is unknown; start a new run folder")
     data_changed = [k for k in DATA_KEYS if k in previous and previous[k] != header[k]]
-    if data_changed and plan.private and header.get("sampling", "poisson") != "poisson":
+    drawn = source(header.get("sampling", "poisson"))  # independent steps: the new data is a phase of its own
+    if data_changed and plan.private and (drawn is None or drawn.pattern != "independent"):
         raise DPAuditError(f"resuming {run_dir} on other data is composed as a new phase of Poisson sampling only; "
                            f"this run draws {header['sampling']} batches: start a new run folder")
     if data_changed and plan.private and plan.calibrated and isinstance(previous.get("sigma"), (int, float)):
@@ -129,7 +132,7 @@ def resume_phases(plan, header: dict, previous: dict, released: int, run_dir: Pa
 def never_below(previous: dict, ledger, released: int, run_dir: Path) -> None:
     """A resumed run never ends having spent less than its old ledger already recorded as spent: the new
     ledger's total (released steps, redone ones and the rest, composed) must reach the old epsilon_spent (else
-    the ledger, or the data, is not what the run spent on; issue 36: a stripped ledger resumed at 13.93 below
+    the ledger, or the data, is not what the run spent on; a stripped ledger resumed at 13.93 below
     the 16.45 already recorded). The old figure is read at a grid point at or after the steps it counted, so a
     total within GRID_SLACK of it is not refused: a legitimate resume on more data near the end of a run can
     come that close."""
@@ -175,21 +178,19 @@ def fingerprint(texts: list[str]) -> str:
     return h.hexdigest()
 
 
-def config_for_state(cfg) -> dict:
-    d = asdict(cfg)
-    d.pop("secret_seed")  # never written down: it would reveal batches and noise
-    d.pop("allow_overspend")  # a permission for this resume, not part of the run's plan
-    d["target_epsilon"] = d["target_epsilon"] if math.isfinite(d["target_epsilon"]) else "inf"
-    return d
+def settings_of(cfg) -> RunSettings:
+    """The run record's settings of ``cfg`` (a TrainConfig), field by field: a TrainConfig field renamed without
+    the record fails here, never changing the file's format silently (core/run_record.py)."""
+    return RunSettings(**{f.name: getattr(cfg, f.name) for f in fields(RunSettings)})
 
 
 # How a step is computed, not what it computes: a resume may change them.
 EXECUTION_ONLY = ("per_sample_grads", "micro_batch", "max_memory", "shard", "stop_on_divergence")
 
 
-def plan_of(config: dict) -> dict:
-    """What a resume must keep; runs from before ``sampling`` existed drew Poisson batches."""
-    return {"sampling": "poisson", **{k: v for k, v in config.items() if k not in EXECUTION_ONLY}}
+def plan_of(settings: RunSettings) -> dict:
+    """What a resume must keep of a run's settings."""
+    return {k: v for k, v in asdict(settings).items() if k not in EXECUTION_ONLY}
 
 
 def has_content(folder: Path) -> bool:

@@ -15,14 +15,14 @@ import numpy as np
 from dpaudit.core.limits import TimeUp
 from dpaudit.core.atomic import atomic_write_json, save_model_folder
 from dpaudit.core.errors import DPAuditError, Interrupted
-from dpaudit.core import run_folder
+from dpaudit.core import run_folder, run_record
 from dpaudit.core.progress import progress_bar
 from dpaudit.training import checkpoint
 from dpaudit.training.directions import DEFAULT_DIRECTION, DIRECTIONS
 from dpaudit.training.methods import METHODS, method
 from dpaudit.training.plan import PrivacyPlan
 from dpaudit.training.preflight import preflight  # refusals from the model's config alone (also for callers)
-from dpaudit.training.resume import config_for_state
+from dpaudit.training.resume import settings_of
 
 
 @dataclass
@@ -94,15 +94,16 @@ class TrainConfig:
         if self.white_box and not self.private:
             raise DPAuditError("a white-box audit needs a private run (give --eps or --sigma)")
         from dpaudit.accounting.matrix.strategy import parse
-        from dpaudit.training.batches import SOURCES
+        from dpaudit.training.batches import SOURCES, source
 
         strategy = parse(self.noise)
         fixed_order = strategy is not None and strategy.family == "blt" and strategy.fixed_order
-        if self.sampling not in SOURCES and not (self.sampling == FIXED_ORDER and fixed_order):
-            raise DPAuditError(f"the bundled trainers draw {' or '.join(SOURCES)} batches, not {self.sampling!r} "
+        drawn = source(self.sampling)
+        if drawn is None or (drawn.pattern == "fixed-order" and not fixed_order):
+            raise DPAuditError(f"the bundled trainers draw {', '.join(SOURCES)} batches, not {self.sampling!r} "
                                "(account another sampler with the accounting commands; --sampling shuffle is drawn "
                                "for --noise blt,...,order=fixed only: one fixed order)")
-        if self.sampling != "poisson" and (self.white_box or not self.private):
+        if drawn.pattern != "independent" and (self.white_box or not self.private):
             raise DPAuditError(f"--sampling {self.sampling} is for private runs without white-box canaries (their "
                                "audit assumes Poisson sampling; non-private runs shuffle)")
         self.strategy = _correlated(self, strategy, record)
@@ -119,23 +120,23 @@ class TrainConfig:
         return self.sigma is not None or math.isfinite(self.target_epsilon)
 
 
-FIXED_ORDER = "shuffle"   # the sampler BLT's order=fixed epochs are accounted as (batches.fixed_order_source)
-
-
 def _correlated(cfg: "TrainConfig", strategy, record):
     """The run's noise strategy (``strategy``, parsed from --noise), or None: BandMF under cyclic Poisson batches
     (accounted by bandmf, with amplification), BLT under balls-in-bins epochs or one fixed order (accounted by matrix,
     without: accounting/matrix/single.py); what it does not run with is refused here, each with its reason."""
+    from dpaudit.training.batches import source
+
     if strategy is None:
         return None
     blt = strategy.family == "blt"
+    pattern = source(cfg.sampling).pattern
     why = ("a first-order method (--method dp-sgd)" if not record.per_example_gradients
-           else "Poisson batches (--sampling poisson: cyclic Poisson in b groups)" if not blt and cfg.sampling != "poisson"
+           else "Poisson batches (--sampling poisson: cyclic Poisson in b groups)" if not blt and pattern != "independent"
            else "epochs (--sampling balls-in-bins: each example once an epoch, which its accounting counts; under "
                 "Poisson batches any step may hold an example, so its sensitivity would grow with T)"
-           if blt and not strategy.fixed_order and cfg.sampling != "balls-in-bins"
-           else f"one fixed order (--sampling {FIXED_ORDER}: the trainer then passes one permutation every epoch)"
-           if blt and strategy.fixed_order and cfg.sampling != FIXED_ORDER
+           if blt and not strategy.fixed_order and pattern != "epochs"
+           else "one fixed order (--sampling shuffle: the trainer then passes one permutation every epoch)"
+           if blt and strategy.fixed_order and pattern != "fixed-order"
            else "a private run" if not cfg.private
            else None)
     if why:
@@ -313,11 +314,11 @@ def _assemble(opening, texts: list[str], run_dir: Path, cfg: TrainConfig, world,
     if world.is_main:  # only rank 0 writes: ledger, log, checkpoints, model
         # DP-ZO directions come from the generator of the device the weights live on (CPU and CUDA
         # streams differ), so a replay must draw them on the same kind of device.
-        atomic_write_json(run_dir / run_folder.RUN_CONFIG, {
-            "config": config_for_state(cfg), "base_model": opening.base_model, "sigma": plan.sigma,
-            "sampling_rate": batch_size / n, "examples": n, "expected_batch_size": batch_size,
-            "direction_device": params[0].device.type, "lora_new_token_rows": rows, "direction_stream": stream,
-            "sharded": sharded, "estimated_peak_bytes": estimate, "release": METHODS[cfg.method].release})
+        run_record.write(run_dir, run_record.RunRecord(
+            settings=settings_of(cfg), base_model=str(opening.base_model), sigma=plan.sigma,
+            sampling_rate=batch_size / n, examples=n, expected_batch_size=batch_size,
+            direction_device=params[0].device.type, lora_new_token_rows=tuple(rows), direction_stream=stream,
+            sharded=sharded, estimated_peak_bytes=estimate, release=METHODS[cfg.method].release))
         if canaries is not None:
             canaries.save(run_dir)
     rng = np.random.default_rng(attempt_seed(secret, opening.start, opening.released_before))
@@ -336,21 +337,24 @@ def _assemble(opening, texts: list[str], run_dir: Path, cfg: TrainConfig, world,
 def _direction_stream(run_dir: Path, start: int, device) -> str:
     """How DP-ZO draws z in this run (streams.py): the device's default for a new run; a resumed run keeps
     the one it began with, so that one replay redraws every step (the first start recorded it)."""
-    from dpaudit.training.streams import LEGACY, default_stream
+    from dpaudit.training.streams import default_stream
 
-    meta = run_folder.run_config(run_dir, required=False) if start else None
-    return meta.get("direction_stream", LEGACY) if meta is not None else default_stream(device)
+    record = run_record.read(run_dir, required=False) if start else None
+    return record.direction_stream if record is not None else default_stream(device)
 
 
 def _allocation_secret(opening, run_dir: Path, cfg: TrainConfig, world, secret: int, per_epoch: int) -> int:
     """The secret balls-in-bins batches are drawn from (by epoch). It must survive a resume: a fresh one mid-epoch
     redraws the rest of the epoch, so some examples land in two of its steps and others in none, which the
-    allocation bound does not cover (issue 53: N 40, B 4, resumed at step 3: 8 examples twice, 4 never). So a
+    allocation bound does not cover (N 40, B 4, resumed at step 3: 8 examples twice, 4 never). So a
     run's first start keeps it in the run folder (0600: it tells which step each example is in), --resume reads it
     back, and the finished run removes it. Only the allocation is kept: the noise is fresh on every (re)start (a
     step redone with the noise of its first attempt would release the difference of the two signals).
     With ``secret_seed`` the run is reproducible anyway and nothing is written."""
-    if cfg.secret_seed is not None or cfg.sampling not in ("balls-in-bins", FIXED_ORDER) or not cfg.private:
+    from dpaudit.training.batches import source
+
+    drawn = source(cfg.sampling)
+    if cfg.secret_seed is not None or not drawn.keeps_secret or not cfg.private:
         return secret
     path = run_dir / run_folder.ALLOCATION_SECRET
     if not opening.start:
@@ -367,12 +371,12 @@ def _allocation_secret(opening, run_dir: Path, cfg: TrainConfig, world, secret: 
         kept = _broadcast_int(world, -1 if kept is None else kept)
         kept = None if kept == -1 else kept
     if kept is None:
-        if cfg.sampling == FIXED_ORDER:   # any new order can put an example in adjacent steps
+        if drawn.pattern == "fixed-order":   # any new order can put an example in adjacent steps
             raise DPAuditError(f"cannot resume this fixed-order run at step {opening.start}: its order's secret "
                                f"({path.name}) is gone, and a new order would break the separation its accounting "
                                "counts; start the run again")
         if opening.start % per_epoch:
-            raise DPAuditError(f"cannot resume this balls-in-bins run at step {opening.start}, mid-epoch: its "
+            raise DPAuditError(f"cannot resume this {drawn.words} run at step {opening.start}, mid-epoch: its "
                                f"allocation secret ({path.name}) is gone, and a new one would redraw the rest of the "
                                "epoch; start the run again")
         if world.is_main:   # at an epoch boundary a fresh allocation is as good: keep it for the next resume
@@ -490,7 +494,7 @@ def _loop(run: _Run, show_progress: bool):
     """The steps: each batch drawn, written ahead in the ledger, run, watched; checkpoints when due.
     Returns (last loss, the divergence watch)."""
     from dpaudit.core.threads import adapt as adapt_threads
-    from dpaudit.training.batches import SOURCES, cyclic_source, fixed_order_source, shuffled_batches
+    from dpaudit.training.batches import cyclic_source, shuffled_batches, source
     from dpaudit.training.divergence import DivergenceWatch
 
     cfg, world, ledger, canaries = run.cfg, run.world, run.ledger, run.canaries
@@ -499,9 +503,8 @@ def _loop(run: _Run, show_progress: bool):
     bandmf = cfg.strategy is not None and cfg.strategy.family == "bandmf"
     groups = None if not bandmf else np.concatenate(
         [np.arange(run.n_real), canaries.member_ids if canaries else np.zeros(0, int)]) % cfg.strategy.bands
-    source = (cyclic_source(cfg.strategy.bands, groups) if bandmf
-              else fixed_order_source if cfg.sampling == FIXED_ORDER else SOURCES[cfg.sampling])
-    draw = source(run.n, cfg.batch_size or run.n, run.secret, run.rng) if cfg.private else None
+    drawer = cyclic_source(cfg.strategy.bands, groups) if bandmf else source(cfg.sampling).draw
+    draw = drawer(run.n, cfg.batch_size or run.n, run.secret, run.rng) if cfg.private else None
     last_loss, interrupted_at, watch = None, run.start, DivergenceWatch()
     label = f"{cfg.method}{'' if cfg.private else ' (non-private)'}"
     try:
@@ -549,7 +552,7 @@ def _checkpoint_if_due(run: _Run, step: int) -> None:
         # a correlated-noise run's checkpoint says which attempt wrote it: a resume continues that attempt's noises
         attempt = {"attempt": max(0, len(run.plan.attempts) - 1)} if cfg.strategy is not None else {}
         _save_checkpoint(run.run_dir, run.model, run.tokenizer,
-                         {"step": step + 1, "config": config_for_state(cfg), "sharded": run.sharded, **attempt},
+                         {"step": step + 1, "config": settings_of(cfg).to_json(), "sharded": run.sharded, **attempt},
                          state, weights)
 
 

@@ -25,7 +25,7 @@ from dpaudit.training.runner import TrainConfig, TrainResult, preflight, train
 @dataclass(frozen=True)
 class BlackBoxRecipe:
     """What a black-box DP-SGD audit run trains when the user does not say, chosen for exposure: the claim is the
-    same whatever trains, so the run may make the final model show as much of each canary as it can (issue 39).
+    same whatever trains, so the run may make the final model show as much of each canary as it can.
 
     On the embedded default: only the canaries' own rows train (``new-tokens``: each member's whole clipped
     gradient lands on its row, along the hidden state of its prefix, which the frozen body keeps fixed), in full
@@ -98,7 +98,7 @@ def sgd_exposure(h: float, examples: int, clip: float, logit_step: float) -> flo
     step, for new-token canaries in full batches. The member's gradient lies on its own new row, along h, the final
     hidden state at its prefix (|h|: ``prefix_hidden_norm``), so clipped it is C h / |h|; DP-SGD divides the noisy
     sum by the expected batch, N at p = 1; the logit h . w then moves by lr C |h| / N. So lr = logit_step N / (C |h|).
-    Any rate keeps the claim; this one keeps the logit near linear in the releases (issue 39: 5 on the embedded
+    Any rate keeps the claim; this one keeps the logit near linear in the releases (5 on the embedded
     default, whose |h| is 10.3)."""
     return logit_step * examples / (clip * h)
 
@@ -352,9 +352,8 @@ def _extension_stamp(base: Path, settings: AuditRunSettings) -> dict:
 
 
 def _reusable_canaries(out: Path, stamp: dict):
-    """The manifest of an earlier run in ``out`` whose canaries and extended model match ``stamp`` (issue 36:
-    every `audit run --model` made and extended them again, 3-5 minutes and about 2 GB on a 270M model), or
-    None. Anything unreadable or changed (the manifest's hash is in the stamp) is made again."""
+    """The manifest of an earlier run in ``out`` whose canaries and extended model match ``stamp`` (else
+    every `audit run --model` would make and extend them again: 3-5 minutes on a 270M model), or None. Anything unreadable or changed (the manifest's hash is in the stamp) is made again."""
     from dpaudit.canaries.manifest import load_manifest
     from dpaudit.core.errors import DPAuditError
     from dpaudit.core.run_folder import read_json

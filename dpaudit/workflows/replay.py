@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dpaudit.core import run_folder
+from dpaudit.core import run_folder, run_record
 from dpaudit.core.errors import DPAuditError
 
 
@@ -13,32 +13,31 @@ def replay_run(run_dir: Path, base_model: Path | None = None):
     import torch
 
     from dpaudit.models.loading import load_causal_lm
-    from dpaudit.training.streams import COUNTER, LEGACY, STREAMS
+    from dpaudit.training.streams import COUNTER, STREAMS
     from dpaudit.training.trainable import merged, select_trainable, trainable_parameters
     from dpaudit.training.zo import replay
 
     run_dir = Path(run_dir)
-    meta = run_folder.run_config(run_dir)
-    cfg = meta["config"]
-    if run_folder.release_of(meta) != "zo-log":
+    record = run_record.read(run_dir)
+    cfg = record.settings
+    if record.release != "zo-log":
         raise DPAuditError("only DP-ZO runs can be replayed from their log (DP-SGD releases whole gradients)")
     seeds, scalars = run_folder.zo_log(run_dir)
     steps = [(int(a), float(b)) for a, b in zip(seeds, scalars)]
-    base = Path(base_model or meta["base_model"])
-    model, tokenizer = load_causal_lm(base, dtype=torch.bfloat16 if cfg["bf16"] else None)
-    torch.manual_seed(cfg["seed"])
-    model = select_trainable(model, cfg["trainable"], cfg["lora_rank"], meta.get("lora_new_token_rows", []))
-    # Runs made before the position-addressable stream drew z from one generator in sequence.
-    stream = meta.get("direction_stream", LEGACY)
+    base = Path(base_model or record.base_model)
+    model, tokenizer = load_causal_lm(base, dtype=torch.bfloat16 if cfg.bf16 else None)
+    torch.manual_seed(cfg.seed)
+    model = select_trainable(model, cfg.trainable, cfg.lora_rank, list(record.lora_new_token_rows))
+    stream = record.direction_stream
     if stream not in STREAMS:
         raise DPAuditError(f"this run drew its directions with stream {stream!r}, unknown to this dpaudit; upgrade it")
-    device = meta.get("direction_device", "cpu")  # the generator type that drew the directions
+    device = record.direction_device  # the generator type that drew the directions
     if device == "cuda" and not torch.cuda.is_available():
         if stream != COUNTER:  # counter-v1 is a function of the position alone: the same signs on any device
             raise DPAuditError("this run drew its DP-ZO directions on a GPU (CUDA generator); replay it on a machine with one")
         device = "cpu"
     model.to(device)
-    replay(trainable_parameters(model), steps, cfg["lr"], cfg["direction"], stream)
+    replay(trainable_parameters(model), steps, cfg.lr, cfg.direction, stream)
     return merged(model).to("cpu"), tokenizer
 
 

@@ -108,15 +108,15 @@ def run_score(model_dir) -> tuple[str, object, str | None]:
     the run."""
     from pathlib import Path
 
-    from dpaudit.core import run_folder
+    from dpaudit.core import run_record
 
     run = Path(model_dir).parent
     try:
-        meta = run_folder.run_config(run, required=False) if Path(model_dir).is_dir() else None
+        record = run_record.read(run, required=False) if Path(model_dir).is_dir() else None
     except DPAuditError:  # not a run dpaudit wrote: nothing to follow
-        meta = None
+        record = None
     base = run.parent / "extended_model"
-    if meta and score_for(meta["config"].get("trainable")) == "loss-vs-base" and (base / "config.json").is_file():
+    if record and score_for(record.settings.trainable) == "loss-vs-base" and (base / "config.json").is_file():
         return "loss-vs-base", base, (f"loss-vs-base against {base}: the run trained only the canaries' new-token "
                                       "rows, and its own report scored them so")
     return "neg-loss", None, None

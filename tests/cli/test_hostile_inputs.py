@@ -168,7 +168,7 @@ def test_a_run_folder_has_one_writer_and_force_only_clears_dpaudits_own(tmp_path
     (["compare", "--sigma", "0"], "sigma must be"),
     (["plot", "--sigma", "0", "-o", "x.png"], "sigma must be"),
     (["compare", "--eps", "0"], "epsilon must be"),
-    (["epsilon", "--sigma", "1e308", "--p", "0.1", "-T", "10"], "cannot answer"),
+    (["epsilon", "--sigma", "1e308", "--p", "0.1", "-T", "10"], "sigma must be"),
     (["calibrate", "--eps", "1e308", "--p", "0.01", "-T", "100", "--timeout", "10"], "met even with sigma=0.001"),
 ])
 def test_accounting_edges_are_one_line(tmp_path, args, message):

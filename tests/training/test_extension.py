@@ -79,7 +79,7 @@ def test_a_registered_noise_and_sampler_are_accounted_and_calibrated_like_the_on
 def test_a_registered_method_trains_with_the_registered_noise_and_its_log_replays(toy, tiny_model_dir, tmp_path):
     import torch
 
-    from dpaudit.core import run_folder
+    from dpaudit.core import run_folder, run_record
     from dpaudit.models.loading import load_causal_lm
     from dpaudit.training.runner import TrainConfig, train
     from dpaudit.workflows.replay import replay_run
@@ -89,8 +89,8 @@ def test_a_registered_method_trains_with_the_registered_noise_and_its_log_replay
     assert (cfg.steps, cfg.lr, cfg.clip) == (4, 1e-4, 0.1)  # the record's defaults
     result = train(tiny_model_dir, texts, tmp_path / "run", cfg, show_progress=False)
     assert result.private and 0 < result.epsilon <= 4.0 and math.isfinite(result.sigma)
-    meta = run_folder.run_config(tmp_path / "run")
-    assert meta["release"] == "zo-log" and meta["config"]["mechanism"] == "toy-gaussian"
+    record = run_record.read(tmp_path / "run")
+    assert record.release == "zo-log" and record.settings.mechanism == "toy-gaussian"
     assert len(run_folder.zo_log(tmp_path / "run")[1]) == 4
     replayed, _ = replay_run(tmp_path / "run")
     trained, _ = load_causal_lm(result.model_dir)

@@ -93,8 +93,8 @@ def test_bad_input():
 def test_trainer_schedule_partitions_each_epoch_and_is_a_function_of_secret_and_step():
     from dpaudit.training.batches import SOURCES
 
-    draw = SOURCES["balls-in-bins"](100, 10, 7, None)
-    again = SOURCES["balls-in-bins"](100, 10, 7, None)
+    draw = SOURCES["balls-in-bins"].draw(100, 10, 7, None)
+    again = SOURCES["balls-in-bins"].draw(100, 10, 7, None)
     epochs = [[draw(e * 10 + i) for i in range(10)] for e in range(3)]
     for batches in epochs:
         assert np.array_equal(np.sort(np.concatenate(batches)), np.arange(100))
@@ -114,7 +114,7 @@ def test_bundled_trainer_draws_and_accounts_balls_in_bins(tiny_model_dir, tmp_pa
     assert ledger["sampling"] == "balls-in-bins" and ledger["accountant"] == "allocation"
     with pytest.raises(DPAuditError, match="white-box"):
         TrainConfig(method="dp-sgd", target_epsilon=3.0, sampling="balls-in-bins", white_box=100)
-    with pytest.raises(DPAuditError, match="draw poisson or balls-in-bins"):
+    with pytest.raises(DPAuditError, match="draw poisson, balls-in-bins"):
         TrainConfig(method="dp-sgd", target_epsilon=3.0, sampling="shuffle")
 
 
@@ -209,3 +209,27 @@ def test_the_placement_test_flags_a_uniform_allocation_at_most_alpha_of_the_time
     refused = sum("refuted" in _placement_tests(rng.integers(0, 5, size=(8, 40)), 5, 0.05 / 2, seed=3)
                   for _ in range(30))
     assert refused <= 3
+
+
+def test_no_training_code_branches_on_a_samplers_name():
+    """The trainers ask a sampler's BatchSource (training/batches.py) what it draws and needs; a comparison with a
+    sampler's name anywhere else in training/ is a branch the record should carry."""
+    import ast
+    from pathlib import Path
+
+    import dpaudit.training
+    from dpaudit.accounting.samplers import names
+
+    samplers = set(names())
+    found = []
+    for path in Path(dpaudit.training.__file__).parent.glob("*.py"):
+        if path.name == "batches.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Compare):
+                parts = [node.left, *node.comparators]
+                for part in parts:
+                    values = part.elts if isinstance(part, (ast.Tuple, ast.List, ast.Set)) else [part]
+                    if any(isinstance(v, ast.Constant) and v.value in samplers for v in values):
+                        found.append(f"{path.name}:{node.lineno}")
+    assert not found, found

@@ -1,0 +1,358 @@
+"""A run folder's run_config.json, and a probe folder's probe.json, as typed, versioned records: the interface
+between training (which writes them) and everything that reads a run back (--resume, replay, the white-box audit,
+the claim, checkpoint scoring).
+
+The file's format is declared here, field by field, not derived from the trainer's own configuration class: a
+renamed training option cannot change the file silently (``settings_of`` in training/resume.py names every field,
+so a renamed one fails there). Reading a file goes through ``upgrade``, the one migration from every earlier
+format to this one (``FORMAT``), then through each field's check: a value of the wrong type or out of range is
+refused in one line naming the key (the value is never echoed). Nothing outside this module reads the file's
+keys.
+
+Formats: 1, written before this record (no "format" key; older runs lack keys added since, each taking the value
+those runs had: the fields' defaults); 2, "dpaudit-run/2".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from dpaudit.core.errors import DPAuditError
+from dpaudit.core.run_folder import PROBE as PROBE_FILE, RUN_CONFIG as FILE, read_json
+
+FORMAT = "dpaudit-run/2"
+RELEASES = ("gradient-transcript", "scalar-sums", "zo-log", "pipeline-rows")
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The training configuration a run was started with (no secret seed: it would reveal batches and noise; no
+    --allow-overspend: a permission for one resume, not the run's plan). Defaults: the value a run that did not
+    record the key had."""
+    method: str = "dp-sgd"
+    target_epsilon: float = 1.0          # math.inf: a non-private baseline
+    delta: float = 1e-5
+    sigma: float | None = None           # given (eps reported) or None (calibrated to target_epsilon)
+    mechanism: str = "gaussian"
+    clip: float | None = None
+    lr: float | None = None
+    optimizer: str = "adamw"
+    steps: int | None = None
+    batch_size: int = 64
+    phi: float = 1e-3
+    direction: str = "rademacher"
+    trainable: str = "full"
+    lora_rank: int = 8
+    bf16: bool = False
+    seed: int = 0
+    max_length: int = 64
+    accountant: str | None = None
+    save_every: int = 0
+    unsafe_disable_noise: bool = False
+    white_box: int = 0
+    sampling: str = "poisson"            # runs before the key existed drew Poisson batches
+    plant_bug: str | None = None
+    per_sample_grads: str = "ghost"
+    micro_batch: int = 0
+    max_memory: int | None = None
+    shard: bool = False
+    stop_on_divergence: bool = False
+    noise: str | None = None
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["target_epsilon"] = d["target_epsilon"] if math.isfinite(d["target_epsilon"]) else "inf"
+        return d
+
+    @classmethod
+    def from_json(cls, data, where: str) -> RunSettings:
+        if not isinstance(data, dict):
+            raise DPAuditError(f"{where}: its config is not a table")
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise DPAuditError(f"{where}: its config has keys this dpaudit does not know ({', '.join(unknown[:5])}); "
+                               "upgrade dpaudit")
+        values = {k: _SETTING_CHECKS[k](k, v, where) for k, v in data.items()}
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """run_config.json: the settings, and what the run resolved when it started."""
+    settings: RunSettings
+    base_model: str = ""                 # the model the run started from (never a checkpoint)
+    sigma: float | None = None           # the noise multiplier the run used (None: non-private)
+    sampling_rate: float | None = None   # p, over ``examples`` (member white-box canaries included)
+    examples: int | None = None
+    expected_batch_size: float | None = None
+    direction_device: str = "cpu"        # DP-ZO: the kind of device whose generator drew the directions
+    direction_stream: str = "sequential"  # DP-ZO: how the directions were drawn (training/streams.py)
+    lora_new_token_rows: tuple[int, ...] = ()
+    sharded: bool = False
+    estimated_peak_bytes: int | None = None
+    release: str | None = None           # what the folder holds of each step (RELEASES; None: the final model only)
+    format: str = field(default=FORMAT)
+
+    def to_json(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "settings"}
+        d["lora_new_token_rows"] = list(self.lora_new_token_rows)
+        return {**d, "config": self.settings.to_json(), "format": FORMAT}
+
+    @classmethod
+    def from_json(cls, data, where: str) -> RunRecord:
+        data = upgrade(data, where)
+        unknown = sorted(set(data) - set(_RECORD_CHECKS) - {"config"})
+        if unknown:
+            raise DPAuditError(f"{where} has keys this dpaudit does not know ({', '.join(unknown[:5])}); upgrade it")
+        values = {k: _RECORD_CHECKS[k](k, v, where) for k, v in data.items() if k != "config"}
+        return cls(settings=RunSettings.from_json(data["config"], where), **values)
+
+
+# Earlier formats -> this one ------------------------------------------------------------------------------------
+
+_BEFORE_RELEASE = {"dp-sgd": "gradient-transcript", "dp-zo": "zo-log"}  # runs written before "release" was said
+
+
+def upgrade(data, where: str) -> dict:
+    """A run_config.json of any format dpaudit wrote, as a dictionary of this format's keys."""
+    if not isinstance(data, dict) or not isinstance(data.get("config"), dict):
+        raise DPAuditError(f"{where} is not a run config dpaudit wrote")
+    version = data.get("format", 1)
+    if version == FORMAT:
+        return data
+    if version != 1:
+        raise DPAuditError(f"{where} has format {str(version)[:40]!r}, unknown to this dpaudit; upgrade it")
+    # format 1 kept whatever a version wrote: keys dropped since are dropped here
+    known = {f.name for f in fields(RunRecord)} - {"settings", "format"}
+    old = {k: v for k, v in data.items() if k in known}
+    settings = {f.name for f in fields(RunSettings)}
+    old["config"] = {k: v for k, v in data["config"].items() if k in settings}
+    if "release" not in old:
+        old["release"] = _BEFORE_RELEASE.get(data["config"].get("method"))
+    return {**old, "format": FORMAT}
+
+
+# Field checks: (key, value, where) -> the value, or one line naming the key ---------------------------------------
+
+def _bad(key: str, where: str, what: str):
+    return DPAuditError(f"{where}: {key} is not {what}")
+
+
+def _string(key, v, where, *, optional=False, limit=4096):
+    if v is None and optional:
+        return None
+    if not isinstance(v, str) or len(v) > limit:
+        raise _bad(key, where, "a string" + (" or null" if optional else ""))
+    return v
+
+
+def _number(key, v, where, *, optional=False, low=-math.inf, low_open=False, high=math.inf, inf=False):
+    if v is None and optional:
+        return None
+    if inf and v == "inf":
+        return math.inf
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) \
+            or not (math.isfinite(v) or inf) or v < low or (low_open and v == low) or v > high:
+        raise _bad(key, where, "a number in range")
+    return float(v)
+
+
+def _integer(key, v, where, *, optional=False, low=0):
+    if v is None and optional:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise _bad(key, where, f"an integer >= {low}")
+    return v
+
+
+def _flag(key, v, where):
+    if not isinstance(v, bool):
+        raise _bad(key, where, "true or false")
+    return v
+
+
+def _s(**kw):
+    return lambda k, v, w: _string(k, v, w, **kw)
+
+
+def _n(**kw):
+    return lambda k, v, w: _number(k, v, w, **kw)
+
+
+def _i(**kw):
+    return lambda k, v, w: _integer(k, v, w, **kw)
+
+
+def _rows(key, v, where):
+    if not isinstance(v, list) or len(v) > 10_000_000 or not all(type(i) is int and i >= 0 for i in v):
+        raise _bad(key, where, "a list of token ids")
+    return tuple(v)
+
+
+def _release(key, v, where):
+    if v is not None and v not in RELEASES:
+        raise _bad(key, where, f"one of {', '.join(RELEASES)}")
+    return v
+
+
+_SETTING_CHECKS = {
+    "method": _s(), "target_epsilon": _n(low=0, low_open=True, inf=True), "delta": _n(low=0, high=1),
+    "sigma": _n(optional=True, low=0), "mechanism": _s(), "clip": _n(optional=True, low=0, low_open=True),
+    "lr": _n(optional=True, low=0, low_open=True), "optimizer": _s(), "steps": _i(optional=True, low=1),
+    "batch_size": _i(), "phi": _n(low=0, low_open=True), "direction": _s(), "trainable": _s(),
+    "lora_rank": _i(low=1), "bf16": _flag, "seed": _i(low=-2**63), "max_length": _i(low=1),
+    "accountant": _s(optional=True), "save_every": _i(), "unsafe_disable_noise": _flag, "white_box": _i(),
+    "sampling": _s(), "plant_bug": _s(optional=True), "per_sample_grads": _s(), "micro_batch": _i(),
+    "max_memory": _i(optional=True), "shard": _flag, "stop_on_divergence": _flag, "noise": _s(optional=True),
+}
+_RECORD_CHECKS = {
+    "base_model": _s(), "sigma": _n(optional=True, low=0), "sampling_rate": _n(optional=True, low=0, low_open=True,
+                                                                             high=1),
+    "examples": _i(optional=True, low=1), "expected_batch_size": _n(optional=True, low=0),
+    "direction_device": _s(), "direction_stream": _s(), "lora_new_token_rows": _rows, "sharded": _flag,
+    "estimated_peak_bytes": _i(optional=True), "release": _release, "format": _s(),
+}
+
+
+# The file -------------------------------------------------------------------------------------------------------
+
+def read(folder: Path, required: bool = True) -> RunRecord | None:
+    """The folder's run record (None when absent and not ``required``)."""
+    path = Path(folder) / FILE
+    data = read_json(path, "run config")
+    if data is None:
+        if required:
+            raise DPAuditError(f"{folder} is not a run folder (no {FILE})")
+        return None
+    return RunRecord.from_json(data, str(path))
+
+
+def write(folder: Path, record: RunRecord) -> None:
+    from dpaudit.core.atomic import atomic_write_json
+
+    atomic_write_json(Path(folder) / FILE, record.to_json())
+
+
+# probe.json -----------------------------------------------------------------------------------------------------
+
+PROBE_FORMAT = "dpaudit-probe/2"
+PROBE_KINDS = ("gradient", "scalar", "pipeline")   # a WhiteBoxProbe's gradient sums or scalar sums, a
+# PipelineProbe's row movements
+
+
+@dataclass(frozen=True)
+class ProbeRecord:
+    """probe.json: what a WhiteBoxProbe or PipelineProbe watched (written at attach, completed by the audit)."""
+    kind: str
+    run_id: str
+    m: int
+    clip: float | None = None            # none for a pipeline probe: its canaries are the user's examples
+    sample_rate: float | None = None
+    gain: float | None = None
+    source: str = ""
+    canaries_bypass: str | None = None
+    transcript: str = "whitebox_transcript.f32"
+    floats_per_step: int | None = None
+    unprotected_parameters: tuple[str, ...] = ()
+    parameter_shapes: tuple[tuple[int, ...], ...] | None = None   # gradient probes: the probed tensors
+    parameter_names: tuple[str, ...] | None = None
+    parameter_dtypes: tuple[str, ...] | None = None
+    noise_multiplier: float | None = None  # the accounted noise, where the probe knows it
+    membership: str = ""
+    optimizer: str | None = None
+    expected_batch_size: float | None = None
+    loader_rate: float | None = None     # the rate read from the data loader (audit/rate_check.py)
+    loader_rate_source: str | None = None
+    accounted_rate: float | None = None  # the rate the accountant counted
+    accounted_rate_source: str | None = None
+    claimed_epsilon: float | None = None
+    delta: float | None = None
+    claimed_epsilon_source: str | None = None
+    format: str = field(default=PROBE_FORMAT)
+
+    def to_json(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        for key in ("unprotected_parameters", "parameter_names", "parameter_dtypes"):
+            d[key] = list(d[key]) if d[key] is not None else None
+        if self.parameter_shapes is not None:
+            d["parameter_shapes"] = [list(s) for s in self.parameter_shapes]
+        return {**d, "format": PROBE_FORMAT}
+
+    @classmethod
+    def from_json(cls, data, where: str) -> ProbeRecord:
+        """Checked: a clip, rate, gain or m no probe writes is refused (a clip of -1 turned a VIOLATION into
+        "consistent"). Format 1 (before this record) had no schema: keys this one does not know are dropped."""
+        if not isinstance(data, dict) or data.get("format") not in ("dpaudit-probe/1", PROBE_FORMAT) \
+                or data.get("kind") not in PROBE_KINDS:
+            raise DPAuditError(f"{where} is not a dpaudit probe description")
+        if data["format"] == "dpaudit-probe/1":
+            data = {k: v for k, v in data.items() if k in _PROBE_CHECKS}
+        unknown = sorted(set(data) - set(_PROBE_CHECKS))
+        if unknown:
+            raise DPAuditError(f"{where} has keys this dpaudit does not know ({', '.join(unknown[:5])}); upgrade it")
+        try:
+            record = cls(**{k: _PROBE_CHECKS[k](k, v, where) for k, v in data.items() if k != "format"})
+            if record.kind != "pipeline":
+                from dpaudit.core.validate import check_number
+
+                check_number("clip norm C", record.clip, above=0)
+                check_number("sample rate", record.sample_rate, above=0, at_most=1)
+                check_number("gain", record.gain, above=0)
+        except DPAuditError as exc:
+            raise DPAuditError(f"{where} is not as a probe writes it ({exc}); refusing to audit it") from None
+        return record
+
+
+def _names(key, v, where):
+    if not isinstance(v, list) or len(v) > 1_000_000 or not all(isinstance(n, str) and len(n) < 4096 for n in v):
+        raise _bad(key, where, "a list of names")
+    return tuple(v)
+
+
+def _shapes(key, v, where):
+    if v is None:
+        return None
+    if not isinstance(v, list) or len(v) > 1_000_000 or not all(
+            isinstance(s, list) and len(s) <= 16 and all(type(d) is int and d >= 0 for d in s) for s in v):
+        raise _bad(key, where, "a list of tensor shapes")
+    return tuple(tuple(s) for s in v)
+
+
+def _optional(check):
+    return lambda k, v, w: None if v is None else check(k, v, w)
+
+
+def _kind(key, v, where):
+    if v not in PROBE_KINDS:
+        raise _bad(key, where, f"one of {', '.join(PROBE_KINDS)}")
+    return v
+
+
+_PROBE_CHECKS = {
+    "kind": _kind, "run_id": _s(limit=200), "m": _i(low=2), "clip": _n(optional=True),
+    "sample_rate": _n(optional=True), "gain": _n(optional=True), "source": _s(), "canaries_bypass": _s(optional=True),
+    "transcript": _s(limit=200), "floats_per_step": _i(optional=True, low=1), "unprotected_parameters": _names,
+    "parameter_shapes": _shapes, "parameter_names": _optional(_names), "parameter_dtypes": _optional(_names),
+    "noise_multiplier": _n(optional=True, low=0), "membership": _s(), "optimizer": _s(optional=True),
+    "expected_batch_size": _n(optional=True, low=0), "loader_rate": _n(optional=True, low=0, low_open=True),
+    "loader_rate_source": _s(optional=True), "accounted_rate": _n(optional=True, low=0, low_open=True),
+    "accounted_rate_source": _s(optional=True), "claimed_epsilon": _n(optional=True, low=0),
+    "delta": _n(optional=True, low=0, high=1), "claimed_epsilon_source": _s(optional=True), "format": _s(),
+}
+
+
+def read_probe(folder: Path) -> ProbeRecord:
+    """The folder's probe.json, checked."""
+    path = Path(folder) / PROBE_FILE
+    data = read_json(path, "probe description")
+    if data is None:
+        raise DPAuditError(f"{folder} holds no dpaudit probe ({PROBE_FILE})")
+    return ProbeRecord.from_json(data, str(path))
+
+
+def write_probe(folder: Path, record: ProbeRecord) -> None:
+    from dpaudit.core.atomic import atomic_write_json
+
+    atomic_write_json(Path(folder) / PROBE_FILE, record.to_json())

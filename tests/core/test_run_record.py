@@ -1,0 +1,178 @@
+"""The run record (core/run_record.py): run_config.json read and written through one typed, versioned record.
+The fixtures in tests/fixtures/run_records/ are run_config.json files written by dpaudit before the record
+(format 1, b63d03b: a black-box DP-SGD audit run on a pretrained model, a DP-ZO audit run, a white-box DP-SGD
+run); each must keep opening, with what it said."""
+
+import json
+import math
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from dpaudit.core import run_record
+from dpaudit.core.errors import DPAuditError
+from dpaudit.core.run_record import FORMAT, RunRecord, RunSettings
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "run_records"
+
+
+def _fixture(name: str) -> dict:
+    return json.loads((FIXTURES / name).read_text())
+
+
+@pytest.mark.parametrize("name,release,method", [
+    ("v1_black_box_dp_sgd.json", "gradient-transcript", "dp-sgd"),
+    ("v1_dp_zo.json", "zo-log", "dp-zo"),
+    ("v1_white_box_run/run_config.json", "gradient-transcript", "dp-sgd"),
+])
+def test_format_1_folders_still_open_with_what_they_said(tmp_path, name, release, method):
+    old = _fixture(name)
+    assert "format" not in old  # written before the record
+    (tmp_path / "run_config.json").write_text(json.dumps(old))
+    record = run_record.read(tmp_path)
+    assert record.release == release and record.settings.method == method
+    for key in ("base_model", "sigma", "sampling_rate", "examples", "direction_device", "direction_stream", "sharded"):
+        assert getattr(record, key) == old[key], key
+    assert list(record.lora_new_token_rows) == old["lora_new_token_rows"]
+    for key, value in old["config"].items():
+        assert getattr(record.settings, key) == (math.inf if value == "inf" else value), key
+    # written back, it is format 2 and reads the same
+    run_record.write(tmp_path, record)
+    assert json.loads((tmp_path / "run_config.json").read_text())["format"] == FORMAT
+    assert run_record.read(tmp_path) == record
+
+
+def test_the_oldest_runs_take_the_values_they_had():
+    """Keys added over time: a run without "release" released by its method, without "direction_stream" drew
+    directions in sequence (training/streams.LEGACY), without "sampling" drew Poisson batches."""
+    from dpaudit.training.streams import LEGACY
+
+    record = RunRecord.from_json({"config": {"method": "dp-zo", "clip": 1.0}}, "old")
+    assert record.release == "zo-log" and record.direction_stream == LEGACY
+    assert record.settings.sampling == "poisson" and record.settings.clip == 1.0
+
+
+@pytest.mark.parametrize("change,key", [
+    ({"config": {"clip": -1.0}}, "clip"),
+    ({"config": {"clip": "1"}}, "clip"),
+    ({"config": {"steps": 0}}, "steps"),
+    ({"config": {"target_epsilon": math.nan}}, "target_epsilon"),
+    ({"config": {"bf16": 1}}, "bf16"),
+    ({"sampling_rate": 1.5}, "sampling_rate"),
+    ({"sigma": -2.0}, "sigma"),
+    ({"release": "everything"}, "release"),
+    ({"lora_new_token_rows": [1, -2]}, "lora_new_token_rows"),
+])
+def test_a_value_no_run_writes_is_refused_naming_its_key_not_its_value(change, key):
+    data = _fixture("v1_dp_zo.json")
+    for k, v in change.items():
+        data[k] = {**data[k], **v} if isinstance(v, dict) else v
+    with pytest.raises(DPAuditError, match=key) as err:
+        RunRecord.from_json(data, "run_config.json")
+    assert "-1.0" not in str(err.value) and "everything" not in str(err.value)
+
+
+@pytest.mark.parametrize("data,message", [
+    ({"config": {}, "format": "dpaudit-run/9"}, "unknown to this dpaudit"),
+    ({"config": {"method": "dp-sgd", "a_new_option": 1}, "format": FORMAT}, "does not know"),
+    ({"config": {}, "format": FORMAT, "a_new_key": 1}, "does not know"),
+    ({"config": "dp-sgd"}, "not a run config"),
+    ([1, 2], "not a run config"),
+])
+def test_a_file_of_another_format_or_version_is_refused(data, message):
+    with pytest.raises(DPAuditError, match=message):
+        RunRecord.from_json(data, "run_config.json")
+
+
+def test_a_folder_without_a_record_is_not_a_run(tmp_path):
+    assert run_record.read(tmp_path, required=False) is None
+    with pytest.raises(DPAuditError, match="not a run folder"):
+        run_record.read(tmp_path)
+
+
+_SETTING_VALUES = {
+    "method": st.sampled_from(["dp-sgd", "dp-zo"]), "target_epsilon": st.floats(1e-3, 1e3) | st.just(math.inf),
+    "delta": st.floats(0, 0.5), "sigma": st.none() | st.floats(0.1, 100), "clip": st.floats(1e-3, 10),
+    "steps": st.integers(1, 10_000), "batch_size": st.integers(0, 4096), "bf16": st.booleans(),
+    "noise": st.none() | st.just("bandmf,b=4"), "max_memory": st.none() | st.integers(1, 2**40),
+}
+
+
+@settings(max_examples=50, deadline=None)
+@given(settings_values=st.fixed_dictionaries(_SETTING_VALUES), sigma=st.none() | st.floats(0.1, 100),
+       rate=st.floats(1e-4, 1.0), rows=st.lists(st.integers(0, 10**6), max_size=20))
+def test_a_record_reads_back_as_written(settings_values, sigma, rate, rows):
+    record = RunRecord(settings=RunSettings(**settings_values), base_model="m", sigma=sigma, sampling_rate=rate,
+                       examples=100, expected_batch_size=rate * 100, lora_new_token_rows=tuple(rows),
+                       release="zo-log")
+    assert RunRecord.from_json(json.loads(json.dumps(record.to_json())), "x") == record
+
+
+def test_every_train_config_field_is_recorded_or_named_as_not():
+    """A TrainConfig field added without the record would not reach the folder; one renamed fails settings_of."""
+    from dpaudit.training.resume import settings_of
+    from dpaudit.training.runner import TrainConfig
+
+    not_recorded = {"secret_seed", "allow_overspend"}  # a secret; a permission for one resume
+    assert {f.name for f in fields(TrainConfig)} - not_recorded == {f.name for f in fields(RunSettings)}
+    cfg = TrainConfig(method="dp-zo", target_epsilon=2.0, secret_seed=7, batch_size=8)
+    recorded = settings_of(cfg)
+    assert recorded.method == "dp-zo" and recorded.batch_size == 8 and recorded.clip == cfg.clip
+    assert "secret_seed" not in json.dumps(recorded.to_json())
+
+
+def test_a_format_1_white_box_run_audits_as_the_same_run_in_format_2(tmp_path):
+    """The white-box audit of a run folder written before the record (its transcript, canaries and ledger kept
+    as they were) gives the same result as the same folder with its record rewritten in format 2."""
+    import shutil
+
+    from dpaudit.audit.whitebox import audit_run_folder
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    shutil.copytree(FIXTURES / "v1_white_box_run", old)
+    shutil.copytree(old, new)
+    run_record.write(new, run_record.read(old))
+    assert "format" not in json.loads((old / "run_config.json").read_text())
+    a, b = (audit_run_folder(folder, claimed_epsilon=4.0, delta=1e-5, alpha=0.05)[0] for folder in (old, new))
+    assert a.epsilon_lower_bound == b.epsilon_lower_bound > 0 and a.violation == b.violation
+
+
+def test_a_format_1_probe_folder_audits_as_the_same_folder_in_format_2(tmp_path):
+    """probe.json of a WhiteBoxProbe attached to Opacus (hooks, sigma 1, m 50, 20 steps) written before the record:
+    its fields read back typed, and the audit of the folder equals the audit with probe.json rewritten."""
+    import shutil
+
+    from dpaudit.audit.whitebox import audit_run_folder
+    from dpaudit.core.run_record import PROBE_FORMAT, ProbeRecord
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    shutil.copytree(FIXTURES / "v1_probe", old)
+    shutil.copytree(old, new)
+    written = json.loads((old / "probe.json").read_text())
+    assert written["format"] == "dpaudit-probe/1"
+    record = run_record.read_probe(old)
+    assert record.kind == "gradient" and record.m == written["m"] and record.clip == written["clip"]
+    assert [list(s) for s in record.parameter_shapes] == written["parameter_shapes"]
+    assert record.noise_multiplier == written["noise_multiplier"] and record.loader_rate == written["loader_rate"]
+    run_record.write_probe(new, record)
+    assert json.loads((new / "probe.json").read_text())["format"] == PROBE_FORMAT
+    assert run_record.read_probe(new) == record
+    a, b = (audit_run_folder(folder, claimed_epsilon=4.375, delta=1e-5, alpha=0.05)[0] for folder in (old, new))
+    assert a.epsilon_lower_bound == b.epsilon_lower_bound and a.verdict == b.verdict
+    assert a.noise is not None and a.noise.to_dict() == b.noise.to_dict()
+    # format 1 had no schema: a key no probe writes any longer is dropped; format 2 refuses it
+    assert ProbeRecord.from_json({**written, "retired_key": 1}, "p") == record
+    with pytest.raises(DPAuditError, match="does not know"):
+        ProbeRecord.from_json({**record.to_json(), "retired_key": 1}, "p")
+
+
+@pytest.mark.parametrize("key,value", [("clip", -1.0), ("sample_rate", 2.0), ("gain", 0), ("m", 1),
+                                       ("kind", "weights"), ("parameter_shapes", [[2, -1]])])
+def test_a_probe_value_no_probe_writes_is_refused(key, value):
+    from dpaudit.core.run_record import ProbeRecord
+
+    data = json.loads((FIXTURES / "v1_probe" / "probe.json").read_text())
+    with pytest.raises(DPAuditError):
+        ProbeRecord.from_json({**data, key: value}, "probe.json")
