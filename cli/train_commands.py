@@ -307,27 +307,18 @@ def audit_run(
 
     from dpaudit.training.methods import METHODS
     from dpaudit.canaries.manifest import NEW_TOKEN_PREFIX
-    from dpaudit.workflows.audit_run import black_box_recipe, white_box_canaries
+    from dpaudit.workflows.audit_run import black_box_recipe, resolve_recipe, white_box_canaries
 
     if sigma is not None and eps == "1":
         eps = None  # --sigma replaces the default target
     known = METHODS.get(method)  # an unknown method is refused by make_config, one line
-    recipe = black_box_recipe(known is not None and known.per_example_gradients, white_box, _pretrained(model))
-    if batch_size is None:
-        batch_size = 0 if white_box else recipe.batch_size
-    if examples is None:
-        examples = 64 if white_box else recipe.examples
-    trainable = trainable or recipe.trainable
-    optimizer = optimizer or recipe.optimizer
-    steps = recipe.steps if steps is None else steps
-    logit_step = logit_noise = None
-    if lr is None and trainable == recipe.trainable and optimizer == recipe.optimizer:
-        # the recipe's rate fits its own subset and optimizer only
-        lr, logit_step, logit_noise = recipe.lr, recipe.logit_step, recipe.logit_noise
-    phi_from_model = phi is None and logit_noise is not None
-    phi = 1e-3 if phi is None else phi  # from the model: set once the model is extended (audit_run.zo_exposure)
-    cfg = make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction,
-                      trainable, bf16, seed, secret_seed, accountant, unsafe_disable_noise=unsafe_disable_noise,
+    recipe = resolve_recipe(
+        black_box_recipe(known is not None and known.per_example_gradients, white_box, _pretrained(model)),
+        batch_size=batch_size, examples=examples, trainable=trainable, optimizer=optimizer, steps=steps, lr=lr,
+        phi=phi)
+    cfg = make_config(method, eps, sigma, delta, mech, clip, recipe.lr, recipe.optimizer, recipe.steps,
+                      recipe.batch_size, recipe.phi, direction, recipe.trainable, bf16, seed, secret_seed, accountant,
+                      unsafe_disable_noise=unsafe_disable_noise,
                       plant_bug=plant_bug, per_sample_grads=per_sample_grads, micro_batch=micro_batch,
                       max_memory=max_memory, shard=shard, stop_on_divergence=stop_on_divergence, model=model,
                       noise=noise)
@@ -340,9 +331,9 @@ def audit_run(
     refuse_overlap(out, {"model": model, "dataset": data}, folder_output=True)
     if prefix_length is not None and not 1 <= prefix_length <= 64:
         raise DPAuditError(f"--prefix-length must be in [1, 64], got {prefix_length}")
-    settings = AuditRunSettings(canaries=canaries or 1000, repeats=repeat, examples=examples, seed=seed,
-                                prefix_length=prefix_length or NEW_TOKEN_PREFIX, logit_step=logit_step,
-                                logit_noise=logit_noise, phi_from_model=phi_from_model)
+    settings = AuditRunSettings(canaries=canaries or 1000, repeats=repeat, examples=recipe.examples, seed=seed,
+                                prefix_length=prefix_length or NEW_TOKEN_PREFIX, logit_step=recipe.logit_step,
+                                logit_noise=recipe.logit_noise, phi_from_model=recipe.phi_from_model)
     audit, result, summary = run_audit(out, cfg, settings, model=model, data=data, data_format=data_format,
                                        field=field, force=force, show_progress=not as_json)
     if not as_json:

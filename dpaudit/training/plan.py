@@ -9,10 +9,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from dpaudit.accounting import Mechanism, calibrate_sigma, epsilon
 from dpaudit.accounting.mechanism import compose_phases
 from dpaudit.training.bugs import NO_BUG, Bug
+
+
+@lru_cache(maxsize=32)
+def _calibrated_sigma(template: Mechanism, target_epsilon: float, delta: float, accountant: str | None) -> float:
+    """The calibrated sigma of one run's schedule, computed once: a run's plan is built where its recipe needs the
+    noise (audit run's DP-ZO rate) and again where training starts, from the same settings (the calibration is a
+    deterministic search, so a repeat would give the same sigma)."""
+    return calibrate_sigma(template, target_epsilon, delta, accountant).sigma
 
 
 @dataclass(frozen=True)
@@ -45,7 +54,7 @@ class PrivacyPlan:
         template = replace(_template(kind, rate, steps, sampling, examples), strategy=strategy)
         if calibrated:
             sigma = (_remove_only_sigma(template, target_epsilon, delta) if bug.remove_only
-                     else calibrate_sigma(template, target_epsilon, delta, accountant).sigma)
+                     else _calibrated_sigma(template, target_epsilon, delta, accountant))
         return cls(template.with_sigma(sigma), delta, accountant, target_epsilon, calibrated)
 
     def noise_sigma(self, bug: Bug = NO_BUG) -> float:

@@ -58,6 +58,9 @@ class TrainConfig:
     shard: bool = False                  # under torchrun: weights, gradients, optimizer state sharded (FSDP2)
     stop_on_divergence: bool = False     # stop (else warn once) when the loss rises well above its start
     noise: str | None = None             # correlated noise (accounting/matrix/strategy.py): bandmf,b=B; None: independent
+    # resolved from the fields above by __post_init__ (never given; dataclasses.replace resolves them again):
+    bug: Any = field(default=None, init=False, repr=False, compare=False)       # the planted bug (training/bugs.py)
+    strategy: Any = field(default=None, init=False, repr=False, compare=False)  # ``noise`` parsed, or None
 
     def __post_init__(self) -> None:
         from dpaudit.accounting.noises import NOISES

@@ -58,12 +58,12 @@ PRETRAINED_RECIPE = BlackBoxRecipe("new-tokens", batch_size=0, steps=3, optimize
 # train, so the other examples only cost forwards (100 of them), and each step's losses come from one forward's trunk
 # outputs (training/frozen_trunk.py: T 3000 on the embedded default in about 2 minutes on 2 cores).
 ZERO_ORDER_RECIPE = BlackBoxRecipe("new-tokens", batch_size=0, steps=3000, logit_noise=1.5, examples=100)
-OTHER_RECIPE = BlackBoxRecipe("full", batch_size=64)  # every white-box run (below: full batches)
+OTHER_RECIPE = BlackBoxRecipe("full", batch_size=0, examples=64)  # white-box runs: full batches of 64 examples
 # White-box DP-SGD on the embedded default: AdamW at the method's 5e-3 random-walks the weights under the noise of a
 # small claim (eps 1: the loss rose 0.73 -> 5.3 over 300 steps, and the run read "training diverged"). The audit
 # reads the releases on the canaries' own coordinates, so the rate does not move it: secret seed 1 read 0.5862 at
 # both 5e-3 and 5e-4 (AUC 0.5616); at 5e-4 the loss does not rise.
-WHITE_BOX_SGD_RECIPE = BlackBoxRecipe("full", batch_size=64, lr=5e-4)
+WHITE_BOX_SGD_RECIPE = BlackBoxRecipe("full", batch_size=0, lr=5e-4, examples=64)
 
 
 def black_box_recipe(per_example_gradients: bool, white_box: bool, pretrained: bool) -> BlackBoxRecipe:
@@ -73,6 +73,39 @@ def black_box_recipe(per_example_gradients: bool, white_box: bool, pretrained: b
     if not per_example_gradients:
         return ZERO_ORDER_RECIPE
     return PRETRAINED_RECIPE if pretrained else EMBEDDED_RECIPE
+
+
+@dataclass(frozen=True)
+class ResolvedRecipe:
+    """An audit run's training choices: the user's where given, else the recipe's (``resolve_recipe``)."""
+    batch_size: int
+    examples: int
+    trainable: str
+    optimizer: str
+    steps: int | None
+    lr: float | None
+    logit_step: float | None     # set: the DP-SGD rate comes from the extended model (``sgd_exposure``)
+    logit_noise: float | None    # set: the DP-ZO rate (and phi, unless given) come from it (``zo_exposure``)
+    phi: float
+    phi_from_model: bool
+
+
+def resolve_recipe(recipe: BlackBoxRecipe, *, batch_size: int | None = None, examples: int | None = None,
+                   trainable: str | None = None, optimizer: str | None = None, steps: int | None = None,
+                   lr: float | None = None, phi: float | None = None) -> ResolvedRecipe:
+    """What an audit run trains: each choice the user gave (not None), the recipe's for the rest. The recipe's rate
+    fits its own subset and optimizer only, so a user's other subset or optimizer takes the method's default rate;
+    phi from the model only where the recipe reads it and the user gave none."""
+    trainable = trainable or recipe.trainable
+    optimizer = optimizer or recipe.optimizer
+    logit_step = logit_noise = None
+    if lr is None and trainable == recipe.trainable and optimizer == recipe.optimizer:
+        lr, logit_step, logit_noise = recipe.lr, recipe.logit_step, recipe.logit_noise
+    return ResolvedRecipe(
+        batch_size=recipe.batch_size if batch_size is None else batch_size,
+        examples=recipe.examples if examples is None else examples, trainable=trainable, optimizer=optimizer,
+        steps=recipe.steps if steps is None else steps, lr=lr, logit_step=logit_step, logit_noise=logit_noise,
+        phi=1e-3 if phi is None else phi, phi_from_model=phi is None and logit_noise is not None)
 
 
 @dataclass

@@ -115,7 +115,8 @@ def test_every_train_config_field_is_recorded_or_named_as_not():
     from dpaudit.training.resume import settings_of
     from dpaudit.training.runner import TrainConfig
 
-    not_recorded = {"secret_seed", "allow_overspend"}  # a secret; a permission for one resume
+    not_recorded = {"secret_seed", "allow_overspend",  # a secret; a permission for one resume
+                    "bug", "strategy"}                   # resolved from plant_bug and noise, which are recorded
     assert {f.name for f in fields(TrainConfig)} - not_recorded == {f.name for f in fields(RunSettings)}
     cfg = TrainConfig(method="dp-zo", target_epsilon=2.0, secret_seed=7, batch_size=8)
     recorded = settings_of(cfg)

@@ -207,6 +207,26 @@ def test_white_box_dp_sgd_on_the_embedded_default_trains_at_a_rate_that_does_not
     assert black_box_recipe(True, True, True) == OTHER_RECIPE         # a pretrained model: its pretrained rate
 
 
+def test_an_audit_runs_choices_are_the_users_where_given_else_its_recipes():
+    """One resolution for the CLI and Python callers: a white-box run's full batches of 64 examples are its
+    recipe's own (the CLI used to set them over a recipe of batches of 64); the recipe's rate only with its own
+    subset and optimizer; phi from the model only where the recipe reads it and none is given."""
+    from dpaudit.workflows.audit_run import (
+        EMBEDDED_RECIPE, ZERO_ORDER_RECIPE, black_box_recipe, resolve_recipe,
+    )
+
+    white = resolve_recipe(black_box_recipe(True, True, False))
+    assert (white.batch_size, white.examples, white.lr, white.trainable) == (0, 64, 5e-4, "full")
+    assert resolve_recipe(black_box_recipe(True, True, False), batch_size=16, examples=10).batch_size == 16
+    black = resolve_recipe(EMBEDDED_RECIPE)
+    assert (black.lr, black.steps, black.optimizer) == (5.0, 3, "sgd")
+    assert resolve_recipe(EMBEDDED_RECIPE, optimizer="adamw").lr is None  # the method's default rate, not 5
+    zo = resolve_recipe(ZERO_ORDER_RECIPE)
+    assert zo.phi_from_model and zo.logit_noise == ZERO_ORDER_RECIPE.logit_noise
+    given = resolve_recipe(ZERO_ORDER_RECIPE, phi=0.01)
+    assert not given.phi_from_model and given.phi == 0.01
+
+
 def test_the_pretrained_recipe_micro_batches_within_max_memory_instead_of_refusing(tiny_model_dir, tmp_path):
     """Issue 67, item 23: `audit run --model M --max-memory X` was refused before the folder existed ("a step ...
     needs about 38.2 GB, over --max-memory 3 GB") where the recipe itself would have micro-batched the full batch
