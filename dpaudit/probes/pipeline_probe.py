@@ -39,6 +39,7 @@ from dpaudit.audit.whitebox_canaries import TRANSCRIPT
 from dpaudit.core.errors import DPAuditError
 from dpaudit.core.validate import check_canaries, check_number
 from dpaudit.probes.probe import WhiteBoxProbe, refuse_links
+from dpaudit.probes.transcript import Transcript
 
 BUDGET = 0.05  # the share of the training's wall time the canaries' directions may take (refreshed that often)
 CHUNK = 64  # canary sequences a backward pass
@@ -59,27 +60,25 @@ class PipelineProbe(WhiteBoxProbe):
         if any(type(p).__name__ == "DTensor" for p in model.parameters()):
             raise DPAuditError("a PipelineProbe reads the canaries' rows from one process's model: the weights here "
                                "are sharded (FSDP); use WhiteBoxProbe, or probe an unsharded run")
-        self.kind, self.out, self.secret_seed = "pipeline", Path(out), secret_seed
-        self.clip, self.rate, self.bypass, self.unprotected = None, None, None, []
-        self.source = "PipelineProbe: new-token canaries in the user's data, rows read from the model"
+        from dpaudit.probes.health import for_tensors
+
+        # no clip, rate or gradient release (no per-tensor noise check); the update's health check: the model's
+        # trainable tensors as they are now (freeze first) must each move
+        self._declare(kind="pipeline", clip=None, rate=None, out=out, params=[], secret_seed=secret_seed,
+                      source="PipelineProbe: new-token canaries in the user's data, rows read from the model",
+                      health=for_tensors([p for p in model.parameters() if p.requires_grad], model, bracketed=False))
         self.model, self.tokenizer = model, tokenizer
-        self.step, self._begun, self._inserted = 0, None, False
+        self._inserted = False
         self._counted_from = None   # 0 or 1: how the caller counts steps (fixed by its first observe)
-        self.noise_multiplier, self.names = None, []  # no gradient release: no per-tensor noise check
-        self._noise_prior, self._noise_prior_steps, self._noise_sq, self._noise_steps = None, None, None, None
         refuse_links(self.out)
         self._start(int(m), 1.0, seed)
         self.ids = self._add_tokens()
-        from dpaudit.probes.health import for_tensors
-
-        # the update's health check: the model's trainable tensors as they are now (freeze first) must each move
-        self.health = for_tensors([p for p in model.parameters() if p.requires_grad], model, bracketed=False)
         self._batches, self.sample_rate, self._moved = None, None, False
         self._texts = self._canary_ids()
         self.budget, self.probe_seconds, self.refreshed, self._first = float(budget), 0.0, 0, None
         self._previous = self._rows()
         self._direction = self._descent()
-        self._fh = open(self.out / TRANSCRIPT, "ab")
+        self.transcript = Transcript(self.out / TRANSCRIPT, self.width)
 
     # -- setting up ----------------------------------------------------------------------------------------
     def _add_tokens(self) -> list[int]:

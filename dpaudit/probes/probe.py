@@ -26,25 +26,21 @@ from pathlib import Path
 
 import numpy as np
 
-from dpaudit.core.atomic import atomic_write_json, atomic_write_text
-from dpaudit.core.errors import DPAuditError
-from dpaudit.core.run_folder import PROBE
-from dpaudit.core.run_record import ProbeRecord, read_probe, write_probe
-from dpaudit.core.validate import check_alpha, check_canaries, check_number as _check_number
 from dpaudit.audit.clipping import TALLY as CLIP_TALLY
-from dpaudit.audit.noise_check import TALLY as NOISE_TALLY, read_tally as read_noise_tally
+from dpaudit.audit.noise_check import TALLY as NOISE_TALLY
 from dpaudit.audit.whitebox_canaries import GAIN, TRANSCRIPT, WhiteBoxCanaries
+from dpaudit.core.atomic import atomic_write_json
+from dpaudit.core.errors import DPAuditError
+from dpaudit.core.run_folder import HEALTH, PROBE
+from dpaudit.core.run_record import ProbeRecord, read_probe, write_probe
+from dpaudit.core.validate import check_canaries, check_number as _check_number
+from dpaudit.probes import looks
+from dpaudit.probes.looks import LOOKS, ON_VIOLATION, RUNNING, STOP_ALPHA, WATCH_FIRST  # noqa: F401 - importable here
+from dpaudit.probes.tallies import SIZE_RATIO, ClipTally, NoiseTally
+from dpaudit.probes.transcript import BLOCK_ROWS, Transcript
 
 KINDS = ("gradient", "scalar")  # a PipelineProbe (pipeline_probe.py) is the third kind of probe folder
-ON_VIOLATION = ("warn", "stop", "raise")  # what a watched probe does at its first look that reads VIOLATION
-WATCH_FIRST = 16  # a watched probe's first look (steps); then one at every doubling of the steps
-STOP_ALPHA = 0.01  # the looks' level over a whole run by default: a correct run is stopped in at most 1 % of runs
-LOOKS = "looks"  # a look that reads VIOLATION keeps its report here (looks/step-N/), apart from the end-of-run one
-RUNNING = "running.jsonl"  # a watched probe's looks, one JSON line each
-BLOCK_ROWS = 64  # steps whose rows wait on the device before one copy to the transcript (probe.flush)
 SAMPLING_DOMAIN = 0x77627370  # "wbsp": the canaries' per-step sampling, apart from membership's stream
-FULL_PRECISION = ("torch.float32", "torch.float64")  # releases the per-tensor noise check measures (tally_noise)
-SIZE_RATIO = 8.0  # canary_examples: odd canaries' rows are this much larger (the per-example clipping check)
 
 
 class WhiteBoxProbe:
@@ -63,40 +59,62 @@ class WhiteBoxProbe:
         m = check_canaries(m)
         if noise_multiplier is not None and noise_multiplier != 0:
             _check_number("noise multiplier", noise_multiplier, above=0)
-        # sigma, the noise the claim is accounted with (std sigma x C on the released sum): the per-tensor noise
-        # check (audit/noise_check.py) holds every tensor's canary releases to it; None: not checked
-        self.noise_multiplier = None if noise_multiplier is None else float(noise_multiplier)
-        self.kind, self.clip, self.rate, self.out = kind, float(clip), float(sample_rate), Path(out)
-        self.params = [p for p in (params or []) if p.requires_grad]
-        if kind == "gradient" and not self.params:
+        params = [p for p in (params or []) if p.requires_grad]
+        if kind == "gradient" and not params:
             raise DPAuditError("a gradient probe needs the trainable parameters")
-        # Membership and the canaries' sampling are secret: fresh OS entropy, never written. ``secret_seed``
-        # makes both reproducible, for tests and benchmarks only (whoever knows it knows the members).
-        self.secret_seed = secret_seed
-        self._sampler = np.random.default_rng(np.random.SeedSequence(secret_seed, spawn_key=(SAMPLING_DOMAIN,)))
-        self.source, self.bypass = _source, None
-        self.step = 0
         # Given the model, every trainable tensor must be among the noised ones (a LoRA group left out of the
         # DP optimizer is trained without clipping or noise: the audit reports it as a violation).
-        noised = {id(p) for p in self.params}
+        noised = {id(p) for p in params}
         named = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
-        self.names = [named.get(id(p), f"parameter {k} {tuple(p.shape)}") for k, p in enumerate(self.params)]
-        self.unprotected = [] if model is None or kind != "gradient" else [
-            name for name, p in model.named_parameters() if p.requires_grad and id(p) not in noised]
         from dpaudit.probes.health import for_tensors
 
-        # the update's health check (probes/health.py): a plain loop's probe looks every EVERY steps, at begin
-        self.health = for_tensors(self.params, model, bracketed=False) if kind == "gradient" else None
+        self._declare(
+            kind=kind, clip=clip, rate=sample_rate, out=out, params=params, source=_source, secret_seed=secret_seed,
+            noise_multiplier=None if noise_multiplier is None else float(noise_multiplier),
+            names=[named.get(id(p), f"parameter {k} {tuple(p.shape)}") for k, p in enumerate(params)],
+            unprotected=[] if model is None or kind != "gradient" else [
+                name for name, p in model.named_parameters() if p.requires_grad and id(p) not in noised],
+            # the update's health check (probes/health.py): a plain loop's probe looks every EVERY steps, at begin
+            health=for_tensors(params, model, bracketed=False) if kind == "gradient" else None)
+        # Membership and the canaries' sampling are secret: fresh OS entropy, never written. ``secret_seed``
+        # makes both reproducible, for tests and benchmarks only (whoever knows it knows the members).
+        self._sampler = np.random.default_rng(np.random.SeedSequence(secret_seed, spawn_key=(SAMPLING_DOMAIN,)))
         refuse_links(self.out)
-        # the per-tensor noise tally (tally_noise): what earlier attempts tallied, and this one's, on the device
-        self._noise_prior, self._noise_prior_steps, self._noise_sq, self._noise_steps = None, None, None, None
         if resume:
             self._resume(m)
         else:
             self._start(m, gain, seed)
-        self._fh = open(self.out / TRANSCRIPT, "ab")
-        self._sampled = np.zeros(0, int)
-        self._begun: int | None = None  # the step whose canaries were last drawn
+        self.transcript = Transcript(self.out / TRANSCRIPT, self.width)
+
+    def _declare(self, *, kind: str, clip, rate, out, params: list, source: str, secret_seed: int | None = None,
+                 noise_multiplier: float | None = None, names: list | None = None, unprotected: list | None = None,
+                 health=None, canaries: WhiteBoxCanaries | None = None, step: int = 0) -> None:
+        """Every field of a probe, set once (each constructor calls this first, then fills in its own)."""
+        self.kind, self.out, self.params, self.source = kind, Path(out), list(params), source
+        self.clip = None if clip is None else float(clip)
+        self.rate = None if rate is None else float(rate)
+        self.secret_seed = secret_seed
+        # sigma, the noise the claim is accounted with (std sigma x C on the released sum): the per-tensor noise
+        # check (audit/noise_check.py) holds every tensor's canary releases to it; None: not checked
+        self.noise_multiplier = noise_multiplier
+        self.names, self.unprotected = list(names or []), list(unprotected or [])
+        self.health = health              # the update's health check (probes/health.py), or None
+        self.bypass = None                # how the canaries pass the optimizer's own clipping (probe_opacus.py)
+        self.accountant = None            # an attached optimizer's accountant (the claim of a watch or audit)
+        self.canaries = canaries
+        self.run_id = canaries.run_id if canaries is not None else None
+        self.where: list[tuple[int, int]] = []   # (parameter index, flat offset) of each gradient canary
+        self.step = step                  # the next step to be released
+        self._sampler = None              # the canaries' own per-step sampling (None: the trainer samples them)
+        self._sampled = np.zeros(0, int)  # the canaries drawn for the step begun
+        self._begun: int | None = None    # the step whose canaries were last drawn
+        self._examples_step: int | None = None  # the step whose canaries went in as examples (the clipping check)
+        self._gather_plan = None          # (device, per-tensor indices, order) of the release's canary coordinates
+        self.transcript: Transcript | None = None
+        self.clip_tally, self.noise_tally = ClipTally(), NoiseTally()
+        self._watch: looks.Watch | None = None
+        self.alarm = self.alarm_report = None   # the first look that read VIOLATION, and its report
+        self.stop_requested = False
 
     @classmethod
     def for_run(cls, params, canaries: WhiteBoxCanaries, *, clip: float, sample_rate: float, out, start_step: int,
@@ -106,27 +124,8 @@ class WhiteBoxProbe:
         tensor) and sampled as members of its dataset (``begin(step, sampled)``). The run folder's
         run_config.json describes it (no probe.json); a resumed run rewrites the steps after its checkpoint,
         so the transcript is cut back to ``start_step`` rows. ``write`` False: a rank that writes nothing."""
-        probe = cls.__new__(cls)
-        probe.kind, probe.clip, probe.rate, probe.out = "gradient", float(clip), float(sample_rate), Path(out)
-        probe.params, probe.canaries, probe.secret_seed = list(params), canaries, None
-        probe.run_id, probe.source, probe.bypass, probe.unprotected = canaries.run_id, "dpaudit train", None, []
-        probe._sampler, probe._sampled, probe.step, probe._begun = None, np.zeros(0, int), start_step, None
-        probe.health = None  # the bundled trainer's DP step is its own (training/dp_step.py)
-        probe.noise_multiplier, probe.names = None, []
-        probe._noise_prior, probe._noise_prior_steps, probe._noise_sq, probe._noise_steps = None, None, None, None
-        probe.where = probe._locate(canaries.coordinates)
-        probe._fh = None
-        if write:
-            probe._cut_transcript(start_step)
-            probe._fh = open(probe.out / TRANSCRIPT, "ab")
-        return probe
-
-    def _cut_transcript(self, rows: int) -> None:
-        """Keep the transcript's first ``rows`` rows (a resumed run rewrites what followed)."""
-        path = self.out / TRANSCRIPT
-        if path.exists() and path.stat().st_size > rows * self.width * 4:
-            with open(path, "r+b") as fh:
-                fh.truncate(rows * self.width * 4)
+        return _RunProbe(params, canaries, clip=clip, sample_rate=sample_rate, out=out, start_step=start_step,
+                         write=write)
 
     # -- folder ------------------------------------------------------------------------------------------
     def _start(self, m: int, gain: float, seed: int) -> None:
@@ -166,18 +165,11 @@ class WhiteBoxProbe:
             if max(self.canaries.coordinates) >= sum(p.numel() for p in self.params):
                 raise DPAuditError(f"{self.out} was probing other parameters; resume it with the same model")
             self.where = self._locate(self.canaries.coordinates)
-        size = (self.out / TRANSCRIPT).stat().st_size if (self.out / TRANSCRIPT).exists() else 0
-        self.step = size // (4 * self.width)
-        from dpaudit.audit.clipping import read_tally
-
-        tally = read_tally(self.out, self.run_id)
-        if tally is not None:  # what was tallied up to its last save (never past the transcript's rows)
-            self._clip_tally = np.array([tally["small"], tally["large"]], float)
-        noise = read_noise_tally(self.out, self.run_id)
-        if noise is not None:  # each tallied step's noise was a real draw: kept, whatever the transcript kept
-            self._noise_prior = np.array(noise["squares"], float)
-            self._noise_prior_steps = np.array(noise["steps"], float)
-        self._cut_transcript(self.step)  # a crash mid-row: that row was never complete, so its release was not read
+        transcript = Transcript(self.out / TRANSCRIPT, self.width, write=False)
+        self.step = transcript.rows
+        transcript.cut(self.step)  # a crash mid-row: that row was never complete, so its release was not read
+        self.clip_tally = ClipTally.resumed(self.out, self.run_id)
+        self.noise_tally = NoiseTally.resumed(self.out, self.run_id)
 
     def _place(self, m: int) -> list[int]:
         """m distinct coordinates (public, from the seed; flat indices into the parameters in order, as the
@@ -290,7 +282,7 @@ class WhiteBoxProbe:
         import torch
 
         device = released[0].device
-        plan = getattr(self, "_gather_plan", None)
+        plan = self._gather_plan
         if plan is None or plan[0] != device:
             by_tensor: dict = {}
             for i, (k, off) in enumerate(self.where):
@@ -382,106 +374,49 @@ class WhiteBoxProbe:
             raise DPAuditError(f"observe({step}) came before the canaries of step {step} were drawn: call "
                                f"canary_gradients({step}) (canary_sum, canary_examples) and add them before the "
                                "noise, then observe the release")
-        if self._fh is not None:
-            pending = self.__dict__.setdefault("_pending", [])
-            pending.append(row)
-            self.__dict__.setdefault("_pending_sampled", []).append(
-                (step, self._sampled.copy()) if getattr(self, "_examples_step", None) == step else None)
-            if not isinstance(row, np.ndarray) and len(pending) < BLOCK_ROWS:
-                self.step += 1
-                return
-            self.flush()
+        if self.transcript is not None and self.transcript.writing:
+            drawn = (step, self._sampled.copy()) if self._examples_step == step else None
+            if self.transcript.add(row, drawn):
+                self.flush()
         self.step += 1
 
     def flush(self) -> None:
         """Write the rows kept on the device to the transcript (one copy to the host) and flush the file: at every
-        BLOCK_ROWS steps, at a checkpoint, before an audit and at close."""
-        pending = self.__dict__.get("_pending")
-        if not pending or self._fh is None or self._fh.closed:
+        BLOCK_ROWS steps, at a checkpoint, before an audit and at close; the tallies are saved with them."""
+        if self.transcript is None:
             return
-        import torch
-
-        on_device = [r for r in pending if not isinstance(r, np.ndarray)]
-        host = iter(torch.stack(on_device).cpu().numpy()) if on_device else iter(())
-        sampled = self.__dict__.get("_pending_sampled") or [None] * len(pending)
-        for r, drawn in zip(pending, sampled):
-            row = np.asarray(r if isinstance(r, np.ndarray) else next(host))
-            self._fh.write(row.astype("<f4").tobytes())
-            if drawn is not None:
-                self._tally(*drawn, row)
-        self._fh.flush()
-        pending.clear()
-        sampled.clear()
-        if self.step % BLOCK_ROWS == 0 or on_device:
+        on_device = self.transcript.flush(lambda step, sampled, row: self.clip_tally.add(
+            self.canaries.signs(step), sampled, row, self.clip))
+        if on_device is not None and (self.step % BLOCK_ROWS == 0 or on_device):
             self.save_tally()
             self.save_noise_tally()
 
-    def _tally(self, step: int, sampled: np.ndarray, row: np.ndarray) -> None:
-        """Add the sampled canaries' contributions (signed, in units of C) to the clipping check's count, sum and
-        sum of squares, by size (even canaries: gain x C; odd: SIZE_RATIO times that)."""
-        if sampled.size == 0:
-            return
-        x = self.canaries.signs(step)[sampled] * np.asarray(row, float)[sampled] / self.clip
-        big = sampled % 2 == 1
-        tally = self.__dict__.setdefault("_clip_tally", np.zeros((2, 3)))
-        for c, chosen in enumerate((~big, big)):
-            tally[c] += (chosen.sum(), x[chosen].sum(), (x[chosen] ** 2).sum())
-
     def tally_noise(self, released, clipped) -> None:
         """Add each tensor's squared noise this step (``released`` minus ``clipped``, its clipped sum before noise:
-        exactly the noise the step drew) to the per-tensor noise tally, on the tensors' device (no host
-        synchronisation; copied out with the transcript). audit/noise_check.py tests it against the accounted sigma."""
-        import torch
-
+        exactly the noise the step drew) to the per-tensor noise tally (tallies.NoiseTally), on the tensors'
+        device. audit/noise_check.py tests it against the accounted sigma."""
         if self.noise_multiplier is None or len(released) != len(self.params):
             return
-        device = self.params[0].device
-        # 16-bit releases are not measured: rounding the clipped sum plus noise can swallow the noise where the sum is
-        # large (a post-processing, still DP), which would read as noise missing (noise_check.py)
-        measured = [r is not None and c is not None and str(r.dtype) in FULL_PRECISION
-                    for r, c in zip(released, clipped)]
-        squares = torch.stack([torch.linalg.vector_norm(r.reshape(-1).float() - c.reshape(-1).float()).to(device) ** 2
-                               if ok else torch.zeros((), device=device)
-                               for r, c, ok in zip(released, clipped, measured)]).double()
-        counts = torch.tensor(measured, dtype=torch.float64, device=device)
-        if self._noise_sq is None:
-            self._noise_sq, self._noise_steps = squares, counts
-        else:
-            self._noise_sq, self._noise_steps = self._noise_sq + squares, self._noise_steps + counts
+        self.noise_tally.add(released, clipped, self.params[0].device)
 
     def save_noise_tally(self) -> None:
         """Write the per-tensor noise tally beside the transcript (sums of squared noise; nothing of the members)."""
-        if self._noise_sq is None and self._noise_prior is None:
-            return
-        squares = np.zeros(len(self.params)) if self._noise_prior is None else self._noise_prior
-        steps = np.zeros(len(self.params)) if self._noise_prior is None else self._noise_prior_steps
-        if self._noise_sq is not None:
-            squares, steps = squares + self._noise_sq.cpu().numpy(), steps + self._noise_steps.cpu().numpy()
-        atomic_write_json(self.out / NOISE_TALLY, {
-            "run_id": self.run_id, "steps": [int(n) for n in steps],
-            "sizes": [p.numel() for p in self.params], "squares": [float(v) for v in squares]})
+        self.noise_tally.save(self.out, self.run_id, [p.numel() for p in self.params])
 
     def save_tally(self) -> None:
         """Write the clipping check's tally beside the transcript (0600: it is made from the members)."""
-        tally = self.__dict__.get("_clip_tally")
-        if tally is None:
-            return
-        atomic_write_json(self.out / CLIP_TALLY, private=True, data={
-            "run_id": self.run_id, "size_ratio": SIZE_RATIO, "steps": self.step,
-            "small": [float(v) for v in tally[0]], "large": [float(v) for v in tally[1]]})
+        self.clip_tally.save(self.out, self.run_id, self.step)
 
     def save_health(self) -> None:
         """Write the health check's findings beside the transcript."""
-        if getattr(self, "health", None) is not None and self.out.is_dir():
-            from dpaudit.core.run_folder import HEALTH
-
+        if self.health is not None and self.out.is_dir():
             atomic_write_json(self.out / HEALTH, self.health.to_dict())
 
     def _unprotected_now(self) -> list[str]:
         """The trainable tensors updated outside DP: those the DP optimizer does not hold, less those the health
         check has seen never move (nothing leaks from a tensor left where it started), plus any the check saw move
         outside the DP step. Before the first checked step: every tensor the optimizer does not hold."""
-        health = getattr(self, "health", None)
+        health = self.health
         if health is None or health.steps == 0:
             return list(self.unprotected)
         still = set(health.untouched_others)
@@ -511,14 +446,14 @@ class WhiteBoxProbe:
     def watch(self, *, delta: float, claimed_eps: float | None = None, accountant=None, alpha: float = STOP_ALPHA,
               on_violation: str = "warn", first: int = WATCH_FIRST,
               planned_steps: int | None = None) -> "WhiteBoxProbe":
-        """Audit while the run trains: a look at step ``first``, then at every doubling of the steps (16, 32, 64,
-        ...), each the same audit as ``audit()`` on the steps released so far, held to the claim for those steps
-        (``claimed_eps`` if given, else the accountant's eps after them, the optimizer's when attached). Look j is
-        made at level alpha / (j (j + 1)), which sums to alpha over every look however long the run: a union
-        bound, so a correct run raises a false alarm with probability <= alpha in all. Each look is a line of
-        ``running.jsonl`` in the probe's folder. At the first look that reads VIOLATION the report is written and
-        ``on_violation`` acts: "warn" prints one line; "stop" also sets ``stop_requested`` (the Hugging Face
-        callback then stops the Trainer; a plain loop checks it); "raise" raises ``PrivacyViolation``. The
+        """Audit while the run trains (probes/looks.py): a look at step ``first``, then at every doubling of the
+        steps (16, 32, 64, ...), each the same audit as ``audit()`` on the steps released so far, held to the claim
+        for those steps (``claimed_eps`` if given, else the accountant's eps after them, the optimizer's when
+        attached). Look j is made at level alpha / (j (j + 1)), which sums to alpha over every look however long the
+        run: a union bound, so a correct run raises a false alarm with probability <= alpha in all. Each look is a
+        line of ``running.jsonl`` in the probe's folder. At the first look that reads VIOLATION the report is
+        written and ``on_violation`` acts: "warn" prints one line; "stop" also sets ``stop_requested`` (the Hugging
+        Face callback then stops the Trainer; a plain loop checks it); "raise" raises ``PrivacyViolation``. The
         end-of-run ``audit()`` is a separate test at its own alpha.
 
         Given ``planned_steps`` (the Hugging Face callback passes the Trainer's ``max_steps``), one more look is
@@ -526,124 +461,37 @@ class WhiteBoxProbe:
         alpha / (2 j (j + 1))): still alpha over every look, and the last look, over the whole planned run, is
         nearly as strong as the end-of-run audit (alpha / 2 against alpha) instead of seeing only the steps up to
         the last doubling. Looks after it (a run that goes on) keep to the first half's series."""
-        if on_violation not in ON_VIOLATION:
-            raise DPAuditError(f"on_violation must be one of {', '.join(ON_VIOLATION)}, got {on_violation!r}")
-        if not delta or not 0 < float(delta) < 1:
-            raise DPAuditError("give the delta the run claims (the bound depends on it)")
-        check_alpha(alpha)
-        if isinstance(first, bool) or not isinstance(first, int) or first < 1:
-            raise DPAuditError(f"first must be an integer >= 1, got {first!r}")
-        if planned_steps is not None and (isinstance(planned_steps, bool) or not isinstance(planned_steps, int)
-                                          or planned_steps < 1):
-            raise DPAuditError(f"planned_steps must be an integer >= 1, got {planned_steps!r}")
-        if claimed_eps is None and accountant is None and getattr(self, "accountant", None) is None:
-            raise DPAuditError("a watched probe needs the claim: claimed_eps= or an accountant")
-        looks, final_done = self._running_looks()  # a resumed probe goes on with the looks (and alpha) it has spent
-        nxt = first
-        while nxt <= self.step:
-            nxt *= 2
-        final = None if planned_steps is None or final_done or planned_steps <= self.step else planned_steps
-        self._watch = {"delta": float(delta), "claimed": claimed_eps, "accountant": accountant, "alpha": alpha,
-                       "on": on_violation, "next": nxt, "look": looks, "final": final,
-                       "split": planned_steps is not None}
+        self._watch = looks.start(self.out, self.step, delta=delta, claimed_eps=claimed_eps, accountant=accountant,
+                                  alpha=alpha, on_violation=on_violation, first=first, planned_steps=planned_steps,
+                                  has_claim=claimed_eps is not None or accountant is not None
+                                  or self.accountant is not None)
         self.alarm, self.stop_requested = None, False
         return self
 
-    def _running_looks(self) -> tuple[int, bool]:
-        """The looks of the alpha series spent so far, and whether the planned run's final look was made."""
-        import json
-
-        path = self.out / RUNNING
-        if not path.is_file():
-            return 0, False
-        if path.is_symlink():
-            raise DPAuditError(f"{path} is a symbolic link; refusing to append to it")
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            text = [line for line in fh.read(1 << 24).splitlines() if line.strip()]
-        lines = []
-        for k, line in enumerate(text):
-            try:
-                value = json.loads(line)
-                if not isinstance(value, dict):
-                    raise ValueError
-            except ValueError:
-                if k != len(text) - 1:
-                    raise DPAuditError(f"{path}: line {k + 1} is not as a watched probe writes it") from None
-                # a kill during the last append: that look was made (its alpha spent) though its line is torn;
-                # counted as a look of the series, and the line rewritten whole so the next appends stay readable
-                value = {"step": None, "torn": True, "final": False}
-                atomic_write_text(path, "".join(json.dumps(x) + "\n" for x in lines + [value]))
-            lines.append(value)
-        return sum(1 for x in lines if not x.get("final")), any(x.get("final") for x in lines)
-
     def _maybe_look(self) -> None:
-        """At ``begin``: a look of the alpha series when the steps reach the next doubling."""
-        watch = self.__dict__.get("_watch")
-        if watch is None or self.alarm is not None or self._fh is None:
+        """At ``begin``: a look of the alpha series when the steps reach the next doubling (or the planned end)."""
+        if self._watch is None or self.alarm is not None or self.transcript is None:
             return
-        if watch["final"] is not None and self.step >= watch["final"]:
-            return self._look(final=True)
-        if self.step >= watch["next"]:
-            self._look(final=False)
+        final = looks.due(self._watch, self.step)
+        if final is not None:
+            looks.look(self, self._watch, final)
 
     def final_look(self, counted: bool = False) -> None:
         """The planned run's last look (``watch(planned_steps=)``), made once its release is recorded: from
         ``_record`` when the claim is a given number, or once the accountant has counted the step (``counted``:
-        the attached Opacus optimizer's ``step``, after its accountant hook). An accountant's claim read before
-        it counted the step would be the claim for one step fewer, which the transcript would then exceed."""
-        watch = self.__dict__.get("_watch")
-        if (watch is None or self.alarm is not None or self._fh is None or watch["final"] is None
-                or self.step < watch["final"] or not (counted or watch["claimed"] is not None)):
+        the attached Opacus optimizer's ``step``, after its accountant hook)."""
+        if self._watch is None or self.alarm is not None or self.transcript is None:
             return
-        self._look(final=True)
-
-    def _look(self, final: bool) -> None:
-        import json
-
-        watch = self._watch
-        if final:  # the planned run's last look: half of alpha
-            watch["final"], level = None, watch["alpha"] / 2
-            watch["next"] = max(watch["next"], 2 * self.step)
-        else:
-            watch["look"] += 1
-            level = watch["alpha"] / (watch["look"] * (watch["look"] + 1)) / (2 if watch["split"] else 1)
-            watch["next"] = 2 * self.step
-        try:
-            result = self.audit(watch["claimed"], watch["delta"], accountant=watch["accountant"], alpha=level,
-                                report=False)
-        except DPAuditError as exc:  # e.g. an accountant that cannot answer yet: said in the log, not fatal
-            line = {"step": self.step, "look": watch["look"], "alpha": level, "final": final, "error": str(exc)}
-            result = None
-        else:
-            eps = result.epsilon_lower_bound
-            line = {"step": self.step, "look": watch["look"], "alpha": level, "final": final,
-                    "claimed_epsilon": result.claimed_epsilon, "epsilon_lower_bound": eps if eps < 1e300 else "inf",
-                    "headline": result.headline, "violation": result.violation, "verdict": result.verdict}
-        with open(self.out / RUNNING, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(line) + "\n")
-        if result is None or not result.violation:
-            return
-        folder = self.out / LOOKS / f"step-{self.step}"  # kept: the end-of-run report never replaces it
-        result = self.audit(watch["claimed"], watch["delta"], accountant=watch["accountant"], alpha=level,
-                            report=folder)  # the same look, its report written
-        self.alarm, self.alarm_report = result, folder / "report.md"
-        which = "the final look" if final else f"look {watch['look']}"
-        words = (f"dpaudit: {result.verdict} ({which} at step {self.step}, alpha {level:.3g}; report: "
-                 f"{self.alarm_report})")
-        if watch["on"] == "raise":
-            from dpaudit.core.errors import PrivacyViolation
-
-            raise PrivacyViolation(words, result)
-        print(words + (": stopping the run" if watch["on"] == "stop" else ""), flush=True)
-        self.stop_requested = watch["on"] == "stop"
+        if looks.due(self._watch, self.step, final_only=True, counted=counted):
+            looks.look(self, self._watch, True)
 
     # -- the audit ---------------------------------------------------------------------------------------
     def close(self) -> None:
-        if self._fh is not None and not self._fh.closed:
+        if self.transcript is not None and self.transcript.writing:
             self.flush()
             self.save_tally()
             self.save_noise_tally()
-            self._fh.close()
+            self.transcript.close()
 
     def audit(self, claimed_eps: float | None = None, delta: float | None = None, *, accountant=None,
               alpha: float = 0.05, report: bool | Path = True, claimed_from: str | None = None):
@@ -654,15 +502,15 @@ class WhiteBoxProbe:
         ``report``: write it to OUT/report (True), or to the folder given (a look's own)."""
         from dpaudit.audit.whitebox import audit_run_folder
 
-        if self._fh is not None and not self._fh.closed:
+        if self.transcript is not None and self.transcript.writing:
             self.flush()
             self.save_tally()
             self.save_noise_tally()
         if delta is None:
             raise DPAuditError("give the delta the run claims (the bound depends on it; 0 would inflate it)")
-        accountant = accountant if accountant is not None else getattr(self, "accountant", None)
+        accountant = accountant if accountant is not None else self.accountant
         source = claimed_from or "given"
-        if getattr(self, "health", None) is not None:  # first: read by the audit whatever the claim turns out to be
+        if self.health is not None:  # first: read by the audit whatever the claim turns out to be
             self.health.look(self.step)  # the moves up to now, whatever the last checked step saw
             self.save_health()  # read by the audit (nothing released, yet moved outside DP: VIOLATION, whitebox.py)
         history = getattr(accountant, "history", None)  # Opacus: [(noise multiplier, sample rate, steps)]
@@ -695,7 +543,7 @@ class WhiteBoxProbe:
 
             folder = report if isinstance(report, Path) else self.out / "report"
             remove_folder(folder)
-            alarm = self.__dict__.get("alarm")
+            alarm = self.alarm
             context = {"probe": self.source, "claimed eps": claimed_eps, "claimed eps from": source,
                        "delta": delta, **self._context(),
                        **{k: v for k, v in facts.items() if not isinstance(v, dict)},
@@ -711,10 +559,24 @@ class WhiteBoxProbe:
 
     def _context(self) -> dict:
         """What the report says of where the canaries enter."""
-        health = getattr(self, "health", None)
+        health = self.health
         return {"sampling rate p": self.rate, "clip C": self.clip,
                 "canaries bypass": self.bypass or "nothing: the optimizer's own clipping acts on them",
                 **(health.lines() if health is not None else {})}
+
+
+class _RunProbe(WhiteBoxProbe):
+    """The bundled trainer's probe (``WhiteBoxProbe.for_run``): no folder of its own to start or resume (the run
+    folder holds the canaries), no health or noise check (the trainer's DP step is its own, training/dp_step.py)."""
+
+    def __init__(self, params, canaries: WhiteBoxCanaries, *, clip: float, sample_rate: float, out, start_step: int,
+                 write: bool):
+        self._declare(kind="gradient", clip=clip, rate=sample_rate, out=out, params=params, source="dpaudit train",
+                      canaries=canaries, step=start_step)
+        self.where = self._locate(canaries.coordinates)
+        if write:
+            self.transcript = Transcript(self.out / TRANSCRIPT, self.width)
+            self.transcript.cut(start_step)
 
 
 def refuse_links(folder: Path) -> None:

@@ -248,6 +248,17 @@ class Passive:
     (rank 0's probe does, once for the whole run), and its audit is rank 0's to make."""
 
     step = 0
+    alarm = alarm_report = health = None
+    stop_requested = False
+
+    def watch(self, **kwargs) -> "Passive":
+        return self
+
+    def final_look(self, counted: bool = False) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
 
     def close(self) -> None:
         pass

@@ -77,7 +77,7 @@ def test_the_tally_survives_a_resume_and_refuses_a_tampered_file(tmp_path):
     assert saved["steps"] == 70 and saved["small"][0] > 0 and saved["large"][0] > 0
     resumed = WhiteBoxProbe([torch.zeros(N_PARAMS, requires_grad=True)], m=100, clip=C, sample_rate=0.3, out=out,
                             resume=True)
-    assert resumed.step == 70 and resumed._clip_tally[0][0] == saved["small"][0]
+    assert resumed.step == 70 and resumed.clip_tally.values[0][0] == saved["small"][0]
     resumed.close()
     (out / CLIP_TALLY).write_text(json.dumps({**saved, "small": [1, "x", 2]}))
     with pytest.raises(DPAuditError, match="not as a probe"):

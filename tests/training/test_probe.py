@@ -493,7 +493,7 @@ def test_a_torn_last_look_counts_as_spent_and_the_watch_goes_on(tmp_path):
     (tmp_path / "p" / RUNNING).write_text('{"step": 16, "look": 1, "final": false}\n{"step": 32, "lo')
     again = WhiteBoxProbe(list(model.parameters()), m=200, clip=1.0, sample_rate=0.5, out=tmp_path / "p",
                           resume=True).watch(delta=1e-5, claimed_eps=4.0)
-    assert again._watch["look"] == 2  # the torn look's alpha stays spent
+    assert again._watch.look == 2  # the torn look's alpha stays spent
     lines = [json.loads(x) for x in (tmp_path / "p" / RUNNING).read_text().splitlines()]
     assert lines[-1]["torn"] and len(lines) == 2
 

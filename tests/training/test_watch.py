@@ -88,7 +88,7 @@ def test_a_resumed_watch_goes_on_with_the_looks_it_has_spent(tmp_path):
     probe.close()
     again = WhiteBoxProbe([torch.zeros(N_PARAMS, requires_grad=True)], m=200, clip=C, sample_rate=RATE, out=out,
                           resume=True).watch(delta=1e-5, claimed_eps=50.0)
-    assert again._watch["look"] == 2 and again._watch["next"] == 64
+    assert again._watch.look == 2 and again._watch.next == 64
 
 
 def test_a_planned_run_gets_a_final_look_at_half_alpha_and_the_series_the_other_half(tmp_path):
@@ -105,7 +105,7 @@ def test_a_planned_run_gets_a_final_look_at_half_alpha_and_the_series_the_other_
     probe.close()
     again = WhiteBoxProbe([torch.zeros(N_PARAMS, requires_grad=True)], m=200, clip=C, sample_rate=RATE, out=out,
                           resume=True).watch(delta=1e-5, claimed_eps=50.0, planned_steps=100)
-    assert again._watch["final"] is None and again._watch["look"] == 3
+    assert again._watch.final is None and again._watch.look == 3
     with pytest.raises(DPAuditError, match="planned_steps"):
         _probe(tmp_path / "z", 3).watch(delta=1e-5, claimed_eps=4.0, planned_steps=0)
 

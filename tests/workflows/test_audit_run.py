@@ -247,3 +247,22 @@ def test_the_pretrained_recipe_micro_batches_within_max_memory_instead_of_refusi
     audit, result, summary = run_audit(tmp_path / "out", cfg, settings, model=tiny_model_dir, show_progress=False)
     ran = json.loads((tmp_path / "out" / "run" / "run_config.json").read_text())["config"]
     assert result.steps == 1 and ran["max_memory"] == cfg.max_memory  # trained within it (train's own check)
+
+
+def test_an_audit_runs_sigma_is_calibrated_once(tmp_path, monkeypatch):
+    """A black-box DP-ZO audit run builds its privacy plan twice (the recipe's rate reads the noise, then the
+    trainer starts): the calibration, a search over sigma, runs once."""
+    import dpaudit.training.plan as plan
+    from dpaudit.training.runner import TrainConfig
+    from dpaudit.workflows.audit_run import AuditRunSettings, ZERO_ORDER_RECIPE, embedded_default, run_audit
+
+    calls, real = [], plan.calibrate_sigma
+    monkeypatch.setattr(plan, "calibrate_sigma", lambda *a, **k: calls.append(1) or real(*a, **k))
+    plan._calibrated_sigma.cache_clear()
+    base = embedded_default(tmp_path / "base", 0)
+    cfg = TrainConfig(method="dp-zo", target_epsilon=4.0, trainable="new-tokens", batch_size=0, steps=10,
+                      secret_seed=1)
+    settings = AuditRunSettings(canaries=20, examples=40, logit_noise=ZERO_ORDER_RECIPE.logit_noise,
+                                phi_from_model=True)
+    _, result, _ = run_audit(tmp_path / "run", cfg, settings, model=base, show_progress=False)
+    assert len(calls) == 1 and result.private and result.epsilon <= 4.0
