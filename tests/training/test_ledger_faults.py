@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from dpaudit.audit import whitebox_canaries as whitebox
-from dpaudit.probes import probe
+from dpaudit.probes import transcript
 from dpaudit.training import checkpoint, zo
 from dpaudit.training.runner import TrainConfig, train
 
@@ -64,7 +64,7 @@ def _patch(monkeypatch, events) -> None:
 
     monkeypatch.setattr(os, "replace", replace)
     monkeypatch.setattr(zo, "open", killable_open, raising=False)  # the DP-ZO (seed, scalar) log
-    monkeypatch.setattr(probe, "open", killable_open, raising=False)  # the DP-SGD white-box transcript
+    monkeypatch.setattr(transcript, "open", killable_open, raising=False)  # the DP-SGD white-box transcript
 
 
 def _released(run) -> int:
