@@ -13,9 +13,11 @@ from dpaudit.accounting import ACCOUNTANTS, calibrate_sigma, default_accountant,
 from dpaudit.accounting.calibrate import epsilons_over_steps
 from dpaudit.core.validate import check_epsilon
 from dpaudit.accounting.noises import noise
+from dpaudit.accounting.registry import default_delta_accountant, delta as delta_of
 from dpaudit.accounting.result import json_float
 from dpaudit.core.atomic import guard_new_file
 from dpaudit.core.errors import DPAuditError
+from dpaudit.core.threads import set_threads
 from dpaudit.cli.common import (
     AccountantOpt, BatchOpt, DatasetOpt, DeltaOpt, EpochsOpt, ForceOpt, JsonOpt, McBackendOpt, McSamplesOpt, McWorkersOpt, MechOpt,
     NoiseOpt, PhaseOpt, POpt, SamplingOpt, SeedOpt, StepsOpt, accountant_options, assumptions, bounded, console, emit_json,
@@ -109,7 +111,6 @@ def _noise_json(mech, result) -> dict:
 
 def _torch_threads(backend: str, threads: int | None) -> None:
     if backend == "torch":  # torch is never imported otherwise: the accounting core is torch-free
-        from dpaudit.core.threads import set_threads
 
         set_threads(threads)
 
@@ -159,11 +160,8 @@ def delta_cmd(
     threads: McThreadsOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """delta(eps) for a noise level and schedule: an upper bound (pld; mc with probability >= 1 - beta)."""
-    from dpaudit.accounting.registry import delta as delta_of
 
     _torch_threads(mc_backend, threads)
-
-    from dpaudit.accounting.registry import default_delta_accountant
 
     check_epsilon(eps)
     m = schedule(mech, sigma, p, batch_size, dataset_size, steps, epochs)

@@ -8,16 +8,35 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.markup import escape
+import numpy as np
 
 from dpaudit.core.atomic import refuse_overlap
 from dpaudit.audit.headlines import headline_help
-from dpaudit.cli.common import LONG_TIMEOUT, MODEL_TIMEOUT, ForceOpt, JsonOpt, ThreadsOpt, bounded, console, emit_json
+from dpaudit.cli.common import (
+    LONG_TIMEOUT, MODEL_TIMEOUT, ForceOpt, JsonOpt, LazyCommand, ThreadsOpt, bounded, console, emit_json, lazy_group,
+)
 from dpaudit.core.errors import DPAuditError
+from dpaudit.audit.analysis import analyse
+from dpaudit.audit.claims import group_claim, run_claims
+from dpaudit.audit.correlated import separation_violations
+from dpaudit.audit.guesses import check_scores
+from dpaudit.audit.report import prepare_folder, write_report
+from dpaudit.audit.sampler import analyse_as, read_log
+from dpaudit.audit.whitebox import audit_run_folder
+from dpaudit.canaries.manifest import load_manifest
+from dpaudit.core.errors import PrivacyViolation
+from dpaudit.core.safe_json import count_newlines
+from dpaudit.core.threads import set_threads
+from dpaudit.core.validate import check_number
+from dpaudit.workflows.scoring import run_score, score_checkpoint
 
 if TYPE_CHECKING:
     from dpaudit.audit.analysis import AuditResult
 
-app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Membership-inference audits against a claimed eps.")
+RUN = {"run": LazyCommand("train_commands", "audit_run", "Canaries -> insert -> train (DP-ZO/DP-SGD at --eps) -> "
+                          "score -> report; exit 1 on a violation.")}
+app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, add_completion=False, cls=lazy_group(RUN),
+                  help="Membership-inference audits against a claimed eps.")
 
 ClaimedOpt = Annotated[Optional[float], typer.Option(
     "--claimed-eps", help="The eps the training claims (default: the run's, when the file sits in a run folder).")]
@@ -34,7 +53,6 @@ HeadlineOpt = Annotated[str, typer.Option(
 
 def resolve_claims(where: Path, claimed_eps: float | None, delta: float | None) -> tuple[float | None, float, dict]:
     """The audit's claimed eps and delta: given, or the run's; a missing delta is an error, never 0."""
-    from dpaudit.audit.claims import run_claims
 
     claims = run_claims(where) or {}
     if delta is None:
@@ -52,8 +70,6 @@ def present(result: AuditResult, context: dict, as_json: bool, *, report: Path |
             scores=None, members=None, extra: dict | None = None) -> None:
     """Print (or emit) the audit, write the report folder, and exit 1 on a violation."""
     from rich.table import Table
-
-    from dpaudit.audit.report import prepare_folder, write_report
 
     files = {}
     if report is not None:
@@ -108,11 +124,9 @@ MAX_SCORES = 1_000_000  # rows of a scores CSV (white-box DP-SGD audits use up t
 
 def read_scores(path: Path):
     """(scores, members) as numpy arrays from a score,member CSV."""
-    import numpy as np
 
     if not path.is_file():
         raise DPAuditError(f"scores file not found: {path}")
-    from dpaudit.core.safe_json import count_newlines
 
     rows_at_most = count_newlines(path, "scores file") + 1
     if rows_at_most > MAX_SCORES + 1:
@@ -149,7 +163,6 @@ def audit_scores(
     as_json: JsonOpt = False,
 ) -> None:
     """Audit precomputed canary scores; exit 1 if the empirical eps exceeds the claimed eps."""
-    from dpaudit.audit.analysis import analyse
 
     if report is not None:
         refuse_overlap(report, {"scores file": scores_file}, folder_output=True)
@@ -187,14 +200,6 @@ def audit_checkpoint(
     as_json: JsonOpt = False,
 ) -> None:
     """Score each canary's secret on a checkpoint, then audit; exit 1 on a violation."""
-    import numpy as np
-
-    from dpaudit.audit.analysis import analyse
-    from dpaudit.audit.guesses import check_scores
-    from dpaudit.audit.report import prepare_folder
-    from dpaudit.workflows.scoring import score_checkpoint
-    from dpaudit.canaries.manifest import load_manifest
-    from dpaudit.core.threads import set_threads
 
     set_threads(threads)
     if report is not None:
@@ -206,7 +211,6 @@ def audit_checkpoint(
     claimed_eps, delta, context = resolve_claims(model, claimed_eps, delta)
     if repeat < 1:
         raise DPAuditError(f"--repeat must be >= 1, got {repeat}")
-    from dpaudit.audit.claims import group_claim
 
     claimed_eps, delta, group = group_claim(claimed_eps, delta, repeat)
     if group:
@@ -214,8 +218,6 @@ def audit_checkpoint(
     if score is None and base is not None:
         score = "loss-vs-base"
     elif score is None:
-        from dpaudit.workflows.scoring import run_score
-
         score, base, why = run_score(model)
         if why:
             context["score chosen"] = why
@@ -249,15 +251,12 @@ def audit_transcript(
 ) -> None:
     """White-box audit of a run's transcript (DP-SGD canary-aligned releases, DP-ZO (seed, scalar) log, a probe's
     folder)."""
-    from dpaudit.audit.whitebox import audit_run_folder
-    from dpaudit.core.validate import check_number
 
     if sample_rate is not None:
         check_number("--sample-rate", sample_rate, above=0, at_most=1)
     if report is not None:
         refuse_overlap(report, {"run": run}, folder_output=True)
     claimed_eps, delta, context = resolve_claims(run, claimed_eps, delta)
-    from dpaudit.core.errors import PrivacyViolation
 
     try:
         result, scores, members, facts = audit_run_folder(run, claimed_epsilon=claimed_eps, delta=delta,
@@ -296,7 +295,6 @@ def audit_sampler(
     """Test whether a run's batches are what its accounting assumes (Poisson by default, or --sampling NAME);
     exit 1 when they are not, naming what the sampler looks like (Poisson, fixed-size, shuffled epochs, cyclic,
     balls-in-bins, with replacement)."""
-    from dpaudit.audit.sampler import analyse_as, read_log
 
     if bands is not None:
         _cyclic_separation(log, bands, as_json)
@@ -327,8 +325,6 @@ def audit_sampler(
 
 def _cyclic_separation(log: Path, bands: int, as_json: bool) -> None:
     """``audit sampler --bands B``: the exact separation check of audit/correlated.py on the log."""
-    from dpaudit.audit.correlated import separation_violations
-    from dpaudit.audit.sampler import read_log
 
     if bands < 1:
         raise DPAuditError(f"--bands must be >= 1, got {bands}")

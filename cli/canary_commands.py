@@ -11,8 +11,15 @@ from dpaudit.core.atomic import guard_new_file, guard_new_folder, refuse_overlap
 from dpaudit.cli.common import LONG_TIMEOUT, ForceOpt, JsonOpt, ThreadsOpt, bounded, emit
 from dpaudit.canaries.manifest import NEW_TOKEN_PREFIX
 from dpaudit.core.threads import set_threads
+from dpaudit.canaries.generate import make_canaries
+from dpaudit.canaries.hf import check_base_tokenizer, extend_model
+from dpaudit.canaries.insert import insert_canaries
+from dpaudit.canaries.manifest import load_manifest
+from dpaudit.models.embedded import embedded_marker
+from dpaudit.models.hf import load_tokenizer
+from dpaudit.models.loading import load_causal_lm
 
-app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Make new-token canaries and put them into data and models.")
+app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, add_completion=False, help="Make new-token canaries and put them into data and models.")
 ManifestOpt = Annotated[Path, typer.Option("--canaries", "-c", help="Canary manifest (JSON) from `canaries make`.")]
 
 
@@ -34,8 +41,6 @@ def make(
     as_json: JsonOpt = False,
 ) -> None:
     """Generate m canaries (secret = one new token), each a member with probability 1/2; write the manifest."""
-    from dpaudit.canaries.generate import make_canaries
-    from dpaudit.models.hf import load_tokenizer
 
     set_threads(threads)  # a GGUF tokenizer is converted (with its model) on first use
     refuse_overlap(output, {"tokenizer": tokenizer})
@@ -62,8 +67,6 @@ def insert(
     as_json: JsonOpt = False,
 ) -> None:
     """Shuffle the member canaries into a copy of a dataset (the input file is never modified)."""
-    from dpaudit.canaries.insert import insert_canaries
-    from dpaudit.canaries.manifest import load_manifest
 
     refuse_overlap(output, {"canary manifest": canaries, "dataset": data})
     s = insert_canaries(load_manifest(canaries), data, output, fmt=fmt, field=field, repeats=repeat, seed=seed,
@@ -85,10 +88,6 @@ def extend(
     as_json: JsonOpt = False,
 ) -> None:
     """Add the canary tokens to a model's tokenizer and embeddings (new output rows zero, ties kept)."""
-    from dpaudit.canaries.hf import check_base_tokenizer, extend_model
-    from dpaudit.canaries.manifest import load_manifest
-    from dpaudit.models.embedded import embedded_marker
-    from dpaudit.models.loading import load_causal_lm
 
     set_threads(threads)
     refuse_overlap(output, {"model": model, "canary manifest": canaries}, folder_output=True)

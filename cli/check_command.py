@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated, Optional
+from itertools import islice
 
 import typer
 from rich.markup import escape
@@ -16,6 +17,7 @@ from dpaudit.cli.common import (
     time_budget,
 )
 from dpaudit.accounting.config import load_privacy_config
+from dpaudit.core.errors import DPAuditError
 
 
 
@@ -94,10 +96,8 @@ def _gate_sampler(log: Path, cfg) -> dict:
     first phase's sampler, p and N, the next T2 against the second's, and so on (alpha split over the phases,
     Bonferroni). A log with more batches than the config's steps fails: the run released steps the config does
     not account. A log with fewer is tested as far as it goes, and says so (it vouches for no later step)."""
-    from itertools import islice
 
     from dpaudit.audit.sampler import ALPHA, analyse_as, read_log
-    from dpaudit.core.errors import DPAuditError
 
     phases = cfg.event.phases
     batches = iter(read_log(log))

@@ -3,22 +3,77 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import json
 import math
+import os
 import sys
 import typing
 from contextlib import contextmanager
 from typing import Annotated, Optional
 
 import click
+import click.utils
 import typer
+import typer.core
+import typer.main
 from rich.console import Console
 
-from dpaudit.accounting.mechanism import Mechanism, schedule  # noqa: F401 - schedule: the commands import it here
+from dpaudit.accounting.mechanism import Mechanism, event, parse_phase, schedule  # noqa: F401 - schedule: the commands import it here
 from dpaudit.accounting.samplers import SAMPLINGS
 from dpaudit.accounting.noises import NOISES, noise, resolve_delta  # noqa: F401 - resolve_delta: likewise
 from dpaudit.core.errors import DPAuditError
+from dpaudit.core import limits as budget
+
+class LazyCommand(typing.NamedTuple):
+    """A command whose module is imported only when it runs or prints its own help: ``module`` under dpaudit.cli,
+    ``attr`` a command function or a typer sub-app, ``summary`` the line its group's help shows (a test keeps it
+    equal to the command's own first line)."""
+
+    module: str
+    attr: str
+    summary: str
+
+
+def lazy_group(table: dict[str, LazyCommand]) -> type:
+    """A typer group class whose commands in ``table`` load on first use. `dpaudit --help` and the closed forms
+    stay within the start-up budget (benchmarks/startup.py) while each command module imports what it uses at
+    its top (the pattern of click's "lazily loading subcommands")."""
+
+    class LazyGroup(typer.core.TyperGroup):
+        lazy = table
+
+        def list_commands(self, ctx: click.Context) -> list[str]:
+            return [*super().list_commands(ctx), *(n for n in self.lazy if n not in self.commands)]
+
+        def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+            if name in self.commands or name not in self.lazy:
+                return super().get_command(ctx, name)
+            entry = self.lazy[name]
+            found = getattr(importlib.import_module(f"dpaudit.cli.{entry.module}"), entry.attr)
+            if not isinstance(found, typer.Typer):
+                single = typer.Typer(rich_markup_mode=None, add_completion=False)
+                single.command(name)(found)
+                found = single
+            command = typer.main.get_command(found)
+            command.name = name
+            self.commands[name] = command
+            return command
+
+        def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+            names = [n for n in self.list_commands(ctx) if n in self.lazy or not self.commands[n].hidden]
+            if not names:
+                return
+            limit = formatter.width - 6 - max(map(len, names))  # as click's own listing cuts each line
+            rows = [(n, click.utils.make_default_short_help(self.lazy[n].summary, limit)
+                     if n in self.lazy and n not in self.commands else self.commands[n].get_short_help_str(limit))
+                    for n in names]
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+    return LazyGroup
+
 
 # On a terminal, rich fits the text to the window; elsewhere (a pipe, a log, CI) nothing is wrapped or cut:
 # a value split across lines, a truncated path or a canary broken mid-token would be copied wrong.
@@ -29,7 +84,6 @@ def reader_gone() -> None:
     """The reader of stdout closed the pipe (``dpaudit check c.yaml | head -1``): what it did not read is dropped
     (stdout now goes to the null device) and the command goes on to its own exit code. A closed pipe is not a
     verdict; rich's default exits 1, the "over budget" code, with nothing said."""
-    import os
 
     try:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -162,7 +216,6 @@ def event_from(mech: str, sigma: float | None, p, batch_size, dataset_size, step
     """The event a command describes: one schedule from the flags, or the --phase list composed in sequence
     (each phase's sigma defaults to --sigma, or 1 when calibrating: then it is the phase's share)."""
     from dpaudit.accounting.matrix.strategy import parse
-    from dpaudit.accounting.mechanism import event, parse_phase
 
     if not phases and steps is None and epochs is None and (p is not None or batch_size is not None):
         note_after("note: no -T/--steps or --epochs given: one step (T = 1) is accounted")
@@ -231,7 +284,6 @@ def emit(summary: dict, as_json: bool, text: str) -> None:
 def time_budget(seconds: float | None, what: str, max_memory: str | None = None):
     """Refuse (exit 2, one line) instead of hanging: SIGALRM interrupts the work after ``seconds``. The
     accountants see the same deadline and memory budget (dpaudit.core.limits) and plan within it."""
-    from dpaudit.core import limits as budget
 
     if seconds is not None and not (seconds > 0 and math.isfinite(seconds)):
         raise DPAuditError(f"--timeout must be a positive number of seconds, got {seconds}")

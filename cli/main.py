@@ -15,22 +15,52 @@ import typer
 import typer.core
 from rich.markup import escape
 
+from dpaudit import __version__
 from dpaudit.core.errors import DPAuditError, Interrupted
-from dpaudit.cli import accounting_commands, audit_commands, canary_commands, check_command, model_commands, train_commands
-from dpaudit.cli.common import drop_notes, err_console, print_notes
+from dpaudit.cli.common import LazyCommand, drop_notes, err_console, lazy_group, print_notes
 
 # Plain click help: typer's rich help imports and renders ~0.15 s per call, and escapes brackets
 # in plain mode. Start-up is budgeted (benchmarks/startup.py); results still print with rich.
 typer.core.HAS_RICH = False
 
+# Each command's module loads when that command runs or prints its help (cli/common.py: lazy_group).
+COMMANDS = {
+    "calibrate": LazyCommand("accounting_commands", "calibrate", "Smallest noise whose accounted epsilon is <= the "
+                             "target (one release when no schedule is given)."),
+    "epsilon": LazyCommand("accounting_commands", "epsilon_cmd", "Epsilon (an upper bound) spent by a given noise "
+                           "level and schedule, or by phases (--phase, repeated)."),
+    "delta": LazyCommand("accounting_commands", "delta_cmd", "delta(eps) for a noise level and schedule: an upper "
+                         "bound (pld; mc with probability >= 1 - beta)."),
+    "max-steps": LazyCommand("accounting_commands", "max_steps_cmd", "Largest number of steps that stays within the "
+                             "target epsilon at a given noise level."),
+    "compare": LazyCommand("accounting_commands", "compare", "Every applicable accountant side by side, with timings "
+                           "(eps for --sigma, or sigma for --eps); the accountants that do not cover the schedule "
+                           "(its sampler, its phases) say why."),
+    "plot": LazyCommand("accounting_commands", "plot", "PNG of epsilon against sigma (for a schedule) or against "
+                        "steps (for a sigma)."),
+    "check": LazyCommand("check_command", "check", "Gate a training config on its privacy budget (for CI and "
+                         "pre-commit): exit 0 within budget, 1 over it (or a claim accounted for another sampler than "
+                         "the one the run uses), 2 when the config is unusable (no sigma stated, ambiguous, malformed) or "
+                         "the check ran out of time."),
+    "train": LazyCommand("train_commands", "train_cmd", "Fine-tune a local causal LM with DP-ZO or DP-SGD (sigma "
+                         "calibrated to --eps) or a non-private baseline."),
+    "replay": LazyCommand("train_commands", "replay_cmd", "Rebuild a DP-ZO model from the base weights and the (seed, "
+                          "scalar) log, and compare it with the run's (exit 1 when they differ beyond --tolerance: the "
+                          "log does not explain the model)."),
+    "canaries": LazyCommand("canary_commands", "app", "Make new-token canaries and put them into data and models."),
+    "audit": LazyCommand("audit_commands", "app", "Membership-inference audits against a claimed eps."),
+    "model": LazyCommand("model_commands", "app", "Get a plain model folder: the embedded default, or a GGUF file "
+                         "converted."),
+}
+
 app = typer.Typer(
     name="dpaudit", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
-    help="Calibrate the noise of DP training, prove budgets in CI, and audit what leaked.",
+    cls=lazy_group(COMMANDS), help="Calibrate the noise of DP training, prove budgets in CI, and audit what leaked.",
 )
+
+
 def _version(value: bool) -> None:
     if value:
-        from dpaudit import __version__
-
         print(f"dpaudit {__version__}")
         raise typer.Exit(0)
 
@@ -40,20 +70,6 @@ def _options(version: bool = typer.Option(False, "--version", callback=_version,
                                           help="Print the version and exit.")) -> None:
     """Calibrate the noise of DP training, prove budgets in CI, and audit what leaked."""
 
-
-app.command("calibrate")(accounting_commands.calibrate)
-app.command("epsilon")(accounting_commands.epsilon_cmd)
-app.command("delta")(accounting_commands.delta_cmd)
-app.command("max-steps")(accounting_commands.max_steps_cmd)
-app.command("compare")(accounting_commands.compare)
-app.command("plot")(accounting_commands.plot)
-app.command("check")(check_command.check)
-app.add_typer(canary_commands.app, name="canaries")
-audit_commands.app.command("run")(train_commands.audit_run)
-app.add_typer(audit_commands.app, name="audit")
-app.command("train")(train_commands.train_cmd)
-app.command("replay")(train_commands.replay_cmd)
-app.add_typer(model_commands.app, name="model")
 
 USAGE_ERROR = 2
 
@@ -100,7 +116,6 @@ def _run(argv, caught) -> None:
     """Exit codes mean one thing: 0 ok; 1 over budget / violation (returned by the command itself); 2 bad
     input or an unusable environment; 3 an internal error (a bug: one line, DPAUDIT_DEBUG=1 for the
     traceback); 130 interrupted (Ctrl-C)."""
-    import os
 
     drop_notes()
     try:

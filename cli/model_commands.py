@@ -11,8 +11,11 @@ import typer
 from dpaudit.cli.common import MODEL_TIMEOUT, ForceOpt, JsonOpt, ThreadsOpt, bounded, emit
 from dpaudit.core.atomic import guard_new_folder, refuse_overlap
 from dpaudit.core.threads import set_threads
+from dpaudit.core.errors import DPAuditError
+from dpaudit.models.embedded import build_embedded_default
+from dpaudit.models.gguf import convert_to, gguf_file_in
 
-app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
+app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, add_completion=False,
                   help="Get a plain model folder: the embedded default, or a GGUF file converted.")
 
 
@@ -27,7 +30,6 @@ def embedded(
 ) -> None:
     """Build the embedded default (a small causal LM, offline, about 20 s on 2 cores): the model `audit run`
     trains when given none."""
-    from dpaudit.models.embedded import build_embedded_default
 
     set_threads(threads)
     guard_new_folder(output, force)
@@ -48,8 +50,6 @@ def convert(
     """Convert a GGUF checkpoint (llama.cpp's format, dequantised) into a plain Hugging Face folder (safetensors and
     its tokenizer): for a Trainer or TRL run (`save_pretrained` refuses a GGUF-loaded model) and for the HF
     callback's ``reference=``. The header is checked before any library reads the file."""
-    from dpaudit.core.errors import DPAuditError
-    from dpaudit.models.gguf import convert_to, gguf_file_in
 
     set_threads(threads)
     gguf = gguf_file_in(Path(source))

@@ -7,13 +7,33 @@ import math
 from pathlib import Path
 from typing import Annotated, Optional
 
+import click
 import typer
 
 from dpaudit.core.atomic import guard_new_folder, refuse_overlap, save_model_folder
-from dpaudit.cli.common import MODEL_TIMEOUT, WHOLE, ForceOpt, JsonOpt, ThreadsOpt, bounded, console, emit, err_console, fmt
+from dpaudit.cli.common import (
+    MODEL_TIMEOUT, WHOLE, ForceOpt, JsonOpt, ThreadsOpt, bounded, console, emit, err_console, fmt,
+)
 from dpaudit.core.errors import DPAuditError
 from dpaudit.core.threads import set_threads
 from dpaudit.training.directions import DEFAULT_DIRECTION
+from dpaudit.accounting.noises import NOISES, resolve_delta
+from dpaudit.canaries.manifest import NEW_TOKEN_PREFIX
+from dpaudit.cli.audit_commands import present
+from dpaudit.core import run_folder, run_record
+from dpaudit.core.limits import parse_memory
+from dpaudit.core.texts import detect_format, read_texts
+from dpaudit.models.embedded import is_embedded
+from dpaudit.models.gguf import gguf_file_in, scan_header
+from dpaudit.models.hf import refuse_remote_code, resolve_model_path
+from dpaudit.models.loading import load_causal_lm
+from dpaudit.training.distributed import launch_rank
+from dpaudit.training.methods import METHODS
+from dpaudit.training.runner import TrainConfig, check_inputs as run_checks, train
+from dpaudit.workflows.audit_run import (
+    AuditRunSettings, black_box_recipe, resolve_recipe, run_audit, white_box_canaries,
+)
+from dpaudit.workflows.replay import default_tolerance, max_weight_difference, replay_run
 
 MethodOpt = Annotated[str, typer.Option("--method", help="dp-zo or dp-sgd.")]
 EpsOpt = Annotated[Optional[str], typer.Option(
@@ -88,17 +108,12 @@ PlantBugOpt = Annotated[Optional[str], typer.Option(
 
 def _pretrained(model: Path | None) -> bool:
     """Any model dpaudit did not build itself (None: the embedded default, which audit run builds)."""
-    from dpaudit.models.embedded import is_embedded
 
     return model is not None and not is_embedded(model)
 
 
 def make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction, trainable,
                 bf16, seed, secret_seed, accountant, max_memory=None, model: Path | None = None, **extra):
-    from dpaudit.core.limits import parse_memory
-    from dpaudit.accounting.noises import NOISES, resolve_delta
-    from dpaudit.training.methods import METHODS
-    from dpaudit.training.runner import TrainConfig
 
     if mech in NOISES:  # an unknown one is refused by TrainConfig, naming it
         delta = resolve_delta(mech, delta)
@@ -123,9 +138,6 @@ _RESUMED = {"method": "method", "delta": "delta", "mech": "mechanism", "clip": "
 
 def _resumed_flags(out: Path, flags: dict) -> dict:
     """``flags`` with every one left at its default replaced by the value the run was started with."""
-    import click
-
-    from dpaudit.core import run_record
 
     saved = run_record.read(out, required=False) if out.is_dir() else None
     ctx = click.get_current_context(silent=True)
@@ -179,9 +191,6 @@ def train_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Fine-tune a local causal LM with DP-ZO or DP-SGD (sigma calibrated to --eps) or a non-private baseline."""
-    from dpaudit.core.texts import detect_format, read_texts
-    from dpaudit.training.distributed import launch_rank
-    from dpaudit.training.runner import train
 
     if resume:  # the run folder knows how it was started: only the flags that change need repeating
         given = _resumed_flags(out, dict(method=method, eps=eps, sigma=sigma, delta=delta, mech=mech, clip=clip,
@@ -203,7 +212,6 @@ def train_cmd(
     texts = read_texts(data, detect_format(data, data_format), field)
     if check_inputs:
         _check_inputs(model, out, texts, resume)
-        from dpaudit.training.runner import check_inputs as run_checks
 
         run_checks(cfg, texts, out, resume)
         emit({"command": "train", "inputs": "usable", "examples": len(texts)}, as_json,
@@ -222,9 +230,6 @@ def _check_inputs(model: Path, out: Path, texts: list[str], resume: bool) -> Non
     """What `train` refuses before it builds anything, checked without loading weights (``--check-inputs``): the
     model a folder with a config (a GGUF file: its header), the data two examples or more, the run folder empty
     (or, with --resume, a run folder)."""
-    from dpaudit.core import run_record
-    from dpaudit.models.gguf import gguf_file_in, scan_header
-    from dpaudit.models.hf import refuse_remote_code, resolve_model_path
 
     gguf = gguf_file_in(Path(model))
     if gguf is not None:
@@ -302,12 +307,6 @@ def audit_run(
     as_json: JsonOpt = False,
 ) -> None:
     """Canaries -> insert -> train (DP-ZO/DP-SGD at --eps) -> score -> report; exit 1 on a violation."""
-    from dpaudit.workflows.audit_run import AuditRunSettings, run_audit
-    from dpaudit.cli.audit_commands import present
-
-    from dpaudit.training.methods import METHODS
-    from dpaudit.canaries.manifest import NEW_TOKEN_PREFIX
-    from dpaudit.workflows.audit_run import black_box_recipe, resolve_recipe, white_box_canaries
 
     if sigma is not None and eps == "1":
         eps = None  # --sigma replaces the default target
@@ -358,9 +357,6 @@ def replay_cmd(
 ) -> None:
     """Rebuild a DP-ZO model from the base weights and the (seed, scalar) log, and compare it with the run's
     (exit 1 when they differ beyond --tolerance: the log does not explain the model)."""
-    from dpaudit.models.loading import load_causal_lm
-    from dpaudit.core import run_folder
-    from dpaudit.workflows.replay import default_tolerance, max_weight_difference, replay_run
 
     set_threads(threads)
     refuse_overlap(out, {"run": run, "base model": base}, folder_output=True)

@@ -31,6 +31,7 @@ from dpaudit.accounting.noises import resolve_delta
 from dpaudit.accounting.registry import delta as _delta
 from dpaudit.accounting.registry import epsilon as _epsilon
 from dpaudit.accounting.result import DeltaResult, EpsilonResult, NeighboringRelation
+from dpaudit.accounting.shuffle import context_for
 
 _WORDS = ("sigma", "phases=[...]", "p/batch_size/steps/epochs/sampling")  # the keywords, for refusals
 
@@ -65,7 +66,6 @@ def epsilon(sigma: float | None = None, *, mech: str = "gaussian", delta: float 
     m = _event(mech, sigma, p, batch_size, dataset_size, steps, epochs, sampling, phases, _WORDS)
     with budgets.enforced(max_memory, timeout, "epsilon"):
         res = _epsilon(m, d, accountant, options, relation)
-        from dpaudit.accounting.shuffle import context_for
 
         shuffled = context_for(m, d, res)
         if shuffled is not None:

@@ -133,3 +133,47 @@ def test_the_probes_sit_between_the_audit_and_the_trainers():
                 ("probe", "pipeline_probe", "probe_opacus", "health")]
     assert any(b.startswith("dpaudit.probes.") for a, t in edges.items() if layer(a) == "training" for b, _ in t)
     assert any(layer(b) == "audit" for a, t in edges.items() if layer(a) == "probes" for b, _ in t)
+
+
+# Imports deferred into a function: the heavy optional stacks anywhere (torch and what builds on it, plots), the
+# numerical libraries that cost 0.2-0.9 s to import (scipy's submodules, dp-accounting, prv-accountant) and rich's
+# widgets where only one path needs them; dpaudit's own modules and numpy only in the modules `dpaudit --help` and
+# the closed-form commands load (their start-up is budgeted, benchmarks/startup.py). Everything else at the top.
+DEFER_ANYWHERE = {"torch", "transformers", "opacus", "peft", "tokenizers", "gguf", "matplotlib", "scipy",
+                  "dp_accounting", "prv_accountant", "rich"}
+DEFER_ON_START_UP = {"dpaudit", "numpy"}
+START_UP = ("dpaudit.cli.main", "dpaudit.cli.accounting_commands", "dpaudit.cli.check_command")
+
+
+def _deferred_imports():
+    mods = modules()
+    for name, path in mods.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(fn):
+                    if isinstance(node, ast.Import):
+                        yield name, node, node.names[0].name
+                    elif isinstance(node, ast.ImportFrom):
+                        yield name, node, node.module or ""
+
+
+def test_imports_are_deferred_only_for_what_start_up_cannot_pay():
+    import subprocess
+    import sys
+
+    code = f"import sys; {'; '.join(f'import {m}' for m in START_UP)}; print(' '.join(sys.modules))"
+    start_up = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                  cwd=REPO).stdout.split())
+    assert "numpy" not in start_up and "torch" not in start_up  # the budget these deferrals keep
+    seen, wrong = set(), []
+    for name, node, target in _deferred_imports():
+        if id(node) in seen:  # a nested function's import is walked from its outer function too
+            continue
+        seen.add(id(node))
+        root = target.split(".")[0]
+        if root in DEFER_ANYWHERE or (root in DEFER_ON_START_UP and name in start_up):
+            continue
+        wrong.append(f"{modules()[name].relative_to(REPO)}:{node.lineno} {ast.unparse(node)}")
+    assert not wrong, "imports to move to the module's top:\n" + "\n".join(wrong)
+    assert len(seen) <= 150, f"{len(seen)} function-local imports"

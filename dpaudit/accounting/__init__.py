@@ -4,6 +4,8 @@ core.
 The names below are loaded on first use (PEP 562), so importing one accounting module does not import them all
 (the package's eager imports had made every submodule import pass through registry and calibrate)."""
 
+import importlib
+
 __all__ = [
     "ACCOUNTANTS",
     "Mechanism",
@@ -19,7 +21,5 @@ _WHERE = {"Mechanism": "mechanism", "ACCOUNTANTS": "registry", "default_accounta
 
 def __getattr__(name: str):
     if name in _WHERE:
-        import importlib
-
         return getattr(importlib.import_module(f"dpaudit.accounting.{_WHERE[name]}"), name)
     raise AttributeError(f"module 'dpaudit.accounting' has no attribute {name!r}")

@@ -49,11 +49,18 @@ import math
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from dpaudit.accounting.mechanism import Mechanism, Phases
 from dpaudit.accounting.result import EpsilonResult
 from dpaudit.accounting.samplers import relation_of
 from dpaudit.core import limits as budgets
 from dpaudit.core.errors import DPAuditError
+from dpaudit.accounting.mechanism import compose_phases
+from dpaudit.accounting import calibrate
+from dpaudit.accounting.pld import kernel
+from dpaudit.accounting.registry import epsilon as account
+from dpaudit.accounting.search import SearchHooks
 
 LADDER = (4e-3, 1e-3, 3e-4, 1e-4, 3e-5, 1e-5, 3e-6)  # lattice steps h, in units of E[W] = 1
 CONVERGED = 5e-3         # stop when the projected remaining error of the upper bound is below this share of it
@@ -184,7 +191,6 @@ def no_lower_bound_why(mech: Mechanism | Phases) -> str:
 def _without_amplification(mech, delta: float, why: str) -> EpsilonResult:
     """The shuffle bound (each example in one batch an epoch: E full-batch releases), valid for balls-in-bins
     under add/remove (accounting/shuffle.py), answering for allocation when its first rung does not fit."""
-    from dpaudit.accounting.registry import epsilon as account
 
     return account(mech, delta, "shuffle").standing_in_for("allocation", why)
 
@@ -250,7 +256,6 @@ def _lattice(sigma: float, h: float, a: int, size: int, up: bool, scale: float =
     """One term (scale x W) on lattice indices a .. a + size - 1, rounded up (ceil(X / h)) or down (floor), and
     the masses that fall below index a and above the last. Rounded up, a term below the floor is raised to it
     (raising is what rounding up does anyway), so nothing falls below."""
-    import numpy as np
     from scipy.special import log_ndtr
 
     m, s = -0.5 / sigma ** 2, 1 / sigma
@@ -272,10 +277,7 @@ def _epoch(sigma: float, t: int, h: float, eta: float, pessimistic: bool, remove
     """One epoch's PLD of one direction (a dp-accounting DensePLDPmf), and the slack its FFT leaves (mass that
     may sit at the wrong loss: the cyclic wrap's Chernoff bound and the round-off). Cached: max-steps composes
     the same epoch for every T it tries."""
-    import numpy as np
     from scipy import fft
-
-    from dpaudit.accounting.pld import kernel
 
     a, a1, size = _window(sigma, t, h, eta, remove)
     up = pessimistic == remove  # remove + upper, or add + lower: the sum is rounded up
@@ -322,7 +324,6 @@ def _epoch(sigma: float, t: int, h: float, eta: float, pessimistic: bool, remove
 
 def _wrap_bound(pieces, length: int) -> float:
     """Chernoff: P(sum of the in-window lattice offsets >= length), the mass the cyclic FFT can wrap."""
-    import numpy as np
     from scipy.special import logsumexp
 
     best = 0.0
@@ -341,7 +342,6 @@ def search_hooks():
     """Calibration and max-steps evaluate every candidate at one lattice (each valid): the coarsest rung to move
     a start, the second to bracket (max-steps brackets T between its upper and its lower bound there), and the one
     the ladder converges to at the anchor."""
-    from dpaudit.accounting.search import SearchHooks
 
     def resolution(anchor, delta: float):
         h = epsilon(anchor, delta).details.get("lattice")
@@ -352,12 +352,10 @@ def search_hooks():
     def start(template, target: float, delta: float) -> float:
         """The Poisson calibration at p = 1 / t (about a second): random allocation's sigma is within a few per
         cent of it (Feldman & Shenfeld bound it by Poisson at (1 + o(1)) / t)."""
-        from dpaudit.accounting.calibrate import calibrate_sigma
-        from dpaudit.accounting.mechanism import compose_phases
 
         poisson = compose_phases([Mechanism(m.kind, m.sigma, 1 / m.steps_per_epoch, m.steps)
                                   for m in template.phases])
-        sigma = calibrate_sigma(poisson, target, delta, rtol=0.01).sigma
+        sigma = calibrate.calibrate_sigma(poisson, target, delta, rtol=0.01).sigma
         # phases: the answer multiplies the parts as given, and the template's multiplier is already in them
         return sigma * template.sigma if isinstance(poisson, Phases) else sigma
 

@@ -6,6 +6,7 @@ import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+import difflib
 
 import yaml
 
@@ -162,7 +163,6 @@ def _ignored(data: dict, sectioned: bool) -> tuple[str, ...]:
     typo there is refused). A flat training config holds the rest of the training setup too (``model:``,
     ``learning_rate:``): those are ignored, except a key that looks like a misspelt privacy key (``detla``,
     ``noise_multipler``), which is refused: ignoring it would account a default in its place."""
-    import difflib
 
     unknown = sorted(set(data) - KNOWN_KEYS)
     if sectioned and unknown:

@@ -24,6 +24,10 @@ import math
 import os
 import time
 from dataclasses import dataclass
+import threading
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from itertools import islice
 
 import numpy as np
 
@@ -36,6 +40,9 @@ from dpaudit.core.errors import DPAuditError
 from dpaudit.accounting.mc_losses import (  # noqa: F401 - shared with mc_torch and montecarlo_tilted
     DIRECTIONS, bernstein_upper as _bernstein_upper, laplace_inside, laplace_regions, log_mix as _log_mix,
 )
+from dpaudit.accounting import pld
+from dpaudit.accounting.mc_torch import composed_losses_torch
+from dpaudit.accounting.montecarlo_tilted import delta_for_epsilon_tilted
 
 MAX_ROWS = 16384
 # Work budget (per-step loss draws per direction) used when no sample count is given.
@@ -170,8 +177,6 @@ def chunk_sums(mech: Mechanism, eps_grid: np.ndarray, settings: MonteCarloSettin
     so the result does not depend on which process or device ran it, or in which order."""
     direction = DIRECTIONS[d_index]
     if settings.backend == "torch":
-        from dpaudit.accounting.mc_torch import composed_losses_torch
-
         loss = composed_losses_torch(mech, direction, rows, (settings.seed, d_index, c_index))
     else:
         rng = np.random.default_rng(np.random.SeedSequence(settings.seed, spawn_key=(d_index, c_index)))
@@ -191,8 +196,6 @@ def _run_tasks(mech, eps_grid, settings, tasks, total: int):
     """Yield (direction index, sum h, sum h^2) per chunk: in this process, or over a process pool. The
     time budget is checked between chunks; a pool keeps only a few groups in flight (bounded memory)
     and, stopped by the budget or an interrupt, its workers are ended at once instead of waited for."""
-    from collections import deque
-    from itertools import islice
 
     workers = settings.workers or os.cpu_count() or 1
     if workers == 1 or settings.backend == "torch" or total == 1:
@@ -200,7 +203,6 @@ def _run_tasks(mech, eps_grid, settings, tasks, total: int):
             budget.check_deadline("the Monte-Carlo accountant")
             yield chunk_sums(mech, eps_grid, settings, *task)
         return
-    from concurrent.futures import ProcessPoolExecutor
 
     per = max(1, min(total // (8 * workers), 4096))  # a few groups per worker: balance without chatter
     pool = ProcessPoolExecutor(max_workers=workers)
@@ -231,7 +233,6 @@ def _shut_down_within(pool, seconds: float) -> None:
     """Shut a pool whose workers were ended down, waiting (at most ``seconds``) for its threads: left running,
     the thread that feeds tasks to the workers can write to a pipe the exiting interpreter has closed, and print a
     traceback (errno 9) after the one-line refusal (seen once in CI under load)."""
-    import threading
 
     waiter = threading.Thread(target=pool.shutdown, kwargs={"wait": True, "cancel_futures": True}, daemon=True)
     waiter.start()
@@ -240,7 +241,6 @@ def _shut_down_within(pool, seconds: float) -> None:
 
 def _grid_top(mech: Mechanism, delta: float) -> float:
     """A data-independent top of the eps grid: 1.25 x a coarse (valid, loose) PLD bound."""
-    from dpaudit.accounting import pld
 
     return 1.25 * pld.epsilon(mech, delta, grid=1e-3).epsilon + 1e-3
 
@@ -310,8 +310,6 @@ def delta_for_epsilon(mech: Mechanism, eps: float, settings: MonteCarloSettings 
 def delta(mech: Mechanism, eps: float, settings: MonteCarloSettings = MonteCarloSettings()) -> DeltaResult:
     """The accountant contract's delta(eps): an upper bound holding with probability >= 1 - beta."""
     if settings.tilt:
-        from dpaudit.accounting.montecarlo_tilted import delta_for_epsilon_tilted
-
         out = delta_for_epsilon_tilted(mech, eps, sample_count(mech, settings), settings.seed, settings.beta)
     else:
         out = delta_for_epsilon(mech, eps, settings)

@@ -24,6 +24,7 @@ from dpaudit.accounting.mechanism import Mechanism
 from dpaudit.accounting.result import EpsilonResult
 from dpaudit.accounting.samplers import relation_of
 from dpaudit.core.errors import DPAuditError
+from dpaudit.core import limits as budget
 
 EPS_ERROR = 1e-3         # the finest mesh we ask for; coarser when the budget needs it
 DELTA_ERROR_FRACTION = 1e-3
@@ -83,7 +84,6 @@ def mesh_points(prv: PrivacyRandomVariable, steps: int, delta: float, eps_error:
 def choose_eps_error(mech: Mechanism, delta: float, requested: float | None) -> float:
     """``requested``, or the finest eps_error (>= EPS_ERROR) whose mesh fits the memory budget and
     SECONDS_PER_EVALUATION; refused (one line, the reason) when even MAX_EPS_ERROR does not fit."""
-    from dpaudit.core import limits as budget
 
     directions = 2 if mech.sampling_rate < 1 else 1
     probe = PoissonSubsampledGaussianMechanism(mech.sampling_rate, mech.sigma)

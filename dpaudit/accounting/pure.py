@@ -24,6 +24,7 @@ from dpaudit.accounting.mechanism import Mechanism
 from dpaudit.accounting.result import EpsilonResult
 from dpaudit.accounting.samplers import relation_of, scheme
 from dpaudit.core.errors import DPAuditError
+from dpaudit.core import limits as budget
 
 RR_BYTES_PER_STEP = 48  # randomized_response_delta: a few float64 arrays of T + 1 entries
 
@@ -86,7 +87,6 @@ def prv_epsilon(mech: Mechanism, delta: float) -> EpsilonResult:
     _require_laplace(mech, "pure-prv")
     if delta <= 0:
         raise DPAuditError("pure-prv needs delta > 0; at delta = 0 use the pure accountant")
-    from dpaudit.core import limits as budget
 
     budget.current().require(RR_BYTES_PER_STEP * (mech.steps + 1), f"pure-prv at T = {mech.steps}",
                              "the pure accountant (T * eps_1) answers at any T")

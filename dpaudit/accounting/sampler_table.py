@@ -14,6 +14,9 @@ from __future__ import annotations
 import time
 
 from dpaudit.accounting.mechanism import schedule
+from dpaudit.accounting import allocation, shuffle
+from dpaudit.accounting.registry import epsilon
+from dpaudit.core.errors import DPAuditError
 
 
 def _timed(fn):
@@ -21,8 +24,6 @@ def _timed(fn):
     try:
         value = fn()
     except Exception as exc:  # noqa: BLE001 - a row that cannot be computed says why; the others still stand
-        from dpaudit.core.errors import DPAuditError
-
         if not isinstance(exc, DPAuditError):
             raise
         value = exc
@@ -31,7 +32,6 @@ def _timed(fn):
 
 def _or_why(value, why: str):
     """A bound, or (None: not computed) the reason as the row's error."""
-    from dpaudit.core.errors import DPAuditError
 
     return DPAuditError(why) if value is None else value
 
@@ -49,9 +49,6 @@ def poisson_replace_one(sigma: float, p: float, steps: int, delta: float) -> flo
 
 def rows(sigma: float, batch_size: int, dataset_size: int, steps: int, delta: float) -> list[dict]:
     """The table's rows for a Gaussian schedule (eps None and ``why`` where a row could not be computed)."""
-    from dpaudit.accounting import allocation, shuffle
-    from dpaudit.accounting.registry import epsilon
-    from dpaudit.core.errors import DPAuditError
 
     b, n = batch_size, dataset_size
 

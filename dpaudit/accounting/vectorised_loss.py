@@ -21,6 +21,8 @@ import numbers
 import numpy as np
 from dp_accounting.pld import privacy_loss_mechanism as plm
 
+from dpaudit.accounting.pld import kernel
+
 _ISCLOSE = 1e-9  # math.isclose's default relative tolerance, which dp-accounting's scalar code uses
 
 
@@ -92,7 +94,6 @@ class LaplaceLoss(_ArrayDeltas, plm.LaplacePrivacyLoss):
 def subsampled_pld(loss_for, sampling_prob: float, grid: float, pessimistic: bool, connect_dots: bool = True):
     """dp-accounting's ``from_gaussian_mechanism`` / ``from_laplace_mechanism`` (add/remove, connect-the-dots
     when pessimistic and the loss has its bounds, privacy buckets otherwise) built on ``loss_for(adjacency)``."""
-    from dpaudit.accounting.pld import kernel
 
     def single(adjacency):
         return kernel.monotone_pmf(loss_for(adjacency), grid, pessimistic, connect_dots)

@@ -58,11 +58,15 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
+
 from dpaudit.accounting.mechanism import Mechanism, Phases
 from dpaudit.accounting.result import EpsilonResult
 from dpaudit.accounting.samplers import relation_of
 from dpaudit.core import limits as budgets
 from dpaudit.core.errors import DPAuditError
+from dpaudit.accounting import pld
+from dpaudit.accounting.pld import kernel
 
 POINTS_PER_STEP = 200     # first grid: one step's loss range / this
 REFINE = 3.0
@@ -94,7 +98,6 @@ def loss_range(sigma: float, gamma: float) -> tuple[float, float]:
 
 def delta_curve(sigma: float, gamma: float, epsilons):
     """H_{e^eps}(S) at each eps: R_rem's delta at eps >= 0, R_add's below (the module docstring's S)."""
-    import numpy as np
 
     remove, add = _directions(sigma, gamma)
     eps = np.asarray(epsilons, dtype=float)
@@ -110,9 +113,6 @@ def delta_curve(sigma: float, gamma: float, epsilons):
 
 def one_step_pmf(sigma: float, gamma: float, grid: float):
     """One step's pessimistic (connect-the-dots) PMF of S on ``grid``."""
-    import numpy as np
-
-    from dpaudit.accounting.pld import kernel
 
     low, high = loss_range(sigma, gamma)
     lower, upper = math.floor(low / grid), math.ceil(high / grid)
@@ -126,8 +126,6 @@ def _step_range(m: Mechanism) -> float:
 
 
 def _composed_epsilon(mech, delta: float, grid: float) -> float:
-    from dpaudit.accounting import pld
-
     composed = None
     for m in mech.phases:
         pmf = one_step_pmf(m.sigma, m.sampling_rate, grid)

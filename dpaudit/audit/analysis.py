@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+import numpy as np
+
 
 from dpaudit.audit.auditor import Bound, CanaryScoreAuditor, GuessCounts
 from dpaudit.audit.guesses import check_scores
@@ -26,6 +28,7 @@ from dpaudit.audit.roc import RocSummary, summarise
 from dpaudit.audit.scores import Score, get_score
 from dpaudit.core.errors import DPAuditError
 from dpaudit.core.validate import check_alpha, check_claimed_epsilon, check_delta
+from dpaudit.audit.ceiling import claim_ceiling
 
 @dataclass
 class AuditResult:
@@ -158,7 +161,6 @@ def refutable_bound(members, *, delta: float, alpha: float, guess_counts: list[i
     every non-member), the same guess counts, alpha split and headline rule. On perfect scores the membership
     matters only through how many members there are (every guess set of a size is as right wherever the members
     sit; a test holds it), so the answer is computed once per count, on the members first, and cached."""
-    import numpy as np
 
     members = np.asarray(members, dtype=bool)
     key = (int(members.sum()), int(members.size), float(delta), float(alpha),
@@ -171,8 +173,6 @@ def refutable_bound(members, *, delta: float, alpha: float, guess_counts: list[i
 
 @lru_cache(maxsize=1024)
 def _refutable_by_count(members: int, m: int, *rest) -> float:
-    import numpy as np
-
     return _perfect_bound(np.arange(m) < members, *rest)
 
 
@@ -223,7 +223,6 @@ def analyse(scores, members, *, claimed_epsilon: float | None = None, delta: flo
     allows (ceiling.run_ceiling, from the run's mechanism); by default the claim's own (eps, delta) region.
     ``model``: how white-box scores were formed from a Poisson-sampled Gaussian run (family.ScoreModel), for the
     gaussian-run bound."""
-    from dpaudit.audit.ceiling import claim_ceiling
 
     check_audit_parameters(alpha, delta, claimed_epsilon)
     scores, members = check_scores(scores, members)

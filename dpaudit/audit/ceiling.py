@@ -31,6 +31,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dpaudit.accounting import pld
+from dpaudit.core.errors import DPAuditError
+
 # where the ceiling is computed: the reported FPRs exactly, and enough points to draw the plot's forbidden region
 CURVE_FPRS = np.unique(np.concatenate([[0.0, 0.001, 0.01, 0.1], np.geomspace(1e-4, 1.0, 120)]))
 EPS_POINTS = 160                                                     # the eps grid the infimum runs over
@@ -91,8 +94,6 @@ def run_ceiling(mech, delta: float, claimed_eps: float, fprs=()) -> Ceiling:
     """The run's mechanism through the pld accountant's composed PLD; where it does not cover the mechanism (or
     the PLD does not fit the budget), the claim's region instead, saying why. ``fprs``: more points to compute it
     at exactly (the curve is read at the next point up between them)."""
-    from dpaudit.accounting import pld
-    from dpaudit.core.errors import DPAuditError
 
     at = np.unique(np.concatenate([CURVE_FPRS, np.asarray(fprs, dtype=float)]))
     try:

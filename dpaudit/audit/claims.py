@@ -13,6 +13,8 @@ import math
 from pathlib import Path
 
 from dpaudit.core import run_folder
+from dpaudit.core import run_record
+from dpaudit.core.errors import DPAuditError
 
 MAX_BYTES = 1 << 20
 
@@ -29,8 +31,6 @@ def _json(path: Path) -> dict | None:
 
 def _record(folder: Path, probe: bool = False):
     """The folder's run record (its probe record), or None (absent or unreadable: no claim here)."""
-    from dpaudit.core import run_record
-    from dpaudit.core.errors import DPAuditError
 
     try:
         if probe:

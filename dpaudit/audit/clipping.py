@@ -32,6 +32,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from dpaudit.core.errors import DPAuditError
+from dpaudit.core.safe_json import load_json_file
+
 TALLY = "clipping_check.json"  # the probe's tally beside its transcript (0600: made from the members)
 CLIP_SHARE = 0.1   # of alpha, where the check is made
 MIN_SAMPLED = 30   # sampled canaries of each size needed to test
@@ -101,8 +104,6 @@ class ClippingCheck:
 def read_tally(folder: Path, run_id: str) -> dict | None:
     """A probe folder's clipping tally (probe.CLIP_TALLY), checked; None where there is none (the canaries were
     added after the loop's clipping, or the folder is older than the check)."""
-    from dpaudit.core.errors import DPAuditError
-    from dpaudit.core.safe_json import load_json_file
 
     path = Path(folder) / TALLY
     if not path.is_file():

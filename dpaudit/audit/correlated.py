@@ -23,12 +23,13 @@ Written here: no library audits a correlated-noise run.
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
+from scipy.signal import lfilter
 
 from dpaudit.audit import family
 from dpaudit.audit.gaussian import mu_lower_bound
+from dpaudit.accounting.matrix.toeplitz import optimal_banded
 
 
 def rounds(steps: int, bands: int) -> int:
@@ -40,7 +41,6 @@ def round_view(releases: np.ndarray, signs: np.ndarray, coefs: np.ndarray, group
                clip: float = 1.0) -> np.ndarray:
     """(R, m): each canary's signed views x_r (units of C) from the (T, m) releases at its coordinates, the public
     (T, m) signs, the strategy's b coefficients (norm 1) and each canary's group (0..b-1)."""
-    from scipy.signal import lfilter
 
     coefs = np.asarray(coefs, float)
     bands = coefs.size
@@ -106,9 +106,6 @@ def simulate(m: int, steps: int, bands: int, rate: float, sigma: float, seed: in
     """A BandMF run's canary transcript, exactly: (releases (T, m), signs, members, groups, coefs). ``cycle``: the
     period the batches really cycle with (a planted bug when < bands); ``independent``: N(0, sigma^2) per step
     instead of C^-1 z (the other planted bug)."""
-    from scipy.signal import lfilter
-
-    from dpaudit.accounting.matrix.toeplitz import optimal_banded
 
     rng = np.random.default_rng(seed)
     coefs = optimal_banded(max(steps, bands), bands) if coefs is None else np.asarray(coefs, float)

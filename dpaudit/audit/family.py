@@ -49,6 +49,9 @@ from typing import Callable
 
 import numpy as np
 
+from dpaudit.accounting import pld
+from dpaudit.accounting.mechanism import Mechanism
+
 _NODES, _WEIGHTS = np.polynomial.hermite_e.hermegauss(160)
 _WEIGHTS = _WEIGHTS / _WEIGHTS.sum()  # E[f(xi)], xi ~ N(0, 1), exact for polynomials of degree < 320
 SIGMA_GRID = 400         # log-spaced family members scanned for the supremum
@@ -135,8 +138,6 @@ def family_epsilon(sigma: float, rate: float, steps: int, delta: float) -> float
     """The family member's eps at delta, read below its true value (at sigma (1 + SAFE_STEP))."""
     if math.isinf(sigma):
         return 0.0
-    from dpaudit.accounting import pld
-    from dpaudit.accounting.mechanism import Mechanism
 
     return float(pld.epsilon(Mechanism("gaussian", sigma * (1 + SAFE_STEP), rate, steps), delta).epsilon)
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from dpaudit.audit.guesses import HullThresholds, TopGuesses
+
 TOP_K = ("one-sided top-k guesses for counts k on a grid fixed in advance (at most 12, equal ones merged; "
          "label-free), alpha split over the distinct ones")
 HULL = ("one-sided guesses at ROC-hull thresholds, alpha split over the hull's vertices (jax_privacy's rule; the "
@@ -39,14 +41,10 @@ class BoundSpec:
 
 
 def _top():
-    from dpaudit.audit.guesses import TopGuesses
-
     return TopGuesses()
 
 
 def _hull():
-    from dpaudit.audit.guesses import HullThresholds
-
     return HullThresholds()
 
 

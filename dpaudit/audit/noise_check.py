@@ -34,6 +34,9 @@ from pathlib import Path
 
 import numpy as np
 
+from dpaudit.core.errors import DPAuditError
+from dpaudit.core.safe_json import load_json_file
+
 NOISE_SHARE = 0.05  # of alpha, where the check is made
 TALLY = "noise_tally.json"  # an attached probe's direct measurement: each tensor's squared noise and steps measured
 BLOCK_VALUES = 1 << 21  # transcript values read at a time
@@ -140,8 +143,6 @@ def column_squares(releases: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def read_tally(folder: Path, run_id: str) -> dict | None:
     """A probe folder's per-tensor noise tally, checked; None where there is none (a plain loop's probe)."""
-    from dpaudit.core.errors import DPAuditError
-    from dpaudit.core.safe_json import load_json_file
 
     path = Path(folder) / TALLY
     if not path.is_file():

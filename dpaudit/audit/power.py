@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
+from dpaudit.audit.analysis import refutable_bound
+
 MAX_CANARIES = 100_000  # the most canaries a manifest holds (canaries.manifest; that layer is above this one)
 
 
@@ -18,9 +22,6 @@ def most_certifiable(m: int, delta: float, alpha: float, score: str = "neg-loss"
     """The largest eps the audit's headline bound can report with m canaries: the audit itself (``analyse``, the
     same guess counts, alpha split and headline rule) run on scores that put every member above every non-member,
     so every guess is right. An oracle, not a formula beside the audit, so the two cannot drift apart."""
-    import numpy as np
-
-    from dpaudit.audit.analysis import refutable_bound
 
     return float(refutable_bound(np.arange(m) % 2 == 0, delta=delta, alpha=alpha, score=score, mechanism=mechanism))
 

@@ -13,11 +13,11 @@ import numpy as np
 
 from dpaudit.core.atomic import atomic_write_json, atomic_write_text, guard_new_folder
 from dpaudit.audit.analysis import AuditResult
+from dpaudit.core.lock import mark
+from dpaudit.core.plots import roc_plot
 
 
 def prepare_folder(folder: Path, force: bool) -> Path:
-    from dpaudit.core.lock import mark
-
     folder = Path(folder)
     guard_new_folder(folder, force)
     folder.mkdir(parents=True, exist_ok=True)
@@ -189,7 +189,6 @@ def write_report(folder: Path, result: AuditResult, scores, members, context: di
     it replaces the result's own verdict at the top, which stays in the report as "this audit's verdict".
     ``decided`` (decided_by): the bound that decided it, which epsilon_lower_bound and the headline then are, with
     each part's bound beside it (this result's own stays as "this audit's epsilon_lower_bound")."""
-    from dpaudit.core.plots import roc_plot
 
     folder = Path(folder)
     payload = {**result.to_dict(), "context": context}

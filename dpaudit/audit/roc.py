@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 from sklearn.metrics import roc_auc_score, roc_curve
 
+from dpaudit.audit.clopper_pearson import lower_rate, upper_rate
+
 REPORTED_FPRS = (0.001, 0.01, 0.1)
 
 
@@ -27,7 +29,6 @@ def summarise(scores: np.ndarray, members: np.ndarray, fprs=REPORTED_FPRS) -> Ro
     auc = float(roc_auc_score(members, scores))
     # Highest TPR reachable by a threshold whose FPR does not exceed the target.
     at = {float(x): float(tpr[fpr <= x].max()) for x in fprs}
-    from dpaudit.audit.clopper_pearson import lower_rate, upper_rate
 
     n = int(np.sum(members))
     interval = {x: (lower_rate(round(v * n), n, 0.025), upper_rate(round(v * n), n, 0.025)) for x, v in at.items()}

@@ -56,11 +56,15 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from array import array
 
 import numpy as np
 
 from dpaudit.core.errors import DPAuditError
 from dpaudit.core.validate import check_alpha, check_number
+from dpaudit.accounting.samplers import observed_as, scheme
+from dpaudit.core import limits as budget
+from dpaudit.core.atomic import atomic_write_text
 
 MAX_STEPS = 10_000_000
 MAX_EXAMPLES = 100_000_000
@@ -146,8 +150,6 @@ class _Collector:
     HASH = 16  # bytes of a batch's hash
 
     def __init__(self):
-        from array import array
-
         self.sizes = array("q")      # 8 bytes a step
         self.counts = np.zeros(0, np.int64)
         self.first = np.zeros(0, np.int64)   # the step an example is first in (-1: not yet)
@@ -158,7 +160,6 @@ class _Collector:
     def _fits(self, examples: int) -> None:
         """The memory what is held will need (8 bytes a step's size, HASH its hash, twice 8 an example's count
         while its array grows, and the analysis's copies of both), against --max-memory."""
-        from dpaudit.core import limits as budget
 
         steps = len(self.sizes) + 4096
         budget.current().require(steps * (8 + self.HASH + 2 * 8 + 8 * self.HASH) + examples * 8 * 8,
@@ -279,8 +280,6 @@ def _order_p_value(first: np.ndarray, steps: int, seed: int) -> tuple[float, flo
 def analyse_batches(batches, dataset_size: int | None = None, sample_rate: float | None = None,
                     alpha: float = 0.05) -> SamplerVerdict:
     """The verdict on a sequence of batches (each an iterable of example indices)."""
-    from scipy import stats
-
     check_alpha(alpha)
     c = _Collector()
     for batch in batches:
@@ -369,7 +368,6 @@ def analyse_as(batches, sampling: str, dataset_size: int | None = None, sample_r
     is ``sampling`` (the scheme records' ``looks_like``). A scheme with ``whole_epochs`` (balls-in-bins) is checked
     exactly too: with t = N // B steps an epoch, no example twice in an epoch (a log that has one is not that
     sampler: refused) and every example once in each complete epoch."""
-    from dpaudit.accounting.samplers import observed_as, scheme
 
     facts = scheme(sampling)  # refuses an unknown name
     if facts.whole_epochs:  # every example exactly once in each epoch of N // B steps: checked exactly
@@ -506,7 +504,6 @@ class SamplerAudit:
 
     def write_log(self, path: Path) -> Path:
         """The batches as a log (``dpaudit audit sampler --log``): one JSON list of indices a line."""
-        from dpaudit.core.atomic import atomic_write_text
 
         return atomic_write_text(path, "".join(json.dumps(b) + "\n" for b in self.batches()))
 

@@ -16,12 +16,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+import json
 
 import numpy as np
 
 from dpaudit.core import run_folder, run_record
 from dpaudit.core.errors import DPAuditError
 from dpaudit.core.run_record import ProbeRecord, RunRecord
+from dpaudit.accounting.matrix.strategy import banded_coefs, parse
+from dpaudit.accounting.mechanism import Mechanism
+from dpaudit.accounting.noises import noise
+from dpaudit.audit import correlated, family, noise_check
+from dpaudit.audit.analysis import analyse
+from dpaudit.audit.ceiling import run_ceiling
+from dpaudit.audit.clipping import CLIP_SHARE, check, read_tally
+from dpaudit.audit.family import likelihood_ratio_step
+from dpaudit.audit.noise_check import NOISE_SHARE
+from dpaudit.audit.rate_check import RateCheck
+from dpaudit.audit.sampler import analyse_batches
+from dpaudit.audit.whitebox_canaries import TRANSCRIPT, WhiteBoxCanaries, step_signs
+from dpaudit.core import limits as budget
+from dpaudit.core.errors import PrivacyViolation
+from dpaudit.core.run_folder import HEALTH, OUTSIDE_DP, read_json
 
 
 @dataclass(frozen=True)
@@ -77,9 +93,6 @@ def _alignment_scores(releases: np.ndarray, canaries, clip: float, rate: float |
     comes from an evenly strided sample of at most 2^20 entries (a function of the transcript, blind to
     membership, like the cut itself). With the Poisson ``rate``, a third statistic: each canary's log-likelihood
     ratio under the run's family at the entries' robust scale (family.py). Also returns that scale, in units of C."""
-    from dpaudit.core import limits as budget
-    from dpaudit.audit.family import likelihood_ratio_step
-    from dpaudit.audit.whitebox_canaries import step_signs
 
     steps, m = releases.shape
     block = max(1, BLOCK_VALUES // m)
@@ -126,7 +139,6 @@ def _robust_cut(values: np.ndarray) -> tuple[float, float]:
 
 def public_noise(seeds: np.ndarray, kind: str, scale: float) -> np.ndarray:
     """The noise each step's public seed would give (what a trainer that misuses it adds)."""
-    from dpaudit.accounting.noises import noise
 
     draw = noise(kind).draw
     return np.array([draw(np.random.default_rng(int(s)), scale) for s in seeds])
@@ -135,8 +147,6 @@ def public_noise(seeds: np.ndarray, kind: str, scale: float) -> np.ndarray:
 def _outside_without_releases(run_dir: Path) -> None:
     """A probe folder with no release whose health check saw the model trained outside DP (the DP optimizer never
     stepped, yet tensors moved): VIOLATION (``PrivacyViolation``), never the refusal of an empty transcript."""
-    from dpaudit.core.errors import PrivacyViolation
-    from dpaudit.core.run_folder import HEALTH, OUTSIDE_DP, read_json
 
     try:
         findings = (read_json(run_dir / HEALTH, "health check") or {}).get("findings") or []
@@ -151,7 +161,6 @@ def _outside_without_releases(run_dir: Path) -> None:
 
 def _transcript_rows(run_dir: Path, m: int) -> np.ndarray:
     """A transcript of m floats a step (gradient probes and trainers, pipeline probes), memory-mapped: (steps, m)."""
-    from dpaudit.audit.whitebox_canaries import TRANSCRIPT
 
     path = run_dir / TRANSCRIPT
     size = path.stat().st_size if path.is_file() else 0
@@ -167,7 +176,6 @@ def transcript_scores(run_dir: Path, meta: Released | None = None
                       ) -> tuple[dict[str, np.ndarray], np.ndarray, str, dict]:
     """({statistic: scores}, members, score name, facts) for a white-box run folder (``meta``: what
     ``Released.of`` read of it, when the caller has read it)."""
-    from dpaudit.audit.whitebox_canaries import TRANSCRIPT, WhiteBoxCanaries, step_signs
 
     run_dir = Path(run_dir)
     meta = meta if meta is not None else Released.of(run_dir)
@@ -234,7 +242,6 @@ def transcript_scores(run_dir: Path, meta: Released | None = None
 
 def _bandmf(meta: Released):
     """A bundled run's BandMF strategy (config noise:), or None."""
-    from dpaudit.accounting.matrix.strategy import parse
 
     noise = meta.record.settings.noise if meta.record is not None else None
     strategy = parse(noise) if noise is not None else None
@@ -245,10 +252,6 @@ def _bandmf_scores(rows, canaries, clip: float, rate, strategy, steps: int):
     """A BandMF run's canary releases read along the strategy's columns (correlated.py): each canary's independent
     round views, scored by the family's likelihood ratio at (p b, R) at their robust scale. Canary i is in group
     i mod b (the trainer's cyclic batches put it there). Returns (stats, scale, R)."""
-    from dpaudit.accounting.matrix.strategy import banded_coefs
-    from dpaudit.audit import correlated
-    from dpaudit.audit.whitebox_canaries import step_signs
-    from dpaudit.core import limits as budget
 
     budget.current().require(4 * 8 * steps * canaries.m, "the BandMF white-box audit")
     b = strategy.bands
@@ -280,7 +283,6 @@ def _poisson_rate(meta: Released) -> float | None:
 def _scalar_likelihood(stats: dict, signs: np.ndarray, x: np.ndarray, rate: float | None):
     """A scalar release's likelihood-ratio statistic (each canary's signed view of the step's sum, in units of C),
     at the sums' robust scale; (stats, scale), the stats unchanged without a rate."""
-    from dpaudit.audit.family import likelihood_ratio_step
 
     centre = float(np.median(x))
     scale = 1.4826 * float(np.median(np.abs(x - centre)))
@@ -293,7 +295,6 @@ def score_models(meta: Released, stats: dict, facts: dict) -> dict:
     """{statistic: family.ScoreModel} for the statistics the gaussian-run bound can read: the linear ones and the
     likelihood ratio, in a Gaussian run whose canaries are Poisson-sampled at a known rate p < 1 (not the robust
     statistic, whose cut depends on the transcript; not a pipeline probe's, whose steps are standardised)."""
-    from dpaudit.audit import family
 
     rate = _poisson_rate(meta)
     if rate is None or (meta.mechanism or "gaussian") != "gaussian" or meta.release == "pipeline-rows":
@@ -323,8 +324,6 @@ def _run_ceiling(meta: Released, steps: int, claimed_epsilon, delta: float):
     strategy = _bandmf(meta)
     if strategy is not None:   # ``steps`` are the rounds, each at rate p b (correlated.py)
         rate = min(1.0, float(rate) * strategy.bands)
-    from dpaudit.accounting.mechanism import Mechanism
-    from dpaudit.audit.ceiling import run_ceiling
 
     try:
         mech = Mechanism(kind, float(sigma), float(rate), int(steps))
@@ -339,9 +338,6 @@ CANARY_BATCHES = "canary_batches.jsonl"  # a PipelineProbe's log: the canaries i
 def canary_sampler_audit(run_dir: Path, members: np.ndarray, sample_rate: float, alpha: float):
     """The sampler audit of the member canaries' inclusions in a PipelineProbe's batch log: each member must be in
     each step independently at the accounted rate (audit/sampler.py, with the members as the dataset)."""
-    import json
-
-    from dpaudit.audit.sampler import analyse_batches
 
     index = {int(i): k for k, i in enumerate(np.flatnonzero(members))}
     batches = []
@@ -361,8 +357,6 @@ def canary_sampler_audit(run_dir: Path, members: np.ndarray, sample_rate: float,
 def _noise_check(run_dir: Path, spec: ProbeRecord, alpha: float):
     """A gradient probe's per-tensor noise check (noise_check.py), or None where the probe does not say the accounted
     noise multiplier (or says 0: nothing to check) or the shapes of the tensors its canaries sit on."""
-    from dpaudit.audit import noise_check
-    from dpaudit.audit.whitebox_canaries import WhiteBoxCanaries
 
     sigma, shapes = spec.noise_multiplier, spec.parameter_shapes
     if not sigma or shapes is None:
@@ -392,15 +386,12 @@ def audit_run_folder(run_dir: Path, *, claimed_epsilon: float | None, delta: flo
     With several statistics each gets alpha / their number, and the larger headline is kept. A PipelineProbe's
     folder with a batch log, given ``sample_rate`` (the rate the run is accounted with): half of alpha goes to the
     sampler audit of its member canaries (``AuditResult.sampler``), half to the statistics."""
-    from dpaudit.audit.analysis import analyse
 
     meta = Released.of(Path(run_dir))  # read once
     stats, members, name, facts = transcript_scores(run_dir, meta)
     clipping = None
     spec = meta.probe
     if spec is not None:
-        from dpaudit.audit.clipping import CLIP_SHARE, check, read_tally
-
         tally = read_tally(run_dir, spec.run_id)
         if tally is not None:  # the canaries entered as examples: the per-example clipping check pays alpha x share
             clipping = check(tally, alpha * CLIP_SHARE)
@@ -408,8 +399,6 @@ def audit_run_folder(run_dir: Path, *, claimed_epsilon: float | None, delta: flo
             facts = {**facts, "per-example clipping check": f"at alpha {clipping.alpha:g} (the rest at {alpha:g})"}
     noise = None
     if spec is not None and spec.kind == "gradient":
-        from dpaudit.audit.noise_check import NOISE_SHARE
-
         noise = _noise_check(Path(run_dir), spec, alpha * NOISE_SHARE)
         if noise is not None:  # the per-tensor noise check pays alpha x its share
             alpha = alpha - noise.alpha
@@ -443,8 +432,6 @@ def audit_run_folder(run_dir: Path, *, claimed_epsilon: float | None, delta: flo
     result.sampler = sampler                                                         # bound inside at its share
     result.clipping, result.noise = clipping, noise
     if spec is not None:
-        from dpaudit.audit.rate_check import RateCheck
-
         result.rate = RateCheck.from_spec(spec)
     unprotected = spec.unprotected_parameters if spec is not None else ()
     result.unprotected = tuple(str(n) for n in unprotected)

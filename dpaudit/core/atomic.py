@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from dpaudit.core.errors import DPAuditError
+from dpaudit.core.lock import LOCK, MARKER, assert_unlocked, is_marked, mark
 
 
 def check_replaceable(path: Path) -> None:
@@ -36,7 +37,6 @@ def guard_new_file(path: Path, force: bool) -> None:
 def guard_new_folder(path: Path, force: bool) -> None:
     """Refuse to write into a non-empty folder the user already has, unless told to; --force only ever
     reuses a folder dpaudit made (it holds the marker), never one of the user's."""
-    from dpaudit.core.lock import LOCK, MARKER, assert_unlocked, is_marked
 
     path = Path(path)
     if path.is_symlink() or (path.exists() and not path.is_dir()):
@@ -109,7 +109,6 @@ def replace_folder(new: Path, path: Path) -> Path:
     """Put the complete folder ``new`` at ``path``, keeping the old ``path`` in place until then and
     restoring it on any failure; returns where the old copy now is (for the caller to remove), or
     ``new`` itself when there was none (nothing to remove). Never replaces a folder a live run holds."""
-    from dpaudit.core.lock import assert_unlocked
 
     new, path = Path(new), Path(path)
     if not (path.exists() or path.is_symlink()):
@@ -173,7 +172,6 @@ def follow_umask(folder: Path) -> None:
 def save_model_folder(path: Path, model, tokenizer, extra_json: dict | None = None, state_dict=None) -> Path:
     """A Hugging Face model folder (safetensors, plus ``extra_json`` files), written whole or not at all,
     marked as dpaudit's. ``state_dict``: the weights to write instead of the model's own."""
-    from dpaudit.core.lock import mark
 
     with atomic_folder(path) as tmp:
         model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)

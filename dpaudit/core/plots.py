@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Sequence
+import math
 
 import matplotlib
 
@@ -48,7 +49,6 @@ def epsilon_curve(xs: Sequence[float], eps: Sequence[float], *, x_label: str, ti
 
 def _decades(axis, values) -> float:
     """How many powers of ten the values span (minor labels only where few major ones show)."""
-    import math
 
     positive = [v for v in values if v > 0 and math.isfinite(v)]
     return math.log10(max(positive) / min(positive)) if positive else 0.0

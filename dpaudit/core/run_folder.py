@@ -15,10 +15,12 @@ Readers cap sizes and turn anything malformed into one DPAuditError (torch-free:
 from __future__ import annotations
 
 from pathlib import Path
+import json
 
 import numpy as np
 
 from dpaudit.core.errors import DPAuditError
+from dpaudit.core.safe_json import count_newlines, load_json_file
 
 RUN_CONFIG = "run_config.json"
 LEDGER = "privacy_ledger.json"
@@ -33,7 +35,6 @@ MAX_JSON = 16 << 20
 
 def read_json(path: Path, what: str) -> dict | None:
     """A run file dpaudit wrote, or None when it is absent; one line when it is not ours."""
-    from dpaudit.core.safe_json import load_json_file
 
     path = Path(path)
     if not path.exists():
@@ -54,7 +55,6 @@ def is_probe_folder(folder: Path) -> bool:
 
 def zo_log(folder: Path) -> tuple[np.ndarray, np.ndarray]:
     """(seeds, scalars) of a DP-ZO run's log."""
-    import json
 
     path = Path(folder) / ZO_LOG
     try:
@@ -66,7 +66,6 @@ def zo_log(folder: Path) -> tuple[np.ndarray, np.ndarray]:
 
 def log_lines(folder: Path) -> int:
     """Lines in the DP-ZO log, counted in blocks (what a run released, whatever its ledger says)."""
-    from dpaudit.core.safe_json import count_newlines
 
     path = Path(folder) / ZO_LOG
     return count_newlines(path, "DP-ZO log") if path.is_file() else 0

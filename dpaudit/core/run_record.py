@@ -21,6 +21,8 @@ from pathlib import Path
 
 from dpaudit.core.errors import DPAuditError
 from dpaudit.core.run_folder import PROBE as PROBE_FILE, RUN_CONFIG as FILE, read_json
+from dpaudit.core.atomic import atomic_write_json
+from dpaudit.core.validate import check_number
 
 FORMAT = "dpaudit-run/2"
 RELEASES = ("gradient-transcript", "scalar-sums", "zo-log", "pipeline-rows")
@@ -230,8 +232,6 @@ def read(folder: Path, required: bool = True) -> RunRecord | None:
 
 
 def write(folder: Path, record: RunRecord) -> None:
-    from dpaudit.core.atomic import atomic_write_json
-
     atomic_write_json(Path(folder) / FILE, record.to_json())
 
 
@@ -295,8 +295,6 @@ class ProbeRecord:
         try:
             record = cls(**{k: _PROBE_CHECKS[k](k, v, where) for k, v in data.items() if k != "format"})
             if record.kind != "pipeline":
-                from dpaudit.core.validate import check_number
-
                 check_number("clip norm C", record.clip, above=0)
                 check_number("sample rate", record.sample_rate, above=0, at_most=1)
                 check_number("gain", record.gain, above=0)
@@ -353,6 +351,4 @@ def read_probe(folder: Path) -> ProbeRecord:
 
 
 def write_probe(folder: Path, record: ProbeRecord) -> None:
-    from dpaudit.core.atomic import atomic_write_json
-
     atomic_write_json(Path(folder) / PROBE_FILE, record.to_json())

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+import resource
+import time
 
 from dpaudit.core.errors import DPAuditError
 
@@ -34,7 +36,6 @@ def _cpu_times(cpus: set[int]) -> dict[int, tuple[int, int]]:
 
 def busy_cores(cpus: set[int], interval: float = 0.1) -> float:
     """How many of ``cpus`` other processes keep busy, sampled over ``interval`` seconds (0 if unknown)."""
-    import time
 
     try:
         before = _cpu_times(cpus)
@@ -76,9 +77,6 @@ class Governor:
         self._last = self._snapshot()
 
     def _snapshot(self):
-        import resource
-        import time
-
         own = resource.getrusage(resource.RUSAGE_SELF)
         try:
             times = _cpu_times(self.cpus)

@@ -32,16 +32,33 @@ Under ZeRO-3 or FSDP (weights sharded), scoring in the callback is skipped: the 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from dpaudit.core.errors import DPAuditError, PrivacyViolation
 from dpaudit.core.validate import check_canaries
 from dpaudit.integrations.hf_preflight import preflight_problems
 from dpaudit.integrations.hf_rows import canary_row, contexts, row_format as find_format, rows_of
 from dpaudit.training.distributed import launch_rank
+from dpaudit.audit.analysis import analyse, check_audit_parameters
+from dpaudit.audit.claims import held_claim
+from dpaudit.audit.power import power_note
+from dpaudit.audit.report import decided_by, write_report
+from dpaudit.audit.roc import summarise
+from dpaudit.canaries.generate import make_canaries, make_existing_canaries, redraw_membership, split_secret
+from dpaudit.canaries.manifest import KINDS, load_manifest
+from dpaudit.core.atomic import atomic_write_json, atomic_write_text
+from dpaudit.core.lock import MARKER, mark, remove_folder
+from dpaudit.core.run_record import read_probe
+from dpaudit.core.safe_json import load_json_file
+from dpaudit.integrations.hf_opacus import opacus_trainer as make
+from dpaudit.models.loading import load_causal_lm
+from dpaudit.probes.probe import ON_VIOLATION, STOP_ALPHA, WhiteBoxProbe
+from dpaudit.probes.probe_opacus import hooked_accountant, loader_sample_rate
+from dpaudit.workflows.scoring import secret_losses
 
 try:  # transformers is the `train` extra; the class is defined either way so that the import error is one line
     from transformers import TrainerCallback
@@ -125,11 +142,9 @@ class DPAuditCallback(TrainerCallback):
         bytes each a step of transcript; 0: no white-box probe). ``on_violation``: the probe audits as the run
         trains (at steps 16, 32, 64, ..., alpha held over every look: ``WhiteBoxProbe.watch``) and, at the first
         look that reads VIOLATION, writes its report and "stop"s the Trainer, "warn"s, or "raise"s; "off": no looks."""
-        from dpaudit.canaries.manifest import load_manifest
 
         repeats = _tiers(repeats)
         _check_arguments(m, kind, secret_length, canary_budget, preflight, claimed_eps, delta, alpha)
-        from dpaudit.probes.probe import ON_VIOLATION
 
         if on_violation not in (*ON_VIOLATION, "off"):
             raise DPAuditError(f"on_violation must be one of {', '.join(ON_VIOLATION)} or off, got {on_violation!r}")
@@ -179,7 +194,6 @@ class DPAuditCallback(TrainerCallback):
                              reference=str(reference) if reference is not None else None,
                              regurgitation=regurgitation, inserted_rows=len(new_rows), dataset_rows=len(rows),
                              white_box_m=white_box_m, on_violation=on_violation)
-        from dpaudit.core.atomic import atomic_write_json
 
         atomic_write_json(out / SETTINGS, dict(settings.__dict__))
         audit = cls(out, manifest, settings, tokenizer)
@@ -202,10 +216,6 @@ class DPAuditCallback(TrainerCallback):
             self.preflight_notes = problems
         dp = _dp_optimizer(optimizer)
         if dp is not None and self.settings.white_box_m >= 2:
-            from dpaudit.core.run_record import read_probe
-            from dpaudit.probes.probe import WhiteBoxProbe
-            from dpaudit.probes.probe_opacus import hooked_accountant, loader_sample_rate
-
             folder = self.out / WHITE_BOX
             resume = folder.is_dir() and any(folder.iterdir())
             trained = [p for group in dp.param_groups for p in group["params"] if p.requires_grad]
@@ -226,7 +236,6 @@ class DPAuditCallback(TrainerCallback):
             claim = self.settings.claimed_eps
             if self.settings.on_violation != "off" and self.settings.delta and (
                     claim is not None or getattr(self.probe, "accountant", None) is not None):
-                from dpaudit.probes.probe import STOP_ALPHA
 
                 # the looks at 1 % over the run (a correct run is stopped at most that often), the end at alpha
                 self.probe.watch(delta=self.settings.delta, claimed_eps=claim,
@@ -248,8 +257,6 @@ class DPAuditCallback(TrainerCallback):
         return control
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
-        from dpaudit.core.atomic import atomic_write_text
-
         tokenizer = kwargs.get("processing_class") or self.tokenizer
         tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
         if _sharded(args):
@@ -328,9 +335,6 @@ class DPAuditCallback(TrainerCallback):
         }
 
     def _write(self, result, scores, members, context, claimed) -> str:
-        from dpaudit.audit.report import write_report
-        from dpaudit.core.lock import remove_folder
-
         folder = self.out / REPORT
         remove_folder(folder)
         folder.mkdir(parents=True)
@@ -338,8 +342,6 @@ class DPAuditCallback(TrainerCallback):
             tiers_verdict(self.tiers, claimed)
         decided = None
         if self.white_box is not None:
-            from dpaudit.audit.report import decided_by
-
             decided = decided_by({"black-box audit": result, "white-box audit": self.white_box},
                                  {"black-box audit": violation, "white-box audit": self.white_box.violation})
             context = {**context, "white-box eps lower bound": round(self.white_box.epsilon_lower_bound, 4),
@@ -363,8 +365,6 @@ def _fmt(x) -> str:
 # -- canaries ---------------------------------------------------------------------------------------------
 def _power_notes(copies, repeats, claimed, delta, alpha) -> dict:
     """Per tier that tests a claim (group privacy for k copies): a line when its canaries cannot refute it."""
-    from dpaudit.audit.claims import held_claim
-    from dpaudit.audit.power import power_note
 
     held = {k: held_claim(claimed, delta, k, copies.count(k)) for k in repeats}
     tested = [k for k in repeats if held[k][0] is not None]
@@ -389,9 +389,6 @@ def _tiers(repeats) -> list[int]:
 
 
 def _check_arguments(m, kind, secret_length, budget, preflight, claimed_eps, delta, alpha) -> None:
-    from dpaudit.audit.analysis import check_audit_parameters
-    from dpaudit.canaries.manifest import KINDS
-
     if kind not in KINDS:
         raise DPAuditError(f"unknown canary kind {kind!r}; use {' or '.join(KINDS)}")
     check_canaries(m)
@@ -409,9 +406,6 @@ def _check_arguments(m, kind, secret_length, budget, preflight, claimed_eps, del
 def _make(tokenizer, m: int, kind: str, seed: int, secret_seed: int | None, secret_length: int, controls: int):
     """(canaries, controls or None): canaries public (from ``seed``), membership secret (OS entropy unless
     ``secret_seed``); controls drawn with them (distinct secrets, the same distribution), never members."""
-    from dataclasses import replace
-
-    from dpaudit.canaries.generate import make_canaries, make_existing_canaries, redraw_membership
 
     manifest = (make_existing_canaries(tokenizer, m + controls, seed=seed, secret_length=secret_length)
                 if kind == "existing" else make_canaries(tokenizer, m, seed=seed))
@@ -423,8 +417,6 @@ def _make(tokenizer, m: int, kind: str, seed: int, secret_seed: int | None, secr
 
 
 def _new_folder(out: Path) -> None:
-    from dpaudit.core.lock import MARKER, mark
-
     if out.exists() and any(p.name != MARKER for p in out.iterdir()):
         raise DPAuditError(f"{out} is not empty and holds no canary manifest; give prepare() a new folder")
     out.mkdir(parents=True, exist_ok=True)
@@ -451,8 +443,6 @@ def _sharded(args) -> bool:
         return True
     deepspeed = getattr(args, "deepspeed", None)
     if isinstance(deepspeed, (str, os.PathLike)) and Path(deepspeed).is_file():
-        from dpaudit.core.safe_json import load_json_file
-
         deepspeed = load_json_file(Path(deepspeed), "DeepSpeed config")
     stage = (deepspeed or {}).get("zero_optimization", {}).get("stage") if isinstance(deepspeed, dict) else None
     return stage == 3
@@ -473,7 +463,6 @@ def _score_later(args, out: Path, repeats: list[int]) -> str:
 def score_canaries(model, tokenizer, manifest, settings: _Settings, controls=None):
     """(scores, members, score name, the controls' scores) on ``model``: base-calibrated when a base model is at
     hand (an unmerged PEFT adapter's ``disable_adapter()``, or ``settings.reference``), else -loss."""
-    from dataclasses import replace
 
     m = len(manifest.canaries)
     if controls is not None:  # one pass over both
@@ -485,8 +474,6 @@ def score_canaries(model, tokenizer, manifest, settings: _Settings, controls=Non
         with model.disable_adapter():
             base = _losses(model, tokenizer, manifest, pairs)
     elif settings.reference is not None:
-        from dpaudit.models.loading import load_causal_lm
-
         reference, _ = load_causal_lm(Path(settings.reference))
         base = _losses(reference, tokenizer, manifest, pairs)
         del reference
@@ -513,11 +500,6 @@ def audit_tiers(scores, members, score: str, settings: _Settings, claimed: float
     with probability <= alpha. The headline result (AUC, TPR at low FPR, the ROC) pools every tier, as memaudit's
     does; with one tier it is that tier's audit. The controls' scores join the non-members in each ROC (AUC, TPR at
     low FPR), never in a bound."""
-    from dataclasses import replace
-
-    from dpaudit.audit.analysis import analyse
-    from dpaudit.audit.claims import held_claim
-    from dpaudit.audit.roc import summarise
 
     control = np.asarray(control, dtype=float)
 
@@ -598,16 +580,11 @@ def tier_lines(tiers, headline) -> dict:
 
 
 def _losses(model, tokenizer, manifest, pairs):
-    from dpaudit.workflows.scoring import secret_losses
-
     return secret_losses(model, tokenizer, manifest, contexts=pairs, show_progress=False)
 
 
 def regurgitation(model, tokenizer, manifest, settings: _Settings) -> dict:
     """Greedy decoding of each canary's secret length after its context: exact matches, members and non-members."""
-    import torch
-
-    from dpaudit.canaries.generate import split_secret
 
     hits = {True: 0, False: 0}
     device = next(model.parameters()).device
@@ -629,6 +606,5 @@ def regurgitation(model, tokenizer, manifest, settings: _Settings) -> dict:
 def opacus_trainer(trainer_class=None, **kwargs):
     """DP-SGD in the Hugging Face Trainer with Opacus (hf_opacus.py): Poisson sampling, per-example losses, ghost
     clipping, the accountant on the optimizer, so that ``DPAuditCallback`` audits it white-box."""
-    from dpaudit.integrations.hf_opacus import opacus_trainer as make
 
     return make(trainer_class, **kwargs)

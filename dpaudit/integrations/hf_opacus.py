@@ -24,8 +24,20 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+import json
+import warnings
+
+import torch
+import torch.nn.functional as F
+from opacus.accountants import PRVAccountant, RDPAccountant
+from opacus.data_loader import DPDataLoader
+from torch.utils.data import DataLoader
 
 from dpaudit.core.errors import DPAuditError
+from dpaudit.core.atomic import atomic_write_json
+from dpaudit.core.run_folder import read_json
+from dpaudit.training.sgd import dp_optimizer_class, per_example_module
+from dpaudit.training.streams import step_key
 
 MODES = ("ghost", "hooks")
 # The accountant's history across attempts, in the Trainer's output_dir: written ahead of each step's release, so a
@@ -82,7 +94,6 @@ class OpacusTrainerMixin:
 
     def _read_ledger(self) -> list | None:
         """The history of the attempts before this one, or None where the output folder holds no ledger."""
-        from dpaudit.core.run_folder import read_json
 
         data = read_json(self._ledger_path(), "accountant ledger")
         if data is None:
@@ -101,7 +112,6 @@ class OpacusTrainerMixin:
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None or self.ledger_history:
             return
-        import json
 
         try:
             with open(Path(checkpoint) / "trainer_state.json", encoding="utf-8") as fh:
@@ -118,7 +128,6 @@ class OpacusTrainerMixin:
 
     def _write_ahead(self) -> None:
         """Before a step's release: the ledger counts it (with every earlier attempt's steps)."""
-        from dpaudit.core.atomic import atomic_write_json
 
         self.attempt_steps += 1
         history = self.ledger_history + [(self.dp_settings["noise_multiplier"], self.sample_rate_accounted,
@@ -127,9 +136,6 @@ class OpacusTrainerMixin:
                                                 "released": sum(h[2] for h in history)})
 
     def get_train_dataloader(self):
-        from opacus.data_loader import DPDataLoader
-        from torch.utils.data import DataLoader
-
         plain = super().get_train_dataloader()
         collate = _empty_safe(plain.collate_fn)
         loader = DataLoader(plain.dataset, batch_size=self.args.per_device_train_batch_size, collate_fn=collate)
@@ -139,9 +145,6 @@ class OpacusTrainerMixin:
         return dp
 
     def create_optimizer(self, *args, **kwargs):
-        import warnings
-
-        from dpaudit.training.sgd import dp_optimizer_class, per_example_module
 
         base = super().create_optimizer(*args, **kwargs)
         if self.dp_optimizer is not None:
@@ -154,7 +157,6 @@ class OpacusTrainerMixin:
             self.dp_optimizer = dp_optimizer_class(ghost)(
                 base, noise_multiplier=settings["noise_multiplier"], max_grad_norm=settings["max_grad_norm"],
                 expected_batch_size=self.args.per_device_train_batch_size)
-        from opacus.accountants import PRVAccountant, RDPAccountant
 
         self.accountant = PRVAccountant() if settings["accountant"] == "prv" else RDPAccountant()
         rate = getattr(self, "sample_rate", None) or self.args.per_device_train_batch_size / len(self.train_dataset)
@@ -172,9 +174,6 @@ class OpacusTrainerMixin:
         return self.optimizer
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        import torch
-
-        from dpaudit.training.streams import step_key
 
         model.train()
         self.dp_optimizer.zero_grad(set_to_none=True)  # Poisson: no per-example gradients carried over
@@ -203,8 +202,6 @@ class OpacusTrainerMixin:
 
 def per_example_losses(model, inputs):
     """Each example's mean next-token loss over its own labels (-100 ignored), float32."""
-    import torch
-    import torch.nn.functional as F
 
     ids, mask = inputs["input_ids"], inputs.get("attention_mask")
     labels = inputs.get("labels", ids if mask is None else ids.masked_fill(mask == 0, -100))
@@ -219,8 +216,6 @@ def per_example_losses(model, inputs):
 def _empty_safe(collate):
     def wrapped(rows):
         if not rows:
-            import torch
-
             return {"dpaudit_empty": torch.zeros(0)}
         return collate(rows)
 

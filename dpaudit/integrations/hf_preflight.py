@@ -6,6 +6,7 @@ each secret span indexed by its first token (O(tokens)); only rows holding a mem
 from __future__ import annotations
 
 from dpaudit.integrations.hf_rows import contexts
+from dpaudit.canaries.generate import split_secret
 
 
 def preflight_problems(model, tokenizer, manifest, settings, train_dataloader) -> list[str]:
@@ -62,7 +63,6 @@ def _check_rows(dataset, collate, tokenizer, manifest, settings, batch_size: int
     """Find the member canaries in the dataset the Trainer iterates, count their copies against what prepare()
     inserted, collate their rows with its own collator, alone and inside a batch as the Trainer forms them, and
     check that each secret span survives (not cut) with its labels on."""
-    from dpaudit.canaries.generate import split_secret
 
     spans, heads = {}, {}
     for c, context in zip(manifest.canaries, contexts(tokenizer, manifest, settings)):

@@ -22,6 +22,7 @@ the ladder found is not the one needed, so a new ladder runs there).
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 from opacus.accountants.accountant import IAccountant
 from opacus.accountants.registry import register_accountant
@@ -29,6 +30,7 @@ from opacus.accountants.registry import register_accountant
 from dpaudit.accounting import Mechanism, pld
 from dpaudit.accounting.mechanism import compose_phases
 from dpaudit.accounting.registry import epsilon as account
+from dpaudit.accounting.mechanism import MAX_PHASES
 
 MECHANISM = "dpaudit-pld"
 REUSE = 1.1  # a laddered resolution serves sigmas within this factor
@@ -79,9 +81,6 @@ def _at_most_max_phases(history) -> list[Mechanism]:
     pairs fit. Rounding that way only adds privacy loss (a smaller sigma is the larger one's output plus
     noise removed; a larger Poisson rate q' subsampled again at q / q' is the rate q), so eps stays an upper
     bound; with at most MAX_PHASES distinct pairs nothing is rounded."""
-    from collections import Counter
-
-    from dpaudit.accounting.mechanism import MAX_PHASES
 
     merged: Counter = Counter()
     for s, p, t in history:

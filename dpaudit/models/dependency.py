@@ -3,6 +3,8 @@ and importing it from hf.py had made the two import each other)."""
 
 from __future__ import annotations
 
+import warnings
+
 from dpaudit.core.errors import DPAuditError
 
 
@@ -11,7 +13,6 @@ def require_transformers():
         import transformers
     except ImportError:  # the base install is accounting-only
         raise DPAuditError("this command needs the training extras: pip install 'dpaudit[train]'") from None
-    import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")  # deprecation chatter
     transformers.logging.set_verbosity_error()  # library chatter would bury our one-line messages

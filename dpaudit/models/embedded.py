@@ -5,6 +5,7 @@ language model before anyone fine-tunes it. Deterministic for a given seed."""
 from __future__ import annotations
 
 from pathlib import Path
+import json
 
 from dpaudit.core.atomic import save_model_folder
 from dpaudit.models.hf import require_transformers
@@ -23,7 +24,6 @@ def embedded_marker(folder) -> dict:
     """The marker to carry into a folder derived from ``folder`` (``canaries extend``): an extended embedded
     default is still the embedded default (its learning rates, not a pretrained model's), so it keeps the marker,
     noting the derivation; any other model gets none."""
-    import json
 
     if not is_embedded(folder):
         return {}

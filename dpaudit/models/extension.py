@@ -17,6 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dpaudit.core.errors import DPAuditError
+from dpaudit.core.atomic import atomic_folder, atomic_write_json, follow_umask
+from dpaudit.core.lock import mark
+from dpaudit.core.safe_json import load_json_file
+from dpaudit.models.hf import resolve_model_path
 
 MARKER = "dpaudit_added_tokens.json"
 FORMAT = 1
@@ -64,9 +68,6 @@ def files_stamp(folder: Path) -> list[list]:
 def save_extension(path: Path, base: Path, model, tokenizer, tokens: list[str]) -> Path:
     """Write ``path``: ``model`` (the base at ``base`` with ``tokens`` added by ``add_zero_tokens``) as an extension
     folder: its config and tokenizer, and the marker, but no weights. Written whole or not at all."""
-    from dpaudit.core.atomic import atomic_folder, atomic_write_json, follow_umask
-    from dpaudit.core.lock import mark
-    from dpaudit.models.hf import resolve_model_path
 
     folder = resolve_model_path(base).resolve()
     if (folder / MARKER).is_file():
@@ -89,7 +90,6 @@ def save_extension(path: Path, base: Path, model, tokenizer, tokens: list[str]) 
 def added_tokens(folder: Path) -> AddedTokens | None:
     """What the extension folder ``folder`` adds to which base (None: not an extension folder). Refused: a marker
     dpaudit did not write, a base that is gone, or whose files changed since the folder was written."""
-    from dpaudit.core.safe_json import load_json_file
 
     marker = Path(folder) / MARKER
     if not marker.is_file():

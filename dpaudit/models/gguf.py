@@ -25,8 +25,14 @@ import struct
 import sys
 import time
 from pathlib import Path
+import shutil
 
+from dpaudit.core import limits
 from dpaudit.core.errors import DPAuditError
+from dpaudit.core.limits import human_bytes
+from dpaudit.core.atomic import atomic_folder, save_model_folder
+from dpaudit.core.lock import is_marked
+from dpaudit.models.dependency import require_transformers
 
 STAMP = "dpaudit_gguf.json"
 
@@ -101,7 +107,6 @@ class _Header:
 def scan_header(source: Path) -> str:
     """Check the header and tensor table of the GGUF file ``source`` against the caps above and the memory
     available, and return their SHA-256 (the conversion's cache key). One line, exit 2, when refused."""
-    from dpaudit.core.limits import available_bytes, human_bytes
 
     try:
         with open(source, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
@@ -130,7 +135,7 @@ def scan_header(source: Path) -> str:
     except (OSError, ValueError) as exc:
         raise DPAuditError(f"{source} is not a GGUF file dpaudit reads: {exc}") from None
     need = BYTES_PER_ELEMENT_READ * h.elements
-    available = available_bytes()
+    available = limits.available_bytes()
     if available is not None and need > available / 2:
         raise DPAuditError(f"{source}'s metadata holds {h.elements} array elements, which the GGUF reader would "
                            f"need about {human_bytes(need)} for; more than half the {human_bytes(available)} free")
@@ -147,7 +152,6 @@ def cache_folder(source: Path) -> Path:
     if os.access(source.parent, os.W_OK):
         return beside
     root = Path(os.environ.get("DPAUDIT_CACHE") or Path.home() / ".cache" / "dpaudit")
-    import hashlib
 
     key = hashlib.sha256(str(source.resolve()).encode()).hexdigest()[:16]
     return root / "gguf" / f"{source.stem}-{key}.hf"
@@ -162,7 +166,6 @@ def _current(folder: Path, source: Path, digest: str) -> bool:
 
 def as_hf_folder(source: Path) -> Path:
     """The plain Hugging Face folder for the GGUF file ``source`` (converted on first use)."""
-    from dpaudit.core.lock import is_marked
 
     source = Path(source)
     folder = cache_folder(source)
@@ -177,9 +180,6 @@ def as_hf_folder(source: Path) -> Path:
 def convert_to(source: Path, folder: Path) -> Path:
     """Convert the GGUF file ``source`` into ``folder`` (``dpaudit model convert``); a conversion already beside
     the file (``<file>.hf``, current) is copied instead of redone."""
-    import shutil
-
-    from dpaudit.core.atomic import atomic_folder
 
     source = Path(source)
     digest = scan_header(source)
@@ -213,9 +213,6 @@ def stored_precision(source: Path):
 
 
 def _convert(source: Path, folder: Path, digest: str) -> Path:
-    from dpaudit.core.atomic import save_model_folder
-    from dpaudit.models.dependency import require_transformers
-
     transformers = require_transformers()
     try:
         import gguf

@@ -7,6 +7,10 @@ from pathlib import Path
 
 from dpaudit.core.errors import DPAuditError
 from dpaudit.models.dependency import require_transformers  # noqa: F401 - importable from here as before
+from dpaudit.core import limits as budget
+from dpaudit.core.limits import human_bytes
+from dpaudit.core.safe_json import load_json_file
+from dpaudit.models.gguf import as_hf_folder, gguf_file_in
 
 
 REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json", "processor_config.json")
@@ -21,7 +25,6 @@ def refuse_remote_code(folder: Path) -> None:
     it would mean running files that came with the checkpoint. (Loads also pass trust_remote_code=False.)
     A config too large or too nested to read is refused too, and a model config is checked for size
     (``check_model_size``) before anything is built from it."""
-    from dpaudit.core.safe_json import load_json_file
 
     for name in REMOTE_CODE_FILES:
         f = Path(folder) / name
@@ -65,8 +68,6 @@ def check_model_size(path: Path, config: dict, max_bytes: float | None = None) -
     load here uses) against ``max_bytes`` (default: the memory available to this process), and a layer
     count no model has. Checked before transformers builds anything, so a config naming 1e8 layers is
     refused in milliseconds instead of filling the memory or building modules for hours."""
-    from dpaudit.core import limits as budget
-    from dpaudit.core.limits import available_bytes, human_bytes
 
     if not isinstance(config, dict):
         raise DPAuditError(f"{path} is not a model config (a JSON object)")
@@ -76,7 +77,7 @@ def check_model_size(path: Path, config: dict, max_bytes: float | None = None) -
         raise DPAuditError(f"{path} names {layers:.3g} layers; no model has more than {MAX_LAYERS}")
     need = 2 * parameter_estimate(config)
     limit = max_bytes or (budget.current().max_memory if budget.current().explicit else None) \
-        or available_bytes() or float("inf")
+        or budget.available_bytes() or float("inf")
     if need > limit:
         raise DPAuditError(f"{path} describes a model of about {need / 2:.3g} parameters ({human_bytes(need)} even "
                            f"in bf16), more than the {human_bytes(limit)} this command may use")
@@ -100,7 +101,6 @@ def resolve_model_path(path: str | Path) -> Path:
     """The Hugging Face folder a user's path stands for: the folder itself; the snapshot inside a
     hub-cache folder (``models--org--name/`` with ``refs/main`` and ``snapshots/<revision>/``); or, for
     a GGUF file (or a folder holding one and no config.json), its converted folder (models/gguf.py)."""
-    from dpaudit.models.gguf import as_hf_folder, gguf_file_in
 
     path = Path(path)
     if not path.exists():

@@ -7,13 +7,13 @@ from pathlib import Path
 
 from dpaudit.core.errors import DPAuditError
 from dpaudit.models.hf import load_tokenizer, refuse_remote_code, require_transformers, resolve_model_path
+from dpaudit.models.extension import add_zero_tokens, added_tokens
 
 
 def load_causal_lm(path: str | Path, dtype=None):
     """(model, tokenizer) from a model folder, a hub-cache folder, a .gguf file or an extension folder (a base
     model's folder plus new tokens, models/extension.py)."""
     transformers = require_transformers()
-    from dpaudit.models.extension import add_zero_tokens, added_tokens
 
     path = resolve_model_path(path)
     if not path.is_dir():

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from dpaudit.core.run_folder import OUTSIDE_DP
 
 SAMPLES = 64         # strided values a tensor's fingerprint keeps (besides its sum and sum of squares)
@@ -62,15 +64,12 @@ def fingerprints(tensors):
         square = torch.linalg.vector_norm(flat, 2, dtype=torch.float64).square().view(1)
         rows.append(torch.cat([total, square, picked, pad]))
     if not rows:
-        import numpy as np
-
         return np.zeros((0, 2 + SAMPLES))
     return torch.stack([r.to(rows[0].device) for r in rows]).cpu().numpy()
 
 
 def _same(a, b):
     """Per row: whether two fingerprints are equal (NaN padding equal to itself)."""
-    import numpy as np
 
     return np.all((a == b) | (np.isnan(a) & np.isnan(b)), axis=1)
 
@@ -250,8 +249,6 @@ class UpdateHealth:
             self._after = fingerprints(self.tensors)
 
     def _size(self, now, optimizer, released) -> None:
-        import numpy as np
-
         for k in range(self.dp):
             moved = np.nanmax(np.abs(now[k, 2:] - self._before[k, 2:])) if not np.all(np.isnan(now[k, 2:])) else 0.0
             bound = update_bound(optimizer, self.tensors[k], None if released is None else released[k])

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import OrderedDict
 
 import numpy as np
 
@@ -39,6 +40,8 @@ from dpaudit.core.errors import DPAuditError
 from dpaudit.core.validate import check_canaries, check_number
 from dpaudit.probes.probe import WhiteBoxProbe, refuse_links
 from dpaudit.probes.transcript import Transcript
+from dpaudit.models.extension import add_zero_tokens
+from dpaudit.probes.health import for_tensors
 
 BUDGET = 0.05  # the share of the training's wall time the canaries' directions may take (refreshed that often)
 CHUNK = 64  # canary sequences a backward pass
@@ -59,7 +62,6 @@ class PipelineProbe(WhiteBoxProbe):
         if any(type(p).__name__ == "DTensor" for p in model.parameters()):
             raise DPAuditError("a PipelineProbe reads the canaries' rows from one process's model: the weights here "
                                "are sharded (FSDP); use WhiteBoxProbe, or probe an unsharded run")
-        from dpaudit.probes.health import for_tensors
 
         # no clip, rate or gradient release (no per-tensor noise check); the update's health check: the model's
         # trainable tensors as they are now (freeze first) must each move
@@ -82,8 +84,6 @@ class PipelineProbe(WhiteBoxProbe):
     # -- setting up ----------------------------------------------------------------------------------------
     def _add_tokens(self) -> list[int]:
         import torch
-
-        from dpaudit.models.extension import add_zero_tokens
 
         tokens = [f"<dpaudit-{self.run_id[:8]}-{i}>" for i in range(self.m)]
         ids = add_zero_tokens(self.model, self.tokenizer, tokens)
@@ -268,7 +268,6 @@ class PipelineProbe(WhiteBoxProbe):
 def _set_hooks_aside(model) -> list:
     """Every module's hooks, emptied for the probe's own forward and backward (Opacus' per-sample hooks would
     record it as a batch); returns what ``_restore_hooks`` puts back."""
-    from collections import OrderedDict
 
     saved = []
     names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")

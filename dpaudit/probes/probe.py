@@ -38,6 +38,12 @@ from dpaudit.probes import looks
 from dpaudit.probes.looks import LOOKS, ON_VIOLATION, RUNNING, STOP_ALPHA, WATCH_FIRST  # noqa: F401 - importable here
 from dpaudit.probes.tallies import SIZE_RATIO, ClipTally, NoiseTally
 from dpaudit.probes.transcript import BLOCK_ROWS, Transcript
+from dpaudit.audit.report import write_report
+from dpaudit.audit.whitebox import CANARY_BATCHES, audit_run_folder
+from dpaudit.audit.whitebox_canaries import MANIFEST
+from dpaudit.core.lock import MARKER, mark, remove_folder
+from dpaudit.probes.health import for_tensors
+from dpaudit.probes.probe_opacus import accounted_rate, attach
 
 KINDS = ("gradient", "scalar")  # a PipelineProbe (pipeline_probe.py) is the third kind of probe folder
 SAMPLING_DOMAIN = 0x77627370  # "wbsp": the canaries' per-step sampling, apart from membership's stream
@@ -66,7 +72,6 @@ class WhiteBoxProbe:
         # DP optimizer is trained without clipping or noise: the audit reports it as a violation).
         noised = {id(p) for p in params}
         named = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
-        from dpaudit.probes.health import for_tensors
 
         self._declare(
             kind=kind, clip=clip, rate=sample_rate, out=out, params=params, source=_source, secret_seed=secret_seed,
@@ -129,8 +134,6 @@ class WhiteBoxProbe:
 
     # -- folder ------------------------------------------------------------------------------------------
     def _start(self, m: int, gain: float, seed: int) -> None:
-        from dpaudit.core.lock import MARKER, mark
-
         if self.out.exists() and any(p.name != MARKER for p in self.out.iterdir()):
             raise DPAuditError(f"{self.out} is not empty; give the probe a new folder, resume=True to continue the "
                                "probe written there, or delete the folder to start over (a probe left by a crashed "
@@ -437,7 +440,6 @@ class WhiteBoxProbe:
         you train with), the canaries are sampled at its rate and the audit checks the accountant counts that rate;
         given ``model``, it also checks that every trainable tensor is noised by this optimizer. How:
         probe_opacus.py."""
-        from dpaudit.probes.probe_opacus import attach
 
         return attach(cls, optimizer, m=m, out=out, sample_rate=sample_rate, accountant=accountant, gain=gain,
                       seed=seed, resume=resume, model=model, secret_seed=secret_seed, data_loader=data_loader)
@@ -500,7 +502,6 @@ class WhiteBoxProbe:
         accountant: its eps after the steps actually taken, at ``delta``); ``claimed_from`` says where a given
         ``claimed_eps`` came from (a caller that took it from an accountant names it, as its own report does).
         ``report``: write it to OUT/report (True), or to the folder given (a look's own)."""
-        from dpaudit.audit.whitebox import audit_run_folder
 
         if self.transcript is not None and self.transcript.writing:
             self.flush()
@@ -529,7 +530,6 @@ class WhiteBoxProbe:
                 f" after the {taken} steps taken" if taken is not None else "")
         counted = {}
         if accountant is not None and self.kind == "gradient":  # the rates it counted, read now (rate_check.py)
-            from dpaudit.probes.probe_opacus import accounted_rate
 
             rate, rate_source = accounted_rate(accountant)
             if rate is not None:
@@ -538,9 +538,6 @@ class WhiteBoxProbe:
         result, scores, members, facts = audit_run_folder(self.out, claimed_epsilon=claimed_eps, delta=delta,
                                                           alpha=alpha, sample_rate=self._sampler_rate(accountant))
         if report:
-            from dpaudit.audit.report import write_report
-            from dpaudit.core.lock import remove_folder
-
             folder = report if isinstance(report, Path) else self.out / "report"
             remove_folder(folder)
             alarm = self.alarm
@@ -583,9 +580,6 @@ def refuse_links(folder: Path) -> None:
     """A probe folder, and each file a probe writes or appends to there, must not be a symbolic link (the probe
     would write through it, truncating a file outside the folder on resume): refused when the probe starts, never
     mid-run."""
-    from dpaudit.audit.whitebox import CANARY_BATCHES
-    from dpaudit.audit.whitebox_canaries import MANIFEST
-    from dpaudit.core.run_folder import HEALTH
 
     folder = Path(folder)
     if folder.is_symlink() or (folder.exists() and not folder.is_dir()):

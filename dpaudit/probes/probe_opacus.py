@@ -18,6 +18,8 @@ optimizer changes, its step hook (the accountant's) included; a second probe on 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 
 from dpaudit.core.errors import DPAuditError
@@ -206,7 +208,6 @@ def inject(probe, optimizer, ghost: bool) -> None:
     # everywhere else, so the rest of a tensor would add nothing to its norm or its sum, only rows the size of the
     # tensor (a canary on a 100 M-value embedding would cost 400 MB a row). The stand-ins' clipped sums are then
     # added at those coordinates of the tensors' own clipped sums.
-    from types import SimpleNamespace
 
     rows, by_tensor = len(sampled), {}
     for r, i in enumerate(sampled):

@@ -9,6 +9,8 @@ from typing import Callable
 
 import numpy as np
 
+from dpaudit.training.samplers import AllocationSchedule
+
 
 def poisson_batch(n: int, rate: float, rng: np.random.Generator) -> np.ndarray:
     """Each of the n examples joins independently with probability ``rate`` (the accountant's assumption)."""
@@ -28,8 +30,6 @@ def _poisson_source(n: int, batch_size: int, secret: int, rng: np.random.Generat
 
 
 def _balls_in_bins_source(n: int, batch_size: int, secret: int, rng: np.random.Generator):
-    from dpaudit.training.samplers import AllocationSchedule
-
     return AllocationSchedule(n, batch_size, secret)
 
 

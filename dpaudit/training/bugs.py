@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import numpy as np
+
 from dpaudit.core.errors import DPAuditError
 
 ENV = "DPAUDIT_ALLOW_BUGS"
@@ -59,8 +61,6 @@ class PublicNoise:
     """The noise drawn from the step's public seed, which the (seed, scalar) log reveals."""
 
     def noise_rng(self, seed: int):
-        import numpy as np
-
         return np.random.default_rng(seed)
 
 

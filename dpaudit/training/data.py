@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dpaudit.core.errors import DPAuditError
+
 
 @dataclass
 class TokenizedDataset:
@@ -29,7 +31,6 @@ class TokenizedDataset:
         width = max(1, int(mask.sum(1).max())) if len(idx) else 1
         return {"input_ids": self.input_ids[idx, :width], "attention_mask": mask[:, :width]}
 
-
     def target_tokens(self, indices=None) -> int:
         """Next-token targets (real tokens after the first) of the examples at ``indices`` (default: all)."""
         mask = self.attention_mask if indices is None else self.attention_mask[torch.as_tensor(indices, dtype=torch.long)]
@@ -40,7 +41,6 @@ def tokenize(tokenizer, texts: list[str], max_length: int = 64) -> TokenizedData
     """``texts`` tokenised, truncated on the right to ``max_length`` and right-padded to it (the tokenizer's
     truncation side is set for the call and restored). The padding id is the tokenizer's pad token, else its
     end of sequence, else 0: any id does, since the mask hides it."""
-    from dpaudit.core.errors import DPAuditError
 
     side = getattr(tokenizer, "truncation_side", None)
     try:

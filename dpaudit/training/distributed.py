@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from typing import NoReturn
+import logging
+import sys
 
 import numpy as np
 
@@ -85,8 +87,6 @@ def exit_process(code: int) -> NoReturn:
     already on disk (atomic renames), so once the standard streams and logging are flushed nothing is left
     for finalization to do but that race. Used by the CLI and by scripts that call ``train`` under torchrun.
     """
-    import logging
-    import sys
 
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 
 from dpaudit.training.streams import add_normals_
+from dpaudit.core.errors import DPAuditError
+from dpaudit.training.shard import local_slices
 
 
 class DPStep:
@@ -102,7 +104,6 @@ class CorrelatedNoise:
     """Mixin: BandMF's noise (accounting/matrix/bandmf.py). The mechanism releases C x + z with z ~ N(0, s^2 I) per
     step and C lower-triangular banded Toeplitz (coefficients c_0..c_{b-1}, column norm 1); a trainer that updates
     with each step's estimate C^-1 (C x + z) = x + C^-1 z adds, at step t, w_t = C^-1 z at t, which solves C w = z:
-
         w_t = (z_t - sum_{k=1}^{b-1} c_k w_{t-k}) / c_0
 
     z_t comes from the step's position-addressable stream (the seam below, as for independent noise), and the last
@@ -123,8 +124,6 @@ class CorrelatedNoise:
     _past: list | None = None
 
     def draw_noise(self, tensors: list, std: float) -> None:
-        import torch
-
         if self.noise_blt is not None:
             return self._draw_blt(tensors, std)
         if tuple(self.noise_coefs) == (1.0,):   # one band: C = I, DP-SGD's noise, drawn as DP-SGD draws it
@@ -144,8 +143,6 @@ class CorrelatedNoise:
         self._past = ([z] + past)[:len(c) - 1]
 
     def _draw_blt(self, tensors: list, std: float) -> None:
-        import torch
-
         theta, omega = self.noise_blt
         w = [torch.zeros_like(t) for t in tensors]
         super().draw_noise(w, std)   # z_t, from the step's stream
@@ -187,8 +184,6 @@ class CorrelatedNoise:
                 isinstance(step, list) and len(step) == len(shapes) and all(
                     isinstance(w, torch.Tensor) and tuple(w.shape) == shape for w, shape in zip(step, shapes))
                 for step in state):
-            from dpaudit.core.errors import DPAuditError
-
             raise DPAuditError("the checkpoint's noise state does not fit this run's strategy and parameters; "
                                "start the run again")
 
@@ -244,8 +239,6 @@ class NoisyShards(DPStep):
 
     @torch.no_grad()
     def step(self) -> None:
-        from dpaudit.training.shard import local_slices
-
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 
 from dpaudit.core.limits import available_bytes  # noqa: F401 - callers read it here too
+from dpaudit.training.methods import method as method_record
 
 OVERHEAD = 160 * 2**20  # torch's own allocations, the tokenizer and the data (as core/limits.py)
 # What a process holds before any model: Python with torch, transformers and dpaudit imported (253 MB
@@ -56,7 +57,6 @@ def peak_bytes(shape: ModelShape, *, trainable: int, method: str, examples: int,
                shards: int = 1) -> int:
     """Estimated peak bytes of one step over ``examples`` sequences of ``tokens`` tokens at once (per
     rank, when the model is sharded over ``shards`` ranks)."""
-    from dpaudit.training.methods import method as method_record
 
     forward_only = method_record(method).zeroth_order  # no backward: activations, gradients, moments absent
     width = 2 if bf16 else 4

@@ -21,6 +21,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+from dpaudit.accounting.matrix.strategy import banded_coefs
+from dpaudit.core import run_folder
+from dpaudit.core.errors import DPAuditError
+from dpaudit.training import streams
+from dpaudit.probes.probe import WhiteBoxProbe
+from dpaudit.training.bugs import planted
+from dpaudit.training.sgd import FirstOrderTrainer
+from dpaudit.training.streams import attempt_seed, step_key
+from dpaudit.training.zo import ZOSettings, ZOTrainer
+
 
 class Trainer(Protocol):
     def run_step(self, step: int, batch, n_sampled: int, sampled_canaries) -> float: ...
@@ -81,16 +91,11 @@ class Method:
 
 
 def _dp_zo(s: TrainerSetup) -> Trainer:
-    from dpaudit.core import run_folder
-    from dpaudit.training.streams import default_stream
-    from dpaudit.training.bugs import planted
-    from dpaudit.training.zo import ZOSettings, ZOTrainer
-
     cfg = s.cfg
     zo = ZOSettings(lr=cfg.lr, phi=cfg.phi, clip=cfg.clip if cfg.private else None,
                     noise=cfg.mechanism if cfg.private and s.noise_sigma > 0 else None, sigma=s.noise_sigma,
                     direction=cfg.direction, micro_batch=cfg.micro_batch,
-                    stream=s.stream or default_stream(s.params[0].device))
+                    stream=s.stream or streams.default_stream(s.params[0].device))
     log_path = s.run_dir / run_folder.ZO_LOG
     if s.main:
         run_folder.truncate_log(log_path, s.start)
@@ -100,10 +105,6 @@ def _dp_zo(s: TrainerSetup) -> Trainer:
 
 
 def _dp_sgd(s: TrainerSetup) -> Trainer:
-    from dpaudit.probes.probe import WhiteBoxProbe
-    from dpaudit.training.sgd import FirstOrderTrainer
-    from dpaudit.training.streams import attempt_seed, step_key
-
     cfg = s.cfg
     probe = None if s.canaries is None else WhiteBoxProbe.for_run(
         s.params, s.canaries, clip=cfg.clip, sample_rate=s.rate, out=s.run_dir, start_step=s.start, write=s.main)
@@ -127,7 +128,6 @@ def _noise_filter(s: TrainerSetup) -> dict:
         if not strategy.theta:   # the plan resolves blt,buffers=d; unresolved, the buffers would add plain noise
             raise RuntimeError("the BLT strategy reached the trainer without its theta and omega")
         return {"noise_blt": (strategy.theta, strategy.omega)}
-    from dpaudit.accounting.matrix.strategy import banded_coefs
 
     return {"noise_coefs": banded_coefs(cfg.steps, strategy.bands)}
 
@@ -145,7 +145,6 @@ METHODS: dict[str, Method] = {
 
 def register_method(method: Method) -> None:
     """Add a method (Opacus' registry style: outside code can extend it). Refuses a name already taken."""
-    from dpaudit.core.errors import DPAuditError
 
     if method.name in METHODS:
         raise DPAuditError(f"a method named {method.name!r} exists already")
@@ -153,8 +152,6 @@ def register_method(method: Method) -> None:
 
 
 def method(name: str) -> Method:
-    from dpaudit.core.errors import DPAuditError
-
     try:
         return METHODS[name]
     except (KeyError, TypeError):

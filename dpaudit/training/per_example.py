@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from dpaudit.core.errors import DPAuditError
+
 
 def embedding_scale(module, verify: bool = True) -> float | None:
     """The constant c of a scaled embedding (Gemma's ``Gemma3TextScaledWordEmbedding``: E[ids] x c, c held in
@@ -117,7 +119,6 @@ _RMS: set[type] = set()
 def check_layers(model) -> set[type]:
     """The refusal of ``supported_for_dp_sgd`` alone (no Opacus import; on a meta model too, so ``audit run``
     and ``train`` refuse before any canary or weight work); returns the scaled embedding types found."""
-    from dpaudit.core.errors import DPAuditError
 
     scaled = set()
     for name, m in model.named_modules():

@@ -14,6 +14,10 @@ from functools import lru_cache
 from dpaudit.accounting import Mechanism, calibrate_sigma, epsilon
 from dpaudit.accounting.mechanism import compose_phases
 from dpaudit.training.bugs import NO_BUG, Bug
+from dpaudit.accounting import pld
+from dpaudit.accounting.matrix import bandmf, single
+from dpaudit.accounting.matrix.single import sensitivity
+from dpaudit.accounting.samplers import scheme
 
 
 @lru_cache(maxsize=32)
@@ -65,8 +69,6 @@ class PrivacyPlan:
             return 0.0
         scale = 1.0
         if self.mechanism.strategy is not None and self.mechanism.strategy.family == "blt":
-            from dpaudit.accounting.matrix.single import sensitivity
-
             scale = sensitivity(self.mechanism)
         return self.mechanism.sigma * scale * bug.noise_scale
 
@@ -87,13 +89,9 @@ class PrivacyPlan:
 
     def epsilon_at(self, steps: int):
         if self.attempts and self.mechanism.strategy.family == "blt":
-            from dpaudit.accounting.matrix.single import resumed_epsilon
-
-            return resumed_epsilon(self.mechanism, len(self.attempts_at(steps)), self.delta)
+            return single.resumed_epsilon(self.mechanism, len(self.attempts_at(steps)), self.delta)
         if self.attempts:
-            from dpaudit.accounting.matrix.bandmf import resumed_epsilon
-
-            return resumed_epsilon(self.mechanism, self.attempts_at(steps), self.delta)
+            return bandmf.resumed_epsilon(self.mechanism, self.attempts_at(steps), self.delta)
         return epsilon(self.event_at(steps), self.delta, self.accountant)
 
     def attempts_at(self, steps: int) -> list:
@@ -110,7 +108,6 @@ class PrivacyPlan:
 
 def _template(kind: str, rate: float, steps: int, sampling: str, examples: int | None) -> Mechanism:
     """The run's event at sigma 1: Poisson at rate p, or a sampler that needs B and N (B = round(p N))."""
-    from dpaudit.accounting.samplers import scheme
 
     if not scheme(sampling).needs_sizes:
         return Mechanism(kind, 1.0, rate, steps, sampling)
@@ -122,8 +119,6 @@ def _remove_only_sigma(template: Mechanism, target: float, delta: float) -> floa
     It lies below the correct sigma (max of both directions), so the search starts there and only goes
     down by halves: never near the tiny sigmas whose PLDs would not fit in memory."""
     from scipy import optimize
-
-    from dpaudit.accounting import pld
 
     def gap(log_sigma: float) -> float:
         res = pld.epsilon(template.with_sigma(math.exp(log_sigma)), delta)

@@ -7,9 +7,18 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+import sys
+
+import torch
 
 from dpaudit.core.errors import DPAuditError
 from dpaudit.training.methods import METHODS
+from dpaudit.core.limits import human_bytes
+from dpaudit.core.safe_json import load_json_file
+from dpaudit.models import hf as hf_models  # meta_model through the module: tests stand in for it there
+from dpaudit.models.hf import MAX_CONFIG_BYTES, check_model_size, load_tokenizer, resolve_model_path
+from dpaudit.training import memory
+from dpaudit.training.per_example import check_layers
 
 
 def preflight(model_dir: Path, cfg, examples: int, warn: bool = True,
@@ -20,23 +29,16 @@ def preflight(model_dir: Path, cfg, examples: int, warn: bool = True,
     the estimate is above the free memory (once per run: ``train`` says it, callers checking early don't).
     Given ``texts``, a step is estimated at their longest tokenised length (a batch is cut to its longest
     example, so short texts never fill ``max_length``); without, at ``max_length`` (the side to err on)."""
-    from dpaudit.core.limits import human_bytes
-    from dpaudit.models.hf import MAX_CONFIG_BYTES, meta_model, resolve_model_path
-    from dpaudit.training import memory
 
     folder = resolve_model_path(model_dir)
     if not (folder / "config.json").is_file():
         return None
     if cfg.max_memory:  # the weights alone must fit the budget given (meta_model checks the free memory)
-        from dpaudit.models.hf import check_model_size
-        from dpaudit.core.safe_json import load_json_file
 
         check_model_size(folder / "config.json", load_json_file(folder / "config.json", "model config",
                                                                 MAX_CONFIG_BYTES), cfg.max_memory)
-    model = meta_model(folder)
+    model = hf_models.meta_model(folder)
     if METHODS[cfg.method].per_example_gradients and cfg.private and cfg.trainable == "full":
-        from dpaudit.training.per_example import check_layers
-
         check_layers(model)  # a layer DP-SGD cannot clip per example: refused before any canary or weight work
     names = [name for name, _ in model.named_parameters()]
     if cfg.trainable == "bias" and not any(name.endswith(".bias") for name in names):
@@ -54,8 +56,6 @@ def preflight(model_dir: Path, cfg, examples: int, warn: bool = True,
                            f"{human_bytes(estimate)}, over --max-memory {human_bytes(cfg.max_memory)}; {hint}")
     available = memory.available_bytes() if warn else None
     if not cfg.max_memory and available is not None and estimate > available:
-        import sys
-
         fits = memory.examples_that_fit(available, **settings)
         print(f"warning: a step of {cfg.method} on {at_once} examples x {tokens} tokens needs about "
               f"{human_bytes(estimate)}, more than the {human_bytes(available)} available; "
@@ -66,7 +66,6 @@ def preflight(model_dir: Path, cfg, examples: int, warn: bool = True,
 
 def _step_settings(folder: Path, model, cfg, texts: list[str] | None) -> tuple[dict, int, int]:
     """(memory.peak_bytes' settings but the example count, tokens per example, shards) of a step of ``cfg``."""
-    from dpaudit.training import memory
 
     total = sum(p.numel() for p in model.parameters())
     shards = int(os.environ.get("WORLD_SIZE", "1")) if cfg.shard else 1
@@ -81,15 +80,13 @@ def micro_batch_that_fits(model_dir: Path, cfg, texts: list[str], share: float =
     batch at once) when a step is estimated within the budget (``cfg.max_memory`` when given, else ``share`` of the
     available memory), else the most examples a forward/backward may take to stay within it (at least 1; the same
     batches, noise and accounting)."""
-    from dpaudit.models.hf import meta_model, resolve_model_path
-    from dpaudit.training import memory
 
     folder = resolve_model_path(model_dir)
     available = memory.available_bytes()
     budget = cfg.max_memory or (int(share * available) if available is not None else None)
     if not (folder / "config.json").is_file() or budget is None:
         return cfg.micro_batch
-    settings, _, shards = _step_settings(folder, meta_model(folder), cfg, texts)
+    settings, _, shards = _step_settings(folder, hf_models.meta_model(folder), cfg, texts)
     at_once = math.ceil(memory.largest_batch(cfg.batch_size or len(texts)) / shards)
     if memory.process_peak_bytes(examples=at_once, **settings) <= budget:
         return 0
@@ -98,7 +95,6 @@ def micro_batch_that_fits(model_dir: Path, cfg, texts: list[str], share: float =
 
 def longest_tokens(folder: Path, texts: list[str], max_length: int) -> int:
     """The longest of ``texts`` in tokens, at most ``max_length`` (the widest batch a run can draw)."""
-    from dpaudit.models.hf import load_tokenizer
 
     try:
         tokenizer = load_tokenizer(folder)
@@ -110,7 +106,6 @@ def longest_tokens(folder: Path, texts: list[str], max_length: int) -> int:
 
 def _trainable_count(model, cfg, total: int) -> int:
     """How many weights the run trains: all, the biases (DP-BiTFiT), or LoRA's on every linear layer."""
-    import torch
 
     if cfg.trainable == "full":
         return total

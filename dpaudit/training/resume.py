@@ -9,12 +9,16 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+import hashlib
 
 from dpaudit.core import run_folder, run_record
 from dpaudit.core.run_record import RunSettings
 from dpaudit.core.errors import DPAuditError
 from dpaudit.training import checkpoint
 from dpaudit.training.batches import source
+from dpaudit.accounting.matrix.bandmf import check_attempts
+from dpaudit.audit.whitebox_canaries import TRANSCRIPT
+from dpaudit.core.lock import LOCK, MARKER
 
 
 @dataclass
@@ -151,7 +155,6 @@ GRID_SLACK = 0.02
 def released_steps(run_dir: Path, ledger: dict | None, cfg) -> int:
     """Steps whose outputs may have been seen: the ledger's count, or more where the DP-ZO log or the
     white-box transcript holds more (a run written by an older dpaudit released before it counted)."""
-    from dpaudit.audit.whitebox_canaries import TRANSCRIPT
 
     counted = 0
     if ledger is not None:
@@ -168,7 +171,6 @@ def released_steps(run_dir: Path, ledger: dict | None, cfg) -> int:
 
 def fingerprint(texts: list[str]) -> str:
     """SHA-256 of the training texts, each prefixed by its length (a resume must train on the same data)."""
-    import hashlib
 
     h = hashlib.sha256()
     for t in texts:
@@ -194,8 +196,6 @@ def plan_of(settings: RunSettings) -> dict:
 
 
 def has_content(folder: Path) -> bool:
-    from dpaudit.core.lock import LOCK, MARKER
-
     return any(p.name not in (LOCK, MARKER) for p in folder.iterdir())
 
 
@@ -233,7 +233,6 @@ def correlated_attempts(previous: dict | None, released: int, start: int, writer
         raise DPAuditError(f"the checkpoint in {run_dir} does not say which attempt of this correlated-noise run "
                            "wrote it (its noise state continues that attempt); start the run again")
     attempts.append((start, None, writer if start else None))
-    from dpaudit.accounting.matrix.bandmf import check_attempts
 
     check_attempts([(f, e if e is not None else f, p) for f, e, p in attempts])
     return attempts

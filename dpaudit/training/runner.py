@@ -9,8 +9,11 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
+import sys
+from contextlib import nullcontext
 
 import numpy as np
+import torch
 
 from dpaudit.core.limits import TimeUp
 from dpaudit.core.atomic import atomic_write_json, save_model_folder
@@ -18,11 +21,31 @@ from dpaudit.core.errors import DPAuditError, Interrupted
 from dpaudit.core import run_folder, run_record
 from dpaudit.core.progress import progress_bar
 from dpaudit.training import checkpoint
+from dpaudit.training import streams
 from dpaudit.training.directions import DEFAULT_DIRECTION, DIRECTIONS
 from dpaudit.training.methods import METHODS, method
 from dpaudit.training.plan import PrivacyPlan
 from dpaudit.training.preflight import preflight  # refusals from the model's config alone (also for callers)
 from dpaudit.training.resume import settings_of
+from dpaudit.accounting.matrix.strategy import parse
+from dpaudit.accounting.noises import NOISES
+from dpaudit.accounting.result import json_float
+from dpaudit.audit.whitebox_canaries import WhiteBoxCanaries
+from dpaudit.core.lock import folder_lock
+from dpaudit.core.threads import adapt as adapt_threads
+from dpaudit.models.loading import load_causal_lm
+from dpaudit.training.batches import SOURCES, cyclic_source, shuffled_batches, source
+from dpaudit.training.bugs import planted_bug
+from dpaudit.training.data import tokenize
+from dpaudit.training.distributed import launch_rank, setup_world
+from dpaudit.training.divergence import DivergenceWatch
+from dpaudit.training.ledger import PrivacyLedger
+from dpaudit.training.methods import TrainerSetup
+from dpaudit.training.new_tokens import new_token_ids
+from dpaudit.training.resume import check_spending, correlated_attempts, fingerprint, open_run, resume_phases
+from dpaudit.training.shard import Sharding, full_state_dict, shard_model
+from dpaudit.training.streams import attempt_seed
+from dpaudit.training.trainable import merged, select_trainable, trainable_parameters
 
 
 @dataclass
@@ -63,8 +86,6 @@ class TrainConfig:
     strategy: Any = field(default=None, init=False, repr=False, compare=False)  # ``noise`` parsed, or None
 
     def __post_init__(self) -> None:
-        from dpaudit.accounting.noises import NOISES
-
         record = method(self.method)
         if self.mechanism not in NOISES:
             known = dict.fromkeys(kind for m in METHODS.values() for kind in m.mechanisms)
@@ -91,13 +112,10 @@ class TrainConfig:
             raise DPAuditError(f"unknown optimizer {self.optimizer!r}; use adamw or sgd")
         if self.lr <= 0 or self.clip <= 0 or self.phi <= 0:
             raise DPAuditError("lr, clip and phi must be > 0")
-        from dpaudit.training.bugs import planted_bug
 
         self.bug = planted_bug(self.plant_bug, record, METHODS)
         if self.white_box and not self.private:
             raise DPAuditError("a white-box audit needs a private run (give --eps or --sigma)")
-        from dpaudit.accounting.matrix.strategy import parse
-        from dpaudit.training.batches import SOURCES, source
 
         strategy = parse(self.noise)
         fixed_order = strategy is not None and strategy.family == "blt" and strategy.fixed_order
@@ -127,7 +145,6 @@ def _correlated(cfg: "TrainConfig", strategy, record):
     """The run's noise strategy (``strategy``, parsed from --noise), or None: BandMF under cyclic Poisson batches
     (accounted by bandmf, with amplification), BLT under balls-in-bins epochs or one fixed order (accounted by matrix,
     without: accounting/matrix/single.py); what it does not run with is refused here, each with its reason."""
-    from dpaudit.training.batches import source
 
     if strategy is None:
         return None
@@ -166,8 +183,6 @@ class TrainResult:
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        from dpaudit.accounting.result import json_float
-
         d = asdict(self)
         d.update(run_dir=str(self.run_dir), model_dir=str(self.model_dir), epsilon=json_float(self.epsilon))
         return d
@@ -176,7 +191,6 @@ class TrainResult:
 def _save_checkpoint(run_dir: Path, model, tokenizer, state: dict, trainer_state=None, weights=None) -> None:
     """Write the checkpoint beside the old one, seal it with its checksums, then swap (training/checkpoint.py),
     so a crash leaves one intact copy. ``weights``: the gathered state of a sharded model (same plain format)."""
-    import torch
 
     def write(tmp: Path) -> None:
         try:
@@ -196,10 +210,6 @@ def _save_checkpoint(run_dir: Path, model, tokenizer, state: dict, trainer_state
 def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *, resume: bool = False,
           show_progress: bool = True) -> TrainResult:
     """Train into ``run_dir``, holding its lock (rank 0 of a distributed run) so no second run writes there."""
-    from contextlib import nullcontext
-
-    from dpaudit.core.lock import folder_lock
-    from dpaudit.training.distributed import launch_rank
 
     main_process = launch_rank() == 0
     run_dir = Path(run_dir)
@@ -214,8 +224,6 @@ def check_run_folder(run_dir: Path, resume: bool) -> None:
     """What a run folder must be before anything (its lock included) is written there: a plain folder, never a
     symbolic link (a run would write through it); with ``resume``, a folder holding something of a dpaudit run (its
     config, ledger or checkpoint: what it holds is then checked by the resume, resume.py)."""
-    from dpaudit.core import run_folder
-    from dpaudit.training import checkpoint
 
     if run_dir.is_symlink() or (run_dir.exists() and not run_dir.is_dir()):
         raise DPAuditError(f"{run_dir} is not a plain folder (a symbolic link or a file); give a run folder path")
@@ -254,8 +262,6 @@ class _Run:
 def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *, resume: bool,
            show_progress: bool, estimate: int | None = None) -> TrainResult:
     """Open the run folder (resume policy: resume.py), assemble the run, run its steps, finish it."""
-    from dpaudit.training.distributed import setup_world
-    from dpaudit.training.resume import open_run
 
     world = setup_world()
     run_dir = Path(run_dir)
@@ -272,12 +278,6 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
 
 def _load_model(model_dir, cfg: TrainConfig, world, sharded: bool):
     """(model with its trainable subset selected and placed, tokenizer, LoRA's trainable new-token rows, sharding)."""
-    import torch
-
-    from dpaudit.models.loading import load_causal_lm
-    from dpaudit.training.new_tokens import new_token_ids
-    from dpaudit.training.shard import Sharding, shard_model
-    from dpaudit.training.trainable import select_trainable
 
     # Sharded bf16: float32 shards (the optimizer's master copy), gathered and computed in bf16.
     model, tokenizer = load_causal_lm(model_dir, dtype=torch.bfloat16 if cfg.bf16 and not sharded else None)
@@ -293,11 +293,6 @@ def _load_model(model_dir, cfg: TrainConfig, world, sharded: bool):
 
 def _assemble(opening, texts: list[str], run_dir: Path, cfg: TrainConfig, world, estimate: int | None) -> _Run:
     """Model, data, canaries, the privacy plan and its ledger, the run's description, and the trainer."""
-    from dpaudit.audit.whitebox_canaries import WhiteBoxCanaries
-    from dpaudit.training.data import tokenize
-    from dpaudit.training.methods import TrainerSetup
-    from dpaudit.training.streams import attempt_seed
-    from dpaudit.training.trainable import trainable_parameters
 
     sharded = cfg.shard and world.size > 1
     model, tokenizer, rows, sharding = _load_model(opening.model_dir, cfg, world, sharded)
@@ -340,10 +335,9 @@ def _assemble(opening, texts: list[str], run_dir: Path, cfg: TrainConfig, world,
 def _direction_stream(run_dir: Path, start: int, device) -> str:
     """How DP-ZO draws z in this run (streams.py): the device's default for a new run; a resumed run keeps
     the one it began with, so that one replay redraws every step (the first start recorded it)."""
-    from dpaudit.training.streams import default_stream
 
     record = run_record.read(run_dir, required=False) if start else None
-    return record.direction_stream if record is not None else default_stream(device)
+    return record.direction_stream if record is not None else streams.default_stream(device)
 
 
 def _allocation_secret(opening, run_dir: Path, cfg: TrainConfig, world, secret: int, per_epoch: int) -> int:
@@ -354,7 +348,6 @@ def _allocation_secret(opening, run_dir: Path, cfg: TrainConfig, world, secret: 
     back, and the finished run removes it. Only the allocation is kept: the noise is fresh on every (re)start (a
     step redone with the noise of its first attempt would release the difference of the two signals).
     With ``secret_seed`` the run is reproducible anyway and nothing is written."""
-    from dpaudit.training.batches import source
 
     drawn = source(cfg.sampling)
     if cfg.secret_seed is not None or not drawn.keeps_secret or not cfg.private:
@@ -419,8 +412,6 @@ def privacy_plan(cfg: TrainConfig, rate: float, n: int) -> PrivacyPlan:
 def _privacy(opening, texts: list[str], run_dir: Path, cfg: TrainConfig, world, n: int, rate: float):
     """(plan, ledger, discarded): sigma calibrated (or given) for the run, the ledger that records every step
     before it runs, and, on a resume, the phases and refusals of the resume policy (resume.py)."""
-    from dpaudit.training.ledger import PrivacyLedger
-    from dpaudit.training.resume import check_spending, fingerprint, resume_phases
 
     plan = privacy_plan(cfg, rate, n)
     header = {"method": cfg.method, "private": plan.private, "mechanism": cfg.mechanism if plan.private else None,
@@ -448,7 +439,6 @@ def _privacy(opening, texts: list[str], run_dir: Path, cfg: TrainConfig, world, 
 def _correlated_attempts(plan, header: dict, opening, run_dir: Path):
     """(plan, header) of a correlated-noise run: the header lists its attempts (a resume reads them back), and a
     resumed run is accounted along them (accounting/matrix/bandmf.py: resumed_epsilon)."""
-    from dpaudit.training.resume import correlated_attempts
 
     released = opening.released_before if opening.previous_ledger is not None else 0
     if not released and not opening.start:
@@ -472,7 +462,6 @@ def _correlated_attempts(plan, header: dict, opening, run_dir: Path):
 
 def _load_trainer_state(trainer, run_dir: Path, start: int, sharded: bool) -> None:
     """A resumed run's optimizer state, from the checkpoint it resumes."""
-    import torch
 
     saved = run_dir / checkpoint.FINAL
     if start and getattr(trainer, "correlated", False) and not (saved / checkpoint.OPTIMIZER).is_file():
@@ -496,9 +485,6 @@ def _load_trainer_state(trainer, run_dir: Path, start: int, sharded: bool) -> No
 def _loop(run: _Run, show_progress: bool):
     """The steps: each batch drawn, written ahead in the ledger, run, watched; checkpoints when due.
     Returns (last loss, the divergence watch)."""
-    from dpaudit.core.threads import adapt as adapt_threads
-    from dpaudit.training.batches import cyclic_source, shuffled_batches, source
-    from dpaudit.training.divergence import DivergenceWatch
 
     cfg, world, ledger, canaries = run.cfg, run.world, run.ledger, run.canaries
     batches = None if cfg.private else shuffled_batches(run.n, cfg.batch_size or run.n, run.rng)
@@ -543,8 +529,6 @@ def _loop(run: _Run, show_progress: bool):
 
 
 def _checkpoint_if_due(run: _Run, step: int) -> None:
-    from dpaudit.training.shard import full_state_dict
-
     cfg = run.cfg
     due = cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps
     if not due or cfg.trainable == "lora":  # LoRA adapters are merged once, at export
@@ -561,7 +545,6 @@ def _checkpoint_if_due(run: _Run, step: int) -> None:
 
 def _finish(run: _Run, last_loss, watch, seconds: float) -> TrainResult:
     """The ledger closed at the planned steps, the model exported (replacing the resume checkpoint)."""
-    from dpaudit.training.shard import full_state_dict
 
     cfg, ledger = run.cfg, run.ledger
     if run.world.is_main:
@@ -591,8 +574,6 @@ def _watch_divergence(watch, step: int, loss: float, cfg: TrainConfig, ledger, w
                            f"and start again (the ledger counts {ledger.recorded} steps, eps "
                            f"{ledger.spent(ledger.recorded):.4g})")
     if why:
-        import sys
-
         print(f"warning: {why}. A learning rate too large (now {cfg.lr:g}) does this, and so does a broken DP step "
               "(clipping skipped, noise too small): training goes on, and the result says so", file=sys.stderr)
 
@@ -605,7 +586,6 @@ def _shared_entropy(world) -> int:
 
 def _broadcast_int(world, value: int) -> int:
     """Rank 0's integer on every rank."""
-    import torch
     import torch.distributed as dist
 
     t = torch.tensor([value], dtype=torch.int64, device=world.device)
@@ -616,6 +596,5 @@ def _broadcast_int(world, value: int) -> int:
 def _export(run_dir: Path, model, tokenizer, weights: dict | None = None) -> Path:
     """The fine-tuned model as a plain Hugging Face directory (LoRA merged), for auditing and use.
     ``weights``: the whole state of a sharded model, gathered on this rank."""
-    from dpaudit.training.trainable import merged
 
     return save_model_folder(run_dir / run_folder.MODEL, merged(model), tokenizer, state_dict=weights)

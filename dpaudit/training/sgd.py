@@ -22,13 +22,21 @@ sums add up before the single noise draw, so accounting, noise and update are th
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+from opacus import optimizers as dp
 
 from dpaudit.core.errors import DPAuditError
 from dpaudit.training.data import padded_chunks, per_example_loss, split
 from dpaudit.training.heap import release_freed
 from dpaudit.training.per_example import supported_for_dp_sgd
 from dpaudit.training.streams import step_key
+from dpaudit.training.bugs import seams
+from dpaudit.training.dp_step import CorrelatedNoise, InPlace, NoisyShards, dp_optimizer
+from dpaudit.training.ghost import GhostClipping
+from dpaudit.training.per_example import materialising_module
+from dpaudit.training.shard import full_optimizer_state, gathered, load_optimizer_state, local_slices, sliced
 
 PER_SAMPLE_GRADS = ("ghost", "materialise")
 NOISE_STATE = "dpaudit_correlated_noise"  # the key of a correlated run's last noises in its optimizer state
@@ -38,10 +46,6 @@ def dp_optimizer_class(ghost: bool, world_size: int = 1, bug=None, correlated: b
     """Opacus' optimizer for the route (fast gradient clipping for ghost, else per-example gradients; distributed
     over several ranks), with dpaudit's DP-step seams (dp_step.py) and a planted bug's in front. Ghost in one
     process adds the noise in place into the clipped sum (dp_step.InPlace)."""
-    from opacus import optimizers as dp
-
-    from dpaudit.training.bugs import seams
-    from dpaudit.training.dp_step import CorrelatedNoise, InPlace, dp_optimizer
 
     if ghost:
         cls = dp.DistributedDPOptimizerFastGradientClipping if world_size > 1 else dp.DPOptimizerFastGradientClipping
@@ -55,16 +59,11 @@ def per_example_module(model, ghost: bool, clip: float, sharded: bool = False):
     """``model`` wrapped to clip per example: ghost clipping at ``clip`` (ghost.py; book-keeping unless
     ``sharded``), or Opacus' materialised per-example gradients; a trainable layer DP-SGD cannot clip is refused
     first (per_example.py)."""
-    import warnings
-
-    from dpaudit.training.per_example import materialising_module
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         supported_for_dp_sgd(model)
         if ghost:
-            from dpaudit.training.ghost import GhostClipping
-
             wrapped = GhostClipping(model, clip, book_keeping=not sharded)
         else:
             wrapped = materialising_module(model)
@@ -115,14 +114,10 @@ class FirstOrderTrainer:
         """Opacus' optimizer with the DP step's seams (dp_step.py), a planted bug's in front; sharded: NoisyShards.
         Distributed: each rank scales by B / world and the ranks average, so the update is (sum of clipped
         gradients + one noise draw, on rank 0) / B, as in one process."""
-        import warnings
-
-        from dpaudit.training.dp_step import NoisyShards
 
         if self.sharding is not None:
             cls = NoisyShards
             if self.correlated:   # each rank continues the noises of its own slices
-                from dpaudit.training.dp_step import CorrelatedNoise
 
                 cls = type("CorrelatedNoisyShards", (CorrelatedNoise, NoisyShards), {})
             optimizer = cls(base, self.params, sigma * clip, expected_batch_size, clip, probe, self.sharding.sum)
@@ -249,8 +244,6 @@ class FirstOrderTrainer:
         if self.probe is not None:
             self.probe.flush()
         if self.sharding is not None:
-            from dpaudit.training.shard import full_optimizer_state, gathered
-
             state = full_optimizer_state(self.inner, self.base_optimizer)
             noises = ([gathered(step, self.params) for step in self.optimizer.noise_state()]
                       if self.correlated else None)   # every rank takes part; whole on rank 0
@@ -269,7 +262,6 @@ class FirstOrderTrainer:
             state = dict(state)
             noises = state.pop(NOISE_STATE)
             if self.sharding is not None:   # checked whole, then each rank keeps its slices
-                from dpaudit.training.shard import local_slices, sliced
 
                 self.optimizer.check_noise_state(noises, [p.shape for p in self.params])
                 noises = [sliced(step, self.params) for step in noises]
@@ -277,7 +269,5 @@ class FirstOrderTrainer:
             else:
                 self.optimizer.load_noise_state(noises, self.optimizer.params)
         if self.sharding is not None:
-            from dpaudit.training.shard import load_optimizer_state
-
             return load_optimizer_state(self.inner, self.base_optimizer, state)
         self.optimizer.load_state_dict(state)

@@ -25,8 +25,11 @@ import functools
 import math
 import os
 import threading
+import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
+import numpy as np
 
 BLOCK = 1 << 16
 BLOCKS = {"normal": BLOCK, "signs": 1 << 20}
@@ -152,8 +155,6 @@ def add_stream_(out: torch.Tensor, key: int, index: int, alpha: float, offset: i
             flat[at:at + hi - lo].add_(_draw(key, index, j, size, flat.device)[lo:hi].to(out.dtype), alpha=alpha)
         return
     if _pool is None:
-        from concurrent.futures import ThreadPoolExecutor
-
         _pool = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="dpaudit-draw")
     share = -(-len(spans) // workers)
     parts = [spans[k:k + share] for k in range(0, len(spans), share)]
@@ -172,7 +173,6 @@ def square_sum(key: int, index: int, length: int, offset: int = 0, total: int | 
 
 def step_key(seed: int, step: int, *more: int) -> int:
     """The key of a step's stream: 64 bits of numpy's SeedSequence of (seed, step[, more])."""
-    import numpy as np
 
     lo, hi = np.random.SeedSequence([int(seed), int(step), *map(int, more)]).generate_state(2)
     return int(lo) | int(hi) << 32
@@ -387,7 +387,6 @@ _compile_failed = False
 def _give_up_compiling(exc: Exception) -> None:
     global _compile_failed
     _compile_failed = True
-    import sys
 
     print(f"dpaudit: note: torch.compile could not build the stream's kernel ({type(exc).__name__}); drawing with "
           "eager code (the same numbers, slower)", file=sys.stderr)

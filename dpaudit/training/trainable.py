@@ -10,6 +10,7 @@ every step's release along it (the black-box audit run's default; the claim is t
 from __future__ import annotations
 
 from dpaudit.core.errors import DPAuditError
+from dpaudit.training.new_tokens import add_new_token_rows, merge, new_token_parameters
 
 SUBSETS = ("full", "lora", "bias", "embeddings", "new-tokens")
 
@@ -26,13 +27,11 @@ def select_trainable(model, subset: str, lora_rank: int = 8, new_tokens: list[in
 
         model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0,
                                                  target_modules="all-linear", bias="none"))
-        from dpaudit.training.new_tokens import add_new_token_rows
 
         add_new_token_rows(model.get_base_model(), list(new_tokens))  # after peft: no adapters on them
     if subset == "new-tokens":
         if not new_tokens:
             raise DPAuditError("--trainable new-tokens: the tokenizer has no added tokens (canaries) to train")
-        from dpaudit.training.new_tokens import add_new_token_rows, new_token_parameters
 
         add_new_token_rows(model, list(new_tokens))
     rows = set()
@@ -64,7 +63,6 @@ def trainable_parameters(model) -> list:
 
 def merged(model):
     """The plain model to save: new-token rows and LoRA adapters merged into the base weights."""
-    from dpaudit.training.new_tokens import merge
 
     if hasattr(model, "merge_and_unload"):
         merge(model.get_base_model())

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+import json
 
 import numpy as np
 import torch
@@ -23,6 +24,7 @@ from dpaudit.training.directions import DEFAULT_DIRECTION, DIRECTIONS, STREAM_KI
 from dpaudit.training.frozen_trunk import loss_function
 from dpaudit.training.shard import local_slices
 from dpaudit.training.streams import COUNTER, LEGACY, STREAM, add_counter_, add_stream_, counter_square_sum, square_sum
+from dpaudit.accounting.noises import noise
 
 
 @dataclass(frozen=True)
@@ -127,8 +129,6 @@ def privatize(total: float, settings: ZOSettings, denominator: float, rng: np.ra
     """s = (clipped sum + noise) / (2 phi B): the only data-dependent quantity of a step. The noise is drawn by
     its own record (accounting/noises: ``noise(kind).draw``), with scale C sigma."""
     if settings.noise is not None:
-        from dpaudit.accounting.noises import noise
-
         total += noise(settings.noise).draw(rng, settings.clip * settings.sigma)
     return total / (2 * settings.phi * denominator)
 
@@ -211,8 +211,6 @@ class ZOTrainer:
 
     def on_release(self, step: int, seed: int, scalar: float) -> None:
         if self.log is not None:
-            import json
-
             self.log.write(json.dumps({"step": step, "seed": seed, "scalar": scalar}) + "\n")
             self.log.flush()
 

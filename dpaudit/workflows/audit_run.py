@@ -12,6 +12,12 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+import hashlib
+import statistics
+import sys
+
+import torch
+from scipy.stats import norm
 
 from dpaudit.audit.claims import held_claim
 from dpaudit.canaries.manifest import NEW_TOKEN_PREFIX
@@ -20,6 +26,29 @@ from dpaudit.audit.analysis import AuditResult, analyse
 from dpaudit.audit.report import prepare_folder, write_report
 from dpaudit.core.lock import remove_folder
 from dpaudit.training.runner import TrainConfig, TrainResult, preflight, train
+from dpaudit.accounting.mechanism import Mechanism
+from dpaudit.accounting.noises import noise
+from dpaudit.audit.ceiling import run_ceiling
+from dpaudit.audit.gdp import mu_from_epsilon
+from dpaudit.audit.power import power_note
+from dpaudit.audit.whitebox import audit_run_folder
+from dpaudit.canaries.generate import make_canaries, redraw_membership
+from dpaudit.canaries.hf import extend_model
+from dpaudit.canaries.insert import insert_canaries
+from dpaudit.canaries.manifest import load_manifest
+from dpaudit.core.errors import DPAuditError
+from dpaudit.core.lock import folder_lock
+from dpaudit.core.run_folder import read_json
+from dpaudit.core.texts import detect_format, read_texts
+from dpaudit.models.corpus import sentences
+from dpaudit.models.embedded import build_embedded_default, is_embedded
+from dpaudit.models.extension import files_stamp, save_extension
+from dpaudit.models.hf import resolve_model_path
+from dpaudit.models.loading import load_causal_lm
+from dpaudit.training.methods import METHODS
+from dpaudit.training.preflight import micro_batch_that_fits
+from dpaudit.training.runner import privacy_plan
+from dpaudit.workflows.scoring import score_checkpoint, score_for
 
 
 @dataclass(frozen=True)
@@ -154,9 +183,6 @@ def zo_exposure(h: float, examples: int, rate: float, members: float, clip: floa
 
 def prefix_hidden_norm(model, tokenizer, manifest) -> float:
     """|h|: the median norm of the final hidden state at (up to) 64 canaries' prefixes."""
-    import statistics
-
-    import torch
 
     norms = []
     model.eval()
@@ -185,13 +211,9 @@ def white_box_canaries(cfg: TrainConfig, alpha: float = 0.05) -> int:
     mu / sqrt(1 + m mu^2 / (2 T)), estimated from m scores with standard error about 2 / sqrt(m). We take
     the m on a grid that maximises mu / sqrt(1 + m mu^2 / (2 T)) - 2 z_alpha / sqrt(m), with mu the claim's.
     """
-    from dpaudit.training.methods import METHODS
 
     if METHODS[cfg.method].canaries == "gradient":
         return max(1000, min(GRADIENT_CANARIES, TRANSCRIPT_BYTES // (4 * max(1, cfg.steps))))
-    from scipy.stats import norm
-
-    from dpaudit.audit.gdp import mu_from_epsilon
 
     if cfg.sigma is not None:
         mu = math.sqrt(cfg.steps) / cfg.sigma
@@ -206,7 +228,6 @@ def white_box_canaries(cfg: TrainConfig, alpha: float = 0.05) -> int:
 
 def embedded_default(folder: Path, seed: int = 0) -> Path:
     """Build the embedded default model once into ``folder`` (reused when already there)."""
-    from dpaudit.models.embedded import build_embedded_default, is_embedded
 
     if is_embedded(folder):
         return folder
@@ -217,7 +238,6 @@ def run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, force:
               **kwargs) -> tuple[AuditResult, TrainResult, dict]:
     """The whole audit in ``out`` (a non-empty folder only with --force, and only one dpaudit made), holding
     the folder's lock so a second run into the same folder is refused."""
-    from dpaudit.core.lock import folder_lock
 
     if kwargs.get("model") is not None:  # refusals before the folder exists; where the recipe sets the micro batch
         # (_fitted_to_the_model), only a step it cannot make fit (one example at a time) is refused here
@@ -232,14 +252,6 @@ def run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, force:
 def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model: Path | None = None,
                data: Path | None = None, data_format: str | None = None, field: str = "text",
                show_progress: bool = True) -> tuple[AuditResult, TrainResult, dict]:
-    from dpaudit.workflows.scoring import score_checkpoint, score_for
-    from dpaudit.canaries.generate import make_canaries, redraw_membership
-    from dpaudit.canaries.hf import extend_model
-    from dpaudit.canaries.insert import insert_canaries
-    from dpaudit.core.texts import detect_format, read_texts
-    from dpaudit.models.corpus import sentences
-    from dpaudit.models.extension import save_extension
-    from dpaudit.models.loading import load_causal_lm
 
     base = model if model is not None else embedded_default(out / "base_model", settings.seed)
     power = _power_note(cfg, settings, cfg.white_box or settings.canaries)
@@ -302,11 +314,8 @@ def _fitted_to_the_model(extended: Path, cfg: TrainConfig, settings: AuditRunSet
     unless the user set it) and, unless the user set one, at a micro batch that fits the memory (full batches of a
     pretrained model: 1500 examples of a 135M model are ~45 GB at once). Returns the report's lines on it.
     ``h``: |h| (``prefix_hidden_norm``) when already measured; else the extended model is loaded for it."""
-    from dpaudit.training.preflight import micro_batch_that_fits
 
     if h is None:
-        from dpaudit.models.loading import load_causal_lm
-
         lm, tok = load_causal_lm(extended)
         h = prefix_hidden_norm(lm, tok, manifest)
         del lm
@@ -337,8 +346,6 @@ def _fitted_to_the_model(extended: Path, cfg: TrainConfig, settings: AuditRunSet
 def _noise_std(cfg: TrainConfig, rate: float, n: int) -> float:
     """The standard deviation of a step's noise over C, from the sigma train() will use (calibrated the same way;
     at p = 1 a closed form) and the noise's own std_per_sigma; 0 for the non-private baseline."""
-    from dpaudit.accounting.noises import noise
-    from dpaudit.training.runner import privacy_plan
 
     return privacy_plan(cfg, rate, n).noise_sigma(cfg.bug) * noise(cfg.mechanism).std_per_sigma
 
@@ -348,8 +355,6 @@ def _ceiling(cfg, result, claimed, group):
     ledger accounted them); a group claim (repeated canaries) or no claim: the analysis' default (the region)."""
     if claimed is None or group or not cfg.private or result.sigma is None:
         return None
-    from dpaudit.accounting.mechanism import Mechanism
-    from dpaudit.audit.ceiling import run_ceiling
 
     return run_ceiling(Mechanism(cfg.mechanism, result.sigma, result.sampling_rate, result.steps), cfg.delta, claimed)
 
@@ -362,8 +367,6 @@ _MADE = ("canaries_sha256", HIDDEN_NORM)  # the stamp's entries that were made, 
 
 def _stamped(out: Path, key: str) -> float | None:
     """A number the stamp holds (None when absent or unreadable: it is then measured again)."""
-    from dpaudit.core.errors import DPAuditError
-    from dpaudit.core.run_folder import read_json
 
     try:
         value = (read_json(out / REUSE_STAMP, "canary extension stamp") or {}).get(key)
@@ -376,8 +379,6 @@ def _extension_stamp(base: Path, settings: AuditRunSettings) -> dict:
     """What the canaries and the extended model depend on: the base model's files (the folder it resolves to,
     its files' names, sizes and modification times: a changed file is a new model) and the canary settings (count, seed, prefix length).
     The same stamp is the same secrets and prefixes; membership is drawn afresh for each run."""
-    from dpaudit.models.extension import files_stamp
-    from dpaudit.models.hf import resolve_model_path
 
     folder = resolve_model_path(base).resolve()  # a hub cache's snapshot, a GGUF's converted folder
     return {"format": 2, "base": str(Path(base).resolve()), "folder": str(folder), "files": files_stamp(folder),
@@ -387,9 +388,6 @@ def _extension_stamp(base: Path, settings: AuditRunSettings) -> dict:
 def _reusable_canaries(out: Path, stamp: dict):
     """The manifest of an earlier run in ``out`` whose canaries and extended model match ``stamp`` (else
     every `audit run --model` would make and extend them again: 3-5 minutes on a 270M model), or None. Anything unreadable or changed (the manifest's hash is in the stamp) is made again."""
-    from dpaudit.canaries.manifest import load_manifest
-    from dpaudit.core.errors import DPAuditError
-    from dpaudit.core.run_folder import read_json
 
     try:
         old = read_json(out / REUSE_STAMP, "canary extension stamp")
@@ -404,7 +402,6 @@ def _reusable_canaries(out: Path, stamp: dict):
 
 def _public_key(manifest) -> str:
     """A hash of what the extended model depends on: the canaries' secrets and prefixes, not their membership."""
-    import hashlib
 
     public = [[c.secret, c.prefix] for c in manifest.canaries] + [manifest.tokenizer.fingerprint]
     return hashlib.sha256(json.dumps(public).encode()).hexdigest()
@@ -413,9 +410,6 @@ def _public_key(manifest) -> str:
 def _power_note(cfg: TrainConfig, settings: AuditRunSettings, m: int) -> dict:
     """Said before training (stderr) and in the report: when m canaries cannot refute the claim the run targets
     (held to group privacy for repeated canaries) whatever the run leaks, and the smallest m that could."""
-    import sys
-
-    from dpaudit.audit.power import power_note
 
     if cfg.sigma is not None or not math.isfinite(cfg.target_epsilon):
         return {}  # the claim is known only once sigma is accounted (or there is none)
@@ -431,9 +425,6 @@ def _power_note(cfg: TrainConfig, settings: AuditRunSettings, m: int) -> dict:
 def _white_box(out: Path, cfg: TrainConfig, settings: AuditRunSettings, base: Path, data, data_format, field,
                show_progress: bool, power: dict):
     """Train with white-box canaries planted, then audit the transcript (no model scoring needed)."""
-    from dpaudit.audit.whitebox import audit_run_folder
-    from dpaudit.core.texts import detect_format, read_texts
-    from dpaudit.models.corpus import sentences
 
     if data is None:
         texts = sentences(settings.examples, seed=settings.seed + 1)

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from dpaudit.core import run_folder, run_record
 from dpaudit.core.errors import DPAuditError
+from dpaudit.models.loading import load_causal_lm
+from dpaudit.training.streams import COUNTER, STREAMS
+from dpaudit.training.trainable import merged, select_trainable, trainable_parameters
+from dpaudit.training.zo import replay
 
 
 def replay_run(run_dir: Path, base_model: Path | None = None):
     """(model, tokenizer) after re-applying every logged step to the base weights."""
-    import torch
-
-    from dpaudit.models.loading import load_causal_lm
-    from dpaudit.training.streams import COUNTER, STREAMS
-    from dpaudit.training.trainable import merged, select_trainable, trainable_parameters
-    from dpaudit.training.zo import replay
 
     run_dir = Path(run_dir)
     record = run_record.read(run_dir)
@@ -52,7 +52,6 @@ def default_tolerance(model, steps: int) -> float:
     ``ROUNDINGS_PER_STEP`` additions a step, so T steps differ by at most 4 T u max|w| (the worst case: the
     roundings need not cancel; a DP-ZO run of 200 steps replayed 1.17e-5 off, over the fixed 1e-5 it used to
     get). Never below 1e-5. bf16 keeps 1e-2 (its u is 2^-8: the worst case would be vacuous)."""
-    import torch
 
     params = list(model.parameters())
     if params and params[0].dtype != torch.float32:

@@ -3,12 +3,17 @@ prefix, batched, on the secret only; score = -loss."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from dpaudit.canaries.hf import check_tokenizer_matches
 from dpaudit.canaries.manifest import Manifest
 from dpaudit.core.errors import DPAuditError
 from dpaudit.core.progress import progress_bar
+from dpaudit.canaries.generate import split_secret
+from dpaudit.core import run_record
+from dpaudit.models.loading import load_causal_lm
 
 
 def secret_losses(model, tokenizer, manifest: Manifest, batch_size: int = 32, show_progress: bool = True,
@@ -35,7 +40,6 @@ def _new_token_rows(tokenizer, manifest: Manifest) -> list[tuple[list[int], list
 
 def _span_rows(tokenizer, manifest: Manifest, contexts) -> list[tuple[list[int], list[int]]]:
     """(the context's ids, the secret span's ids) per existing canary, as the tokenizer reads context + secret."""
-    from dpaudit.canaries.generate import split_secret
 
     rows = []
     for i, c in enumerate(manifest.canaries):
@@ -81,7 +85,6 @@ def score_checkpoint(model_dir, manifest: Manifest, *, score: str = "neg-loss", 
     """(scores, members), higher = member: score "neg-loss" is -loss of the secret on the model; "loss-vs-base"
     is its loss on ``base`` (the model before training) minus on the model, which removes how hard each
     canary's prefix makes its secret to begin with. Each tokenizer is checked against the manifest."""
-    from dpaudit.models.loading import load_causal_lm
 
     def losses(where) -> np.ndarray:
         lm, tok = load_causal_lm(where)
@@ -106,9 +109,6 @@ def run_score(model_dir) -> tuple[str, object, str | None]:
     """(score, base, why) for ``audit checkpoint`` without --score: the score ``audit run`` gave the model it trained.
     ``score_for`` the run's trainable subset; ``loss-vs-base`` (new-token rows) against the extended model beside
     the run."""
-    from pathlib import Path
-
-    from dpaudit.core import run_record
 
     run = Path(model_dir).parent
     try:

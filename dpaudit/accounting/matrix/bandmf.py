@@ -19,8 +19,14 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import numpy as np
+
 from dpaudit.accounting.mechanism import Mechanism
 from dpaudit.core.errors import DPAuditError
+from dpaudit.accounting import pld
+from dpaudit.accounting.matrix.strategy import banded_coefs
+from dpaudit.accounting.mechanism import compose_phases
+from dpaudit.accounting.search import SearchHooks
 
 
 def limitation(mech) -> str | None:
@@ -59,22 +65,16 @@ def _answer(result, mech: Mechanism):
 
 
 def epsilon(mech: Mechanism, delta: float, settings=None):
-    from dpaudit.accounting import pld
-
     return _answer(pld.epsilon(equivalent(mech), delta, settings=settings or pld.PldOptions()), mech)
 
 
 def delta(mech: Mechanism, eps: float, settings=None):
-    from dpaudit.accounting import pld
-
     return _answer(pld.delta(equivalent(mech), eps, settings=settings or pld.PldOptions()), mech)
 
 
 def search_hooks():
     """pld's hooks read through ``equivalent`` (calibrate and max-steps search this accountant as they search
     pld). No steps curve: T maps to ceil(T / b) rounds."""
-    from dpaudit.accounting import pld
-    from dpaudit.accounting.search import SearchHooks
 
     def resolution(anchor, d):
         rule = pld._resolution(equivalent(anchor), d)
@@ -114,7 +114,6 @@ def coin_sensitivities(coefs, attempts) -> dict:
     """{(attempt that drew it, step): squared sensitivity} of every coin the released rows of ``attempts`` depend on.
     ``attempts``: (first step, end step, parent) each, in the order they ran: the first starts at 0 with parent None;
     a resumed one starts at its checkpoint's step, inside its parent's released rows (first < step <= end)."""
-    import numpy as np
 
     coefs = np.asarray(coefs, dtype=float)
     b = coefs.size
@@ -158,7 +157,6 @@ LEVELS = 4  # each coin's squared sensitivity is rounded up to a multiple of 1 /
 
 def group_rounds(mech: Mechanism, attempts) -> list[dict]:
     """For each group whose coins no other group's dominate: {squared sensitivity (rounded up): coins}."""
-    from dpaudit.accounting.matrix.strategy import banded_coefs
 
     equivalent(mech)   # refuses what bandmf does not cover
     b = mech.strategy.bands
@@ -184,8 +182,6 @@ def group_rounds(mech: Mechanism, attempts) -> list[dict]:
 def resumed_epsilon(mech: Mechanism, attempts, delta: float, settings=None):
     """eps at ``delta`` of ``mech`` (planned T, sigma, p, b) released along ``attempts`` (resumes included): the
     largest, over the groups, of the composition of its coins' subsampled Gaussians (the theorem above)."""
-    from dpaudit.accounting import pld
-    from dpaudit.accounting.mechanism import compose_phases
 
     eq, b = equivalent(mech), mech.strategy.bands
     best = None

@@ -20,6 +20,9 @@ from dataclasses import replace
 from dpaudit.accounting.mechanism import Mechanism
 from dpaudit.accounting.result import DeltaResult, EpsilonResult
 from dpaudit.core.errors import DPAuditError
+from dpaudit.accounting import analytic
+from dpaudit.accounting.matrix import strategy
+from dpaudit.accounting.samplers import scheme
 
 RELATION = "add/remove (one Gaussian release at the strategy's sensitivity; no amplification)"
 
@@ -27,7 +30,6 @@ RELATION = "add/remove (one Gaussian release at the strategy's sensitivity; no a
 def relation(mech: Mechanism) -> str:
     """The sampler's own relation (fixed-size batches: replace-one, shuffled epochs: zero-out), as the sensitivity
     is computed under it: add/remove for Poisson and balls-in-bins."""
-    from dpaudit.accounting.samplers import scheme
 
     words = scheme(mech.sampling).relation_words
     return RELATION if words is None else f"{words}; one Gaussian release at the strategy's sensitivity, no amplification"
@@ -42,16 +44,12 @@ def limitation(mech) -> str | None:
 def sensitivity(mech: Mechanism) -> float:
     """The strategy's L2 sensitivity per unit clip norm under the sampler's participation: the noise added per step
     is sigma x this x C."""
-    from dpaudit.accounting.matrix import strategy
-    from dpaudit.accounting.samplers import scheme
 
     # a neighbour moves one step's clipped sum by the sampler's sensitivity (replace-one, fixed-size batches: 2C)
     return math.sqrt(strategy.sensitivity_squared(mech)) * scheme(mech.sampling).sensitivity
 
 
 def _details(mech: Mechanism) -> dict:
-    from dpaudit.accounting.matrix import strategy
-
     k, sep, words = strategy.participation(mech)
     sens = sensitivity(mech)
     return {"sensitivity": sens, "participations": k, "min_separation": sep, "participation": words,
@@ -67,8 +65,6 @@ def _single(mech: Mechanism) -> Mechanism:
 
 
 def epsilon(mech: Mechanism, delta: float) -> EpsilonResult:
-    from dpaudit.accounting import analytic
-
     result = analytic.epsilon(_single(mech), delta)
     details = _details(mech)
     return replace(result, accountant="matrix", relation=relation(mech),
@@ -79,15 +75,11 @@ def epsilon(mech: Mechanism, delta: float) -> EpsilonResult:
 
 
 def delta(mech: Mechanism, eps: float) -> DeltaResult:
-    from dpaudit.accounting import analytic
-
     result = analytic.delta(_single(mech), eps)
     return replace(result, accountant="matrix", relation=relation(mech), details=_details(mech))
 
 
 def sigma_closed_form(mech: Mechanism, eps: float, delta: float) -> float:
-    from dpaudit.accounting import analytic
-
     return analytic.sigma_closed_form(_single(mech), eps, delta)
 
 
@@ -103,7 +95,6 @@ def sigma_closed_form(mech: Mechanism, eps: float, delta: float) -> float:
 
 def resumed_epsilon(mech: Mechanism, attempts: int, delta: float) -> EpsilonResult:
     """eps of a matrix-route run whose rows ``attempts`` attempts released (the theorem above); 1: ``epsilon``."""
-    from dpaudit.accounting import analytic
 
     if attempts < 1:
         raise DPAuditError("a run has at least one attempt")

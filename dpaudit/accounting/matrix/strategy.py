@@ -23,10 +23,14 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
+import numpy as np
+
 from dpaudit.core.errors import DPAuditError
+from dpaudit.accounting.matrix import toeplitz
+from dpaudit.accounting.samplers import scheme
 
 FAMILIES = ("bandmf", "blt")
 MAX_SPEC = 200          # characters of a --noise spec
@@ -66,7 +70,6 @@ class Strategy:
 
     def rational(self, steps: int):
         """(num, den) of C's generating function for a run of ``steps`` steps."""
-        from dpaudit.accounting.matrix import toeplitz
 
         if self.family == "bandmf":
             return banded_coefs(steps, self.bands), (1.0,)
@@ -74,7 +77,6 @@ class Strategy:
 
     def coefs(self, steps: int):
         """C's first column (Toeplitz coefficients), length ``steps``."""
-        from dpaudit.accounting.matrix import toeplitz
 
         num, den = self.rational(steps)
         return toeplitz.series(num, den, steps)
@@ -82,16 +84,12 @@ class Strategy:
 
 @lru_cache(maxsize=32)
 def _banded(steps: int, bands: int) -> tuple[float, ...]:
-    from dpaudit.accounting.matrix import toeplitz
-
     if steps > toeplitz.MAX_OPTIMISE:
         raise DPAuditError(f"the banded strategy is optimised for T <= {toeplitz.MAX_OPTIMISE}; got T = {steps}")
     return tuple(toeplitz.optimal_banded(steps, min(bands, steps)))
 
 
 def banded_coefs(steps: int, bands: int):
-    import numpy as np
-
     return np.array(_banded(steps, bands))
 
 
@@ -99,7 +97,6 @@ def participation(mech) -> tuple[int, int, str]:
     """(k, min_sep, words): how often and how close together one example can take part, from the sampler.
     Epoch samplers: once an epoch; in one fixed order (``order=fixed``) exactly an epoch apart, otherwise as close
     as adjacent steps (across an epoch's end). Other samplers: any step, so k = T, separation 1."""
-    from dpaudit.accounting.samplers import scheme
 
     facts = scheme(mech.sampling)
     if facts.epochs:
@@ -113,7 +110,6 @@ def participation(mech) -> tuple[int, int, str]:
 
 def sensitivity_squared(mech) -> float:
     """The strategy's squared L2 sensitivity (per unit clip norm) under the sampler's participation."""
-    from dpaudit.accounting.matrix import toeplitz
 
     k, sep, _ = participation(mech)
     if mech.strategy.family == "bandmf" and mech.strategy.bands <= sep:
@@ -124,7 +120,6 @@ def sensitivity_squared(mech) -> float:
 def expected_error(mech, sensitivity2: float = 1.0) -> float:
     """sigma^2 sens^2 error(C): the expected squared error of the last released prefix sum, per coordinate, in
     units of C^2 (the largest over the run: Toeplitz)."""
-    from dpaudit.accounting.matrix import toeplitz
 
     if mech.strategy is None:
         return mech.sigma ** 2 * mech.steps
@@ -184,7 +179,6 @@ def parse(text: str | None) -> Strategy | None:
 def resolve(mech):
     """``mech``'s strategy with a searched BLT's theta and omega found (``toeplitz.optimal_blt`` at the mechanism's T
     and participation: cached, deterministic); any other strategy as it is."""
-    from dataclasses import replace
 
     strategy = mech.strategy
     if strategy is None or strategy.family != "blt" or strategy.theta:
@@ -195,8 +189,6 @@ def resolve(mech):
 
 @lru_cache(maxsize=32)
 def _searched_blt(steps: int, buffers: int, sep: int, k: int) -> dict:
-    from dpaudit.accounting.matrix import toeplitz
-
     if steps > toeplitz.MAX_BLT_OPTIMISE:
         raise DPAuditError(f"blt,buffers=d is searched for T <= {toeplitz.MAX_BLT_OPTIMISE}; got T = {steps} (give "
                            "theta= and omega=)")
@@ -221,7 +213,6 @@ def error_summary(mech, accountant: str) -> dict:
     last released prefix sum (per coordinate, units of C^2), at the event's sigma. The amplified BandMF route
     normalises C to column norm 1 (its participations are in the accounting), the matrix route scales the noise
     by the sensitivity under the sampler's participation; independent noise is DP-SGD's sigma^2 T."""
-    from dpaudit.accounting.samplers import scheme
 
     if mech.strategy is None:
         return {"noise": "independent", "noise_std": mech.sigma, "expected_error": mech.sigma ** 2 * mech.steps}

@@ -15,6 +15,8 @@ import importlib
 import pkgutil
 from typing import Callable
 
+from dpaudit.core.errors import DPAuditError
+
 
 class Noise:
     """The facts every noise states. ``sigma`` is always the noise relative to the sensitivity C."""
@@ -78,7 +80,6 @@ NOISES: dict[str, Noise] = _discover()
 
 def register_noise(instance: Noise) -> None:
     """Add a noise from outside code. Refuses a kind already taken."""
-    from dpaudit.core.errors import DPAuditError
 
     if instance.kind in NOISES:
         raise DPAuditError(f"a noise named {instance.kind!r} exists already")
@@ -91,8 +92,6 @@ def resolve_delta(kind: str, delta: float | None) -> float:
 
 
 def noise(kind: str) -> Noise:
-    from dpaudit.core.errors import DPAuditError
-
     try:
         return NOISES[kind]
     except (KeyError, TypeError):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 from dpaudit.accounting.noises import Noise
+from dpaudit.accounting.result import NeighboringRelation
+from dpaudit.accounting.samplers import scheme
 
 
 def dpzero_sigma(steps: int, eps: float, delta: float) -> float:
@@ -31,9 +33,7 @@ class Gaussian(Noise):
         to mu-GDP with mu = p sqrt(T (e^{1/sigma^2} - 1)) when T is large and p small. mu is solved from
         (eps, delta) (Dong, Roth & Su 2019: delta(eps) = Phi(-eps/mu + mu/2) - e^eps Phi(-eps/mu - mu/2)) and
         sigma from mu. Only an estimate (a search's start, checked by a bound); None where it does not apply."""
-        from dpaudit.accounting.result import NeighboringRelation
-        from dpaudit.accounting.samplers import scheme
-
+        
         facts = scheme(mech.sampling)  # Poisson-like: each step takes each example independently, add/remove
         if not (facts.independent_steps and facts.relation == NeighboringRelation.ADD_OR_REMOVE_ONE) or not 0 < mech.sampling_rate < 1 \
                 or mech.steps < 100 or not 0 < delta < 1:

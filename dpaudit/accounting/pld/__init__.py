@@ -39,6 +39,9 @@ from dpaudit.accounting.result import DeltaResult, EpsilonResult
 from dpaudit.accounting.samplers import relation_of
 from dpaudit.core import limits as budgets
 from dpaudit.core.errors import DPAuditError
+from dpaudit.accounting import pure, rdp
+from dpaudit.accounting.pure import step_epsilon
+from dpaudit.accounting.search import SearchHooks
 
 RR_MAX_STEPS = 10**6     # Laplace fallback: exact randomized-response composition up to here, T * eps_1 beyond
 
@@ -88,7 +91,6 @@ def _answer(mech: Event, delta: float, best: dict, rungs: list, rung_eps: list, 
     if all(noise(m.kind).pure_dp for m in mech.phases):
         # A Laplace run is also pure (T * eps_1)-DP; pessimistic rounding can put PLD a grid step
         # above that, and the smaller of two valid upper bounds is still valid.
-        from dpaudit.accounting.pure import step_epsilon
 
         cap = sum(m.steps * step_epsilon(m.sigma, m.sampling_rate) for m in mech.phases)
         best = {k: min(v, cap) for k, v in best.items()}
@@ -154,8 +156,6 @@ def _alternative(mech: Event, delta: float) -> EpsilonResult | None:
     """A bound valid at any delta, chosen by the noise records: RDP where every phase's noise has an RDP event
     (the Gaussian's), randomized-response composition or pure composition where every phase is pure DP (Laplace);
     None otherwise (phases that mix the two)."""
-    from dpaudit.accounting import pure, rdp
-    from dpaudit.accounting.noises import noise
 
     if rdp.limitation(mech) is None:
         return rdp.epsilon(mech, delta)
@@ -206,7 +206,5 @@ class _Resolution:
 
 
 def search_hooks():
-    from dpaudit.accounting.search import SearchHooks
-
     return SearchHooks(coarse=_coarse_options, first=_first_options, resolution=_resolution,
                        curve=steps_curve)

@@ -38,6 +38,8 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
+
 UPSTREAM = "0.6"           # the dp-accounting minor release this kernel mirrors
 TAIL_MASS_TRUNCATION = 1e-15  # dp-accounting's default for self-composition
 MIN_DELTA = 1e-12        # below: the composed truncation (1e-15) and FFT round-off are not negligible
@@ -127,7 +129,6 @@ def _cross_round_off(pmf) -> float:
 def _seen_round_off(pmf) -> float:
     """The round-off a composed PMF shows: where the true mass is below the error, about half the points come
     out negative, so the mean |error| is the mean of the negative values, times the number of points."""
-    import numpy as np
 
     probs = pmf._probs  # noqa: SLF001
     negative = probs < 0
@@ -147,7 +148,6 @@ def round_off(pmf, steps: int, precise: bool = False) -> float:
     negative point: at p = 1e-2, T = 1e6 a float64 PMF with none was 1.9e-10 off in L1 and read eps 47.81
     where long double reads 47.61.
     One step is not composed: no round-off."""
-    import numpy as np
 
     if steps == 1:
         return 0.0
@@ -167,7 +167,6 @@ def _convolve_bounds(pmf, steps: int) -> tuple[int, int]:
 
 def _moments(pmf):
     """[sign][k - 1]: sum_i p_i e^{+-k i / n}, k = 1..20 (``_convolve_bounds``); they do not depend on T."""
-    import numpy as np
 
     probs = np.asarray(pmf._probs, dtype=float)  # noqa: SLF001
     n = len(probs)
@@ -185,7 +184,6 @@ def _moments(pmf):
 
 def _bounds_from(moments, n: int, steps: int) -> tuple[int, int]:
     """The Chernoff window of the ``steps``-fold composition from one step's ``_moments`` (n points)."""
-    import numpy as np
 
     lower, upper = 0, (n - 1) * steps
     if steps == 1 or n == 0:
@@ -212,7 +210,6 @@ def _self_compose(pmf, steps: int, bounds: tuple[int, int], precise: bool = Fals
     (dp-accounting's FFT is float64 only)."""
     if steps == 1:
         return pmf
-    import numpy as np
     from scipy import fft
 
     lo, hi = bounds
@@ -232,7 +229,6 @@ def _self_compose(pmf, steps: int, bounds: tuple[int, int], precise: bool = Fals
 def _spectrum(pmf, length: int, precise: bool = False):
     """(length, the real FFT of one step's PMF at that length), in long double when ``precise`` (its mass set to
     exactly 1 - infinity mass at that precision too)."""
-    import numpy as np
     from scipy import fft
 
     if precise:
@@ -286,7 +282,6 @@ def _power(spectrum, steps: int) -> None:
     with the round-off). The test is made against DROPPED / 2, so that the rounding of |c|^2 and of the
     threshold (relative ~1e-19, raised to the power T: ~1e-12 at T = 1e7) cannot let a dropped power
     reach DROPPED."""
-    import numpy as np
 
     threshold = np.exp(2 * np.log(np.longdouble(DROPPED) / 2) / steps)
     for a in range(0, len(spectrum), _POWER_CHUNK):
@@ -323,7 +318,6 @@ def _normalised(pmf, pessimistic: bool = True):
     delta only ~T x deficit *relative*; at the highest loss (as before) it cost T x deficit *absolute*:
     3.3e-11 at p = 1e-5, T = 1e5, a third of delta = 1e-10, present on some grids and not others, so eps
     jumped by up to 7 % between grids 0.1 % apart and calibrations landed 0.13 % above the smallest sigma."""
-    import numpy as np
 
     probs = np.asarray(pmf._probs, dtype=float)  # noqa: SLF001
     if not len(probs):
@@ -347,7 +341,6 @@ def epsilon_for_delta(pmf, delta: float) -> float:
     at the first k where log((U_k - delta) / W_k) >= L_k, with U_k = inf mass + mass above,
     W_k = sum of p e^{-L} above; or where W is still 0 once U >= delta. Losses are index x grid here
     (dp-accounting subtracts the grid step repeatedly), so the two agree to ~1e-10 relative (tested)."""
-    import numpy as np
 
     inf_mass = pmf._infinity_mass  # noqa: SLF001
     if inf_mass > delta:
@@ -395,7 +388,6 @@ def _fft_bytes(pmf, bounds: tuple[int, int], precise: bool = False) -> float:
 @functools.cache
 def _has_long_double() -> bool:
     """x86's 80-bit long double; on platforms where it is float64 there is nothing to gain."""
-    import numpy as np
 
     return bool(np.finfo(np.longdouble).eps < np.finfo(float).eps)
 
