@@ -57,7 +57,8 @@ from dpaudit.core.safe_json import load_json_file
 from dpaudit.integrations.hf_opacus import opacus_trainer as make
 from dpaudit.models.loading import load_causal_lm
 from dpaudit.probes.probe import ON_VIOLATION, STOP_ALPHA, WhiteBoxProbe
-from dpaudit.probes.probe_opacus import hooked_accountant, loader_sample_rate
+from dpaudit.probes.opacus_seams import hooked_accountant
+from dpaudit.probes.probe_opacus import loader_sample_rate
 from dpaudit.workflows.scoring import secret_losses
 
 try:  # transformers is the `train` extra; the class is defined either way so that the import error is one line
@@ -223,7 +224,7 @@ class DPAuditCallback(TrainerCallback):
                 raise DPAuditError("nothing trains: the DP optimizer holds no trainable parameter (every adapter or "
                                    "layer frozen?); unfreeze what the run should train")
             coordinates = sum(p.numel() for p in trained)
-            # one canary on each trainable tensor at least (probe._place), never more than there are coordinates
+            # one canary on each trainable tensor at least (injector.place), never more than there are coordinates
             m = read_probe(folder).m if resume else min(max(self.settings.white_box_m, len(trained)),
                                                                  coordinates)
             try:  # the canaries at the rate the Trainer's loader samples at, checked against the accountant's

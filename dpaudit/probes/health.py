@@ -103,6 +103,16 @@ def update_bound(optimizer, param, released=None) -> float | None:
     return lr * biggest  # the buffer holds g + wd theta already
 
 
+def unprotected(health: "UpdateHealth | None", declared: list[str]) -> list[str]:
+    """The trainable tensors updated outside DP: those the DP optimizer does not hold (``declared``), less those the
+    health check has seen never move (nothing leaks from a tensor left where it started), plus any the check saw
+    move outside the DP step. Before the first checked step: every tensor the optimizer does not hold."""
+    if health is None or health.steps == 0:
+        return list(declared)
+    still = set(health.untouched_others)
+    return [n for n in declared if n not in still] + [n for n in health.outside if n not in declared]
+
+
 def for_tensors(params, model=None, *, bracketed: bool = True) -> "UpdateHealth":
     """The check on ``params`` (the tensors the DP step releases), named as ``model`` names them, and on the
     model's other trainable tensors (they must not move). ``bracketed``: the caller reports each DP step's start

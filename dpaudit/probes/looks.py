@@ -42,7 +42,22 @@ class Watch:
 def start(out: Path, step: int, *, delta: float, claimed_eps, accountant, alpha: float, on_violation: str,
           first: int, planned_steps: int | None, has_claim: bool) -> Watch:
     """The watch of a probe at ``step`` whose folder is ``out`` (a resumed probe goes on with the looks, and the
-    alpha, it has spent). ``has_claim``: the probe can get a claim (given, or an accountant)."""
+    alpha, it has spent). ``has_claim``: the probe can get a claim (given, or an accountant).
+
+    A look at step ``first``, then at every doubling of the steps (16, 32, 64, ...), each the same audit as the
+    probe's ``audit()`` on the steps released so far, held to the claim for those steps (``claimed_eps`` if given,
+    else the accountant's eps after them, the optimizer's when attached). Look j is made at level
+    alpha / (j (j + 1)), which sums to alpha over every look however long the run: a union bound, so a correct run
+    raises a false alarm with probability <= alpha in all. Each look is a line of ``running.jsonl`` in the probe's
+    folder. At the first look that reads VIOLATION the report is written and ``on_violation`` acts: "warn" prints
+    one line; "stop" also sets ``stop_requested`` (the Hugging Face callback then stops the Trainer; a plain loop
+    checks it); "raise" raises ``PrivacyViolation``. The end-of-run ``audit()`` is a separate test at its own alpha.
+
+    Given ``planned_steps`` (the Hugging Face callback passes the Trainer's ``max_steps``), one more look is made at
+    that step, at level alpha / 2, and the looks before it share the other half (look j at alpha / (2 j (j + 1))):
+    still alpha over every look, and the last look, over the whole planned run, is nearly as strong as the
+    end-of-run audit (alpha / 2 against alpha) instead of seeing only the steps up to the last doubling. Looks after
+    it (a run that goes on) keep to the first half's series."""
     if on_violation not in ON_VIOLATION:
         raise DPAuditError(f"on_violation must be one of {', '.join(ON_VIOLATION)}, got {on_violation!r}")
     if not delta or not 0 < float(delta) < 1:

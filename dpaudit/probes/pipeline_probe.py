@@ -38,6 +38,7 @@ from dpaudit.audit.whitebox import CANARY_BATCHES as BATCHES
 from dpaudit.audit.whitebox_canaries import TRANSCRIPT
 from dpaudit.core.errors import DPAuditError
 from dpaudit.core.validate import check_canaries, check_number
+from dpaudit.probes import probe_folder
 from dpaudit.probes.probe import WhiteBoxProbe, refuse_links
 from dpaudit.probes.transcript import Transcript
 from dpaudit.models.extension import add_zero_tokens
@@ -72,7 +73,7 @@ class PipelineProbe(WhiteBoxProbe):
         self._inserted = False
         self._counted_from = None   # 0 or 1: how the caller counts steps (fixed by its first observe)
         refuse_links(self.out)
-        self._start(int(m), 1.0, seed)
+        probe_folder.start(self, int(m), 1.0, seed)
         self.ids = self._add_tokens()
         self._batches, self.sample_rate, self._moved = None, None, False
         self._texts = self._canary_ids()

@@ -18,11 +18,11 @@ optimizer changes, its step hook (the accountant's) included; a second probe on 
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 
 from dpaudit.core.errors import DPAuditError
+from dpaudit.probes import probe_folder
+from dpaudit.probes.opacus_seams import ProbeSeams, clip_rows, hooked_accountant, hooked_sample_rate
 
 OPACUS_BYPASS = ("ghost (fast gradient clipping): Opacus clips each example in the loss's backward pass, which "
                  "canaries never enter, so the probe clips them itself at the optimizer's max_grad_norm")
@@ -69,9 +69,10 @@ def attach(cls, optimizer, *, m, out, sample_rate, accountant, gain, seed, resum
                 noise_multiplier=float(optimizer.noise_multiplier))
     probe.bypass = OPACUS_BYPASS if ghost else None
     probe.accountant = accountant
-    probe._write_spec(optimizer=type(optimizer).__name__, expected_batch_size=optimizer.expected_batch_size,
-                      loader_rate=loader_rate, loader_rate_source=loader_source,
-                      accounted_rate=accounted, accounted_rate_source=accounted_source)
+    probe_folder.write_spec(probe, optimizer=type(optimizer).__name__,
+                            expected_batch_size=optimizer.expected_batch_size,
+                            loader_rate=loader_rate, loader_rate_source=loader_source,
+                            accounted_rate=accounted, accounted_rate_source=accounted_source)
     kind = type(optimizer)
     mixin = ProbedDistributed if hasattr(optimizer, "reduce_gradients") else Probed
     optimizer.__class__ = type(f"{mixin.__name__}{kind.__name__}", (mixin, kind), {})
@@ -87,7 +88,7 @@ def attach(cls, optimizer, *, m, out, sample_rate, accountant, gain, seed, resum
     return probe
 
 
-class Probed:
+class Probed(ProbeSeams):
     """Mixin in front of an Opacus DPOptimizer's class: the canaries join once a step (per-sample modes: in
     the same call as the examples' clipping, at whatever clip norm it uses then; ghost: the sums arrive
     clipped, so just before the noise), and the release is read after ``scale_grad``, before the step hook."""
@@ -153,7 +154,7 @@ class Probed:
         super().scale_grad()
         self.dpaudit_injected = False  # the step's release is complete: the next clipping is the next step's
         if not hasattr(self, "reduce_gradients"):
-            self._read(1)
+            self.read_release(self.dpaudit_probe)
 
     def _join_once(self) -> None:
         if not self.dpaudit_injected:  # gradient accumulation clips several times a step; canaries enter once
@@ -163,17 +164,13 @@ class Probed:
             inject(self.dpaudit_probe, self, self.dpaudit_probe_ghost)
             self.dpaudit_injected = True
 
-    def _read(self, ranks: int) -> None:
-        scale = self.expected_batch_size * self.accumulated_iterations if self.loss_reduction == "mean" else 1.0
-        self.dpaudit_probe.observe(self.dpaudit_probe.step, [p.grad for p in self.params], scale * ranks)
-
 
 class ProbedDistributed(Probed):
     """The release is the sum over the ranks: read once reduced (DDP: after Opacus' reduce_gradients)."""
 
     def reduce_gradients(self):
         super().reduce_gradients()
-        self._read(self.world_size if self.loss_reduction == "mean" else 1)
+        self.read_release(self.dpaudit_probe, reduced=True)
 
 
 SNAPSHOT_SHARE = 0.05  # of the trainable values: the most a step copies to measure the noise added in place
@@ -201,7 +198,7 @@ def inject(probe, optimizer, ghost: bool) -> None:
     if not sampled.size:
         return
     if ghost:
-        return probe.add_to_summed_grad(probe.params, float(optimizer.max_grad_norm))
+        return optimizer.join_canaries(probe, float(optimizer.max_grad_norm))
     # Per-sample modes: the canaries are rows of per-sample gradients (zero but at their coordinate), clipped and
     # summed by the optimizer's own clip_and_accumulate. It runs on a view of the optimizer whose parameters are
     # stand-ins holding only the sampled canaries' coordinates of each tensor they sit on: a canary's row is zero
@@ -223,25 +220,17 @@ def inject(probe, optimizer, ghost: bool) -> None:
             g[r, c] = value
         q.grad_sample, q.summed_grad = g, None
         stand_ins.append(q)
-    view = SimpleNamespace(params=stand_ins, max_grad_norm=optimizer.max_grad_norm,
-                           _get_flat_grad_sample=lambda q: q.grad_sample)
-    view.grad_samples = [q.grad_sample for q in stand_ins]
     norms = getattr(optimizer, "max_grad_norms", None)  # per-layer clipping: each tensor its own
     if norms is not None:
         index = {id(p): n for p, n in zip(optimizer.params, norms)}
-        view.max_grad_norms = [index[id(probe.params[k])] for k in owners]
-    _opacus_own(type(optimizer)).clip_and_accumulate(view)  # Opacus' own clipping, on the stand-ins
+        norms = [index[id(probe.params[k])] for k in owners]
+    clip_rows(optimizer, stand_ins, norms)  # Opacus' own clipping, on the stand-ins
     for k, q in zip(owners, stand_ins):
         p = probe.params[k]
         if p.summed_grad is None:  # an empty batch of examples: the canaries' sum alone
             p.summed_grad = torch.zeros_like(p)
         at = torch.tensor([off for _, off, _ in by_tensor[k]], device=p.device)
         p.summed_grad.view(-1).index_add_(0, at, q.summed_grad.to(p.summed_grad.dtype))
-
-
-def _opacus_own(cls):
-    """The Opacus class in ``cls``'s ancestry that defines clip_and_accumulate (past any seam mixin in front)."""
-    return next(c for c in cls.__mro__ if c.__module__.startswith("opacus.") and "clip_and_accumulate" in c.__dict__)
 
 
 class Passive:
@@ -266,17 +255,6 @@ class Passive:
 
     def audit(self, *args, **kwargs):
         return None
-
-
-def hooked_accountant(optimizer):
-    """The Opacus accountant whose step hook PrivacyEngine attached to ``optimizer`` (the hook closes over it), or
-    None: it says eps for the steps actually taken."""
-    hook = getattr(optimizer, "step_hook", None)
-    code = getattr(hook, "__code__", None)
-    if code is None or "self" not in code.co_freevars:
-        return None
-    value = hook.__closure__[code.co_freevars.index("self")].cell_contents
-    return value if hasattr(value, "get_epsilon") else None
 
 
 def loader_sample_rate(loader) -> tuple[float, str]:
@@ -308,16 +286,3 @@ def accounted_rate(accountant) -> tuple[float | None, str]:
     if not rates:
         return None, ""
     return min(rates), f"{type(accountant).__name__}'s history"
-
-
-def hooked_sample_rate(optimizer) -> float | None:
-    """The sample rate PrivacyEngine gave the accountant's step hook (``get_optimizer_hook_fn(sample_rate,
-    ...)``): the optimizer itself does not keep it, and the data loader may not be at hand."""
-    hook = getattr(optimizer, "step_hook", None)
-    code = getattr(hook, "__code__", None)
-    if code is None or "sample_rate" not in code.co_freevars:
-        return getattr(optimizer, "sample_rate", None)
-    value = hook.__closure__[code.co_freevars.index("sample_rate")].cell_contents
-    return float(value) if isinstance(value, (int, float)) else None
-
-

@@ -9,7 +9,7 @@ front of an Opacus optimizer class that splits those calls into the seams an aud
                          addressable stream, streams.add_normals_: the numbers a sharded run draws slice by
                          slice; on a GPU all tensors in one captured pass)
     divisor()            what the noisy sum is divided by: the expected batch size (x accumulated iterations)
-    on_release(scale)    the release, read (the probe's transcript), before Opacus' step hook
+    on_release()         the release, read (the probe's transcript), before Opacus' step hook
 
 With no probe and no bug, each seam is Opacus' own behaviour. A planted bug is a mixin overriding one seam
 (bugs.py: ``NoClipping``, ``RealisedBatch``), put in front by ``bugs.planted``. ``NoisyShards`` is the same
@@ -22,11 +22,13 @@ import torch
 
 from dpaudit.training.streams import add_normals_
 from dpaudit.core.errors import DPAuditError
+from dpaudit.probes.opacus_seams import ProbeSeams, check_processed, mark_processed, release_scale
 from dpaudit.training.shard import local_slices
 
 
-class DPStep:
-    """Mixin: ``class X(DPStep, opacus.optimizers.DPOptimizer)`` (or any of its subclasses)."""
+class DPStep(ProbeSeams):
+    """Mixin: ``class X(DPStep, opacus.optimizers.DPOptimizer)`` (or any of its subclasses). The probe's two places
+    (the canaries in, the release out) are probes/opacus_seams.ProbeSeams, as on a user's attached optimizer."""
 
     probe = None                 # the run's WhiteBoxProbe (probe.py) or None
     noise_key: int = 0           # the step's noise stream (streams.step_key), set per step
@@ -38,7 +40,7 @@ class DPStep:
 
     def join_clipped_sum(self) -> None:
         if self.probe is not None:  # canaries join once: rank 0's sum, as its noise does
-            self.probe.add_to_summed_grad(self.params, self.clip_norm())
+            self.join_canaries(self.probe, self.clip_norm())
 
     def noise_std(self) -> float:
         return self.noise_multiplier * self.max_grad_norm
@@ -47,11 +49,11 @@ class DPStep:
         add_normals_(tensors, self.noise_key, std)
 
     def divisor(self) -> float:
-        return self.expected_batch_size * self.accumulated_iterations if self.loss_reduction == "mean" else 1.0
+        return release_scale(self)
 
-    def on_release(self, scale: float) -> None:
-        if self.probe is not None:  # the release, in units of the expected batch's sum
-            self.probe.observe(self.probe.step, [p.grad for p in self.params], scale)
+    def on_release(self, reduced: bool = False) -> None:
+        if self.probe is not None:  # the release, in units of the noisy sum
+            self.read_release(self.probe, reduced)
 
     # -- Opacus' calls, made of the seams ----------------------------------------------------------------
     def clip_and_accumulate(self):
@@ -67,26 +69,24 @@ class DPStep:
     def add_noise(self):
         """The clipped sum plus the noise, in place; under data parallelism on rank 0 only, before the ranks'
         sums are added."""
-        from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
-
         adds = getattr(self, "rank", 0) == 0
         if adds:
             self.join_clipped_sum()
         std = self.noise_std()
         for p in self.params:
-            _check_processed_flag(p.summed_grad)
+            check_processed(p.summed_grad)
         if adds and std > 0:
             self.draw_noise([p.summed_grad for p in self.params], std)
         for p in self.params:
             p.grad = p.summed_grad.view_as(p)
-            _mark_as_processed(p.summed_grad)
+            mark_processed(p.summed_grad)
 
     def scale_grad(self):
         divisor = self.divisor()
         for p in self.params:
             p.grad /= divisor
         if not self.distributed:
-            self.on_release(self.expected_batch_size * self.accumulated_iterations)
+            self.on_release()
 
     distributed = False  # the ranks' release is read once reduced (DistributedDPStep)
 
@@ -97,7 +97,7 @@ class DistributedDPStep(DPStep):
     def reduce_gradients(self):
         """Data parallelism: the release is the ranks' average (each scaled by B / world), read once reduced."""
         super().reduce_gradients()
-        self.on_release(self.expected_batch_size * self.accumulated_iterations * self.world_size)
+        self.on_release(reduced=True)
 
 
 class CorrelatedNoise:
@@ -233,9 +233,9 @@ class NoisyShards(DPStep):
     def divisor(self) -> float:
         return self.expected_batch_size
 
-    def on_release(self, scale: float) -> None:
-        if self.probe is not None:
-            self.probe.observe_slices(self.probe.step, self.slices, scale, self.all_sum)
+    def on_release(self, reduced: bool = False) -> None:
+        if self.probe is not None:  # the slices hold the noisy sum over the expected batch size
+            self.probe.observe_slices(self.probe.step, self.slices, self.expected_batch_size, self.all_sum)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -249,5 +249,5 @@ class NoisyShards(DPStep):
             self.draw_noise([grad for grad, _, _ in self.slices], std)
         for grad, _, _ in self.slices:
             grad.div_(divisor)
-        self.on_release(self.expected_batch_size)
+        self.on_release()
         self.original_optimizer.step()

@@ -13,6 +13,7 @@ import torch
 from cli_helpers import dpaudit
 from dpaudit import WhiteBoxProbe
 from dpaudit.core.errors import DPAuditError
+from dpaudit.probes.injector import Injector
 
 warnings.filterwarnings("ignore", module="opacus")
 N, B = 512, 64
@@ -323,7 +324,7 @@ def test_rows_kept_on_the_device_are_written_in_blocks_and_read_the_same(tmp_pat
 
     transcripts = {}
     for kept in (False, True):
-        monkeypatch.setattr(WhiteBoxProbe, "_keeps_rows", staticmethod(lambda row, kept=kept: kept))
+        monkeypatch.setattr(Injector, "keeps_rows", staticmethod(lambda row, kept=kept: kept))
         engine, model, optimizer, criterion, loader = _opacus("hooks", sigma=1.0, seed=5)
         probe = WhiteBoxProbe.attach(optimizer, m=200, out=tmp_path / f"k{kept}", secret_seed=SEED)
         path = probe.out / "whitebox_transcript.f32"
