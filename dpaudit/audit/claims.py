@@ -40,6 +40,14 @@ def _record(folder: Path, probe: bool = False):
         return None
 
 
+def _ledger(folder: Path):
+    """The run's ledger, or None (absent or unreadable: the run claims no eps here)."""
+    try:
+        return run_record.read_ledger(folder)
+    except (DPAuditError, OSError):
+        return None
+
+
 def _name(score) -> str | None:
     """The score's name in a report.json ({"name": ...}); anything else (a hand-edited file) is no name."""
     name = score.get("name") if isinstance(score, dict) else None
@@ -61,9 +69,9 @@ def run_claims(path: Path) -> dict | None:
     for folder in folders:
         record = _record(folder)
         if record is not None:
-            cfg, ledger = record.settings, _json(folder / run_folder.LEDGER) or {}
+            cfg, ledger = record.settings, _ledger(folder)
             return {"source": str(folder), "method": cfg.method, "delta": cfg.delta,
-                    "epsilon": _number(ledger.get("epsilon_total", ledger.get("epsilon_planned"))),
+                    "epsilon": ledger.claimed_epsilon if ledger is not None else None,
                     "sigma": record.sigma, "sampling rate p": record.sampling_rate, "steps": cfg.steps,
                     "mechanism": cfg.mechanism, "white_box": bool(cfg.white_box)}
         probe = _record(folder, probe=True)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dpaudit.core.errors import DPAuditError
+from dpaudit.core.run_record import unstamped
 from dpaudit.core.safe_json import load_json_file
 
 TALLY = "clipping_check.json"  # the probe's tally beside its transcript (0600: made from the members)
@@ -108,7 +109,7 @@ def read_tally(folder: Path, run_id: str) -> dict | None:
     path = Path(folder) / TALLY
     if not path.is_file():
         return None
-    data = load_json_file(path, "clipping check tally", max_bytes=1 << 16)
+    data = unstamped(TALLY, load_json_file(path, "clipping check tally", max_bytes=1 << 16), path)
     try:
         ok = (data["run_id"] == run_id and all(len(data[k]) == 3 and all(isinstance(v, (int, float)) and
               math.isfinite(v) for v in data[k]) for k in ("small", "large"))

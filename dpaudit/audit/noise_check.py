@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from dpaudit.core.errors import DPAuditError
+from dpaudit.core.run_record import unstamped
 from dpaudit.core.safe_json import load_json_file
 
 NOISE_SHARE = 0.05  # of alpha, where the check is made
@@ -147,7 +148,7 @@ def read_tally(folder: Path, run_id: str) -> dict | None:
     path = Path(folder) / TALLY
     if not path.is_file():
         return None
-    data = load_json_file(path, "noise tally", max_bytes=1 << 22)
+    data = unstamped(TALLY, load_json_file(path, "noise tally", max_bytes=1 << 22), path)
     try:
         ok = (data["run_id"] == run_id and len(data["sizes"]) == len(data["squares"]) == len(data["steps"])
               and all(type(n) is int and n >= 0 for n in data["steps"])

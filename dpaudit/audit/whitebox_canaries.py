@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from dpaudit.core.atomic import atomic_write_json
+from dpaudit.core.run_record import stamped, unstamped
 from dpaudit.core.errors import DPAuditError
 
 # Membership is drawn from the secret seed in its own domain (a SeedSequence spawn key), so it can never
@@ -71,14 +72,14 @@ class WhiteBoxCanaries:
 
     def save(self, folder: Path) -> Path:
         """Written 0600: membership is the audit's secret."""
-        return atomic_write_json(Path(folder) / MANIFEST, private=True, data={
+        return atomic_write_json(Path(folder) / MANIFEST, private=True, data=stamped(MANIFEST, {
             "m": self.m, "seed": self.seed, "gain": self.gain, "members": [int(x) for x in self.members],
-            "coordinates": self.coordinates, **({"run_id": self.run_id} if self.run_id else {})})
+            "coordinates": self.coordinates, **({"run_id": self.run_id} if self.run_id else {})}))
 
     @classmethod
     def load(cls, folder: Path) -> "WhiteBoxCanaries":
         try:
-            d = json.loads((Path(folder) / MANIFEST).read_text())
+            d = unstamped(MANIFEST, json.loads((Path(folder) / MANIFEST).read_text()), Path(folder) / MANIFEST)
             return cls(m=int(d["m"]), seed=int(d["seed"]), members=np.array(d["members"], bool),
                        gain=float(d["gain"]), coordinates=[int(j) for j in d["coordinates"]],
                        run_id=str(d["run_id"]) if d.get("run_id") else None)

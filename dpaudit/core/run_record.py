@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from dpaudit.core.errors import DPAuditError
-from dpaudit.core.run_folder import PROBE as PROBE_FILE, RUN_CONFIG as FILE, read_json
+from dpaudit.core.run_folder import LEDGER as LEDGER_FILE, PROBE as PROBE_FILE, RUN_CONFIG as FILE, read_json
 from dpaudit.core.atomic import atomic_write_json
 from dpaudit.core.validate import check_number
 
@@ -352,3 +352,159 @@ def read_probe(folder: Path) -> ProbeRecord:
 
 def write_probe(folder: Path, record: ProbeRecord) -> None:
     atomic_write_json(Path(folder) / PROBE_FILE, record.to_json())
+
+
+# The other files a run or probe folder holds, each read by its own module (the canary manifest by
+# audit/whitebox_canaries.py, the tallies by audit/clipping.py and audit/noise_check.py), carry a version too: format 1
+# was written without the key; a file of a format this dpaudit does not know is refused, never read as another.
+SIDE_FORMATS = {
+    "whitebox_canaries.json": "dpaudit-whitebox-canaries/2",
+    "clipping_check.json": "dpaudit-clip-tally/2",
+    "noise_tally.json": "dpaudit-noise-tally/2",
+}
+
+
+def stamped(name: str, data: dict) -> dict:
+    """``data`` as the file ``name`` is written now: with its format."""
+    return {"format": SIDE_FORMATS[name], **data}
+
+
+def unstamped(name: str, data, where) -> dict:
+    """A side file's contents read back without its format key: format 1 (no key) or the current one."""
+    if not isinstance(data, dict):
+        raise DPAuditError(f"{where} is not a JSON object")
+    version = data.get("format", 1)  # the one place a side file's keys are looked up loosely: its version
+    if version not in (1, SIDE_FORMATS[name]):
+        raise DPAuditError(f"{where} is of a format this dpaudit does not know; upgrade it")
+    return {k: v for k, v in data.items() if k != "format"}
+
+
+# -- privacy_ledger.json -------------------------------------------------------------------------------------------
+LEDGER_FORMAT = "dpaudit-ledger/2"
+_UNKNOWN = "refusing to read a ledger whose spending is unknown"
+
+
+def _ledger_number(key, v, where):
+    """A number of the ledger, "inf" (json_float's infinity) read as one; None: not said."""
+    if v is None:
+        return None
+    if v in ("inf", "-inf"):
+        return float(v)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+        raise DPAuditError(f"{where}: {key} is not a number; {_UNKNOWN}")
+    return v
+
+
+def _ledger_int(key, v, where):
+    if v is None:
+        return None
+    if type(v) is not int or v < 0:
+        raise DPAuditError(f"{where}: {key} is not a count; {_UNKNOWN}")
+    return v
+
+
+def _ledger_string(key, v, where):
+    if v is not None and not (isinstance(v, str) and len(v) <= 4096):
+        raise DPAuditError(f"{where}: {key} is not a string; {_UNKNOWN}")
+    return v
+
+
+def _ledger_flag(key, v, where):
+    if v is not None and not isinstance(v, bool):
+        raise DPAuditError(f"{where}: {key} is not true or false; {_UNKNOWN}")
+    return v
+
+
+def _ledger_phases(key, v, where):
+    """Each phase: from_step, sampling_rate (the rate its steps are accounted at), examples, data_sha256."""
+    if v is None:
+        return None
+    bad = DPAuditError(f"{where} lists phases it does not describe; {_UNKNOWN}")
+    if not isinstance(v, list) or len(v) > 10_000:
+        raise bad
+    for p in v:
+        if not (isinstance(p, dict) and set(p) <= {"from_step", "sampling_rate", "examples", "data_sha256"}
+                and type(p.get("from_step")) is int and p["from_step"] >= 0):
+            raise bad
+        try:
+            rate = _ledger_number("sampling_rate", p.get("sampling_rate"), where)
+            _ledger_int("examples", p.get("examples"), where)
+            _ledger_string("data_sha256", p.get("data_sha256"), where)
+        except DPAuditError:
+            raise bad from None
+        if rate is None:
+            raise bad
+    return tuple(dict(p) for p in v)
+
+
+def _ledger_attempts(key, v, where):
+    """As written (lists of [first step, end, parent]); training/resume.correlated_attempts checks each."""
+    if v is not None and not (isinstance(v, list) and len(v) <= 10_000):
+        raise DPAuditError(f"{where} does not list the attempts of this correlated-noise run; {_UNKNOWN}")
+    return v
+
+
+_LEDGER_CHECKS = {
+    "method": _ledger_string, "private": _ledger_flag, "mechanism": _ledger_string, "sigma": _ledger_number,
+    "clip": _ledger_number, "sampling_rate": _ledger_number, "steps_planned": _ledger_int, "delta": _ledger_number,
+    "target_epsilon": _ledger_number, "examples": _ledger_int, "noise_disabled_unsafely": _ledger_flag,
+    "white_box_canaries": _ledger_int, "planted_bug": _ledger_string, "world_size": _ledger_int,
+    "data_sha256": _ledger_string, "sampling": _ledger_string, "noise": _ledger_string, "noise_std": _ledger_number,
+    "phases": _ledger_phases, "attempts": _ledger_attempts, "steps_discarded_by_resume": _ledger_int,
+    "overspend_allowed": _ledger_flag, "accountant": _ledger_string, "relation": _ledger_string,
+    "steps_executed": _ledger_int, "epsilon_spent": _ledger_number, "epsilon_planned": _ledger_number,
+    "epsilon_total": _ledger_number, "epsilon_overspend": _ledger_number, "steps_in_model": _ledger_int,
+}
+
+
+@dataclass(frozen=True)
+class LedgerRecord:
+    """privacy_ledger.json as read back (training/ledger.py writes it ahead of every step): each key the ledger says,
+    typed; a key it does not say (an older run's, or one a tampered file lost) reads None, and whoever needs it
+    refuses (training/resume.py: a resume whose spending is unknown). Format 1: no "format" key (keys no run writes
+    are dropped); 2: "dpaudit-ledger/2" (unknown keys refused)."""
+
+    said: tuple  # ((key, value), ...) in the file's order, values typed
+
+    def value(self, key: str):
+        """The ledger's value of ``key`` (one of its known keys), or None where it does not say it."""
+        if key not in _LEDGER_CHECKS:
+            raise KeyError(key)
+        return dict(self.said).get(key)
+
+    def says(self, key: str) -> bool:
+        return self.value(key) is not None
+
+    @property
+    def steps_executed(self) -> int | None:
+        return self.value("steps_executed")
+
+    @property
+    def claimed_epsilon(self) -> float | None:
+        """eps the run claims: its total (the steps a resume redid included), else its plan; None when infinite."""
+        eps = self.value("epsilon_total") if self.says("epsilon_total") else self.value("epsilon_planned")
+        return eps if eps is not None and math.isfinite(eps) else None
+
+    @classmethod
+    def from_json(cls, data, where) -> "LedgerRecord":
+        if not isinstance(data, dict):
+            raise DPAuditError(f"{where} is not a JSON object; {_UNKNOWN}")
+        version = data.get("format", 1)
+        if version not in (1, LEDGER_FORMAT):
+            raise DPAuditError(f"{where} is of a format this dpaudit does not know; upgrade it")
+        unknown = sorted(set(data) - set(_LEDGER_CHECKS) - {"format"})
+        if unknown and version != 1:
+            raise DPAuditError(f"{where} has keys this dpaudit does not know ({', '.join(unknown[:5])}); upgrade it")
+        return cls(tuple((k, _LEDGER_CHECKS[k](k, v, where)) for k, v in data.items() if k in _LEDGER_CHECKS))
+
+
+def ledger_json(data: dict) -> dict:
+    """What training/ledger.py writes: ``data`` with the ledger's format."""
+    return {"format": LEDGER_FORMAT, **data}
+
+
+def read_ledger(folder: Path) -> LedgerRecord | None:
+    """The folder's privacy ledger, typed; None where there is none."""
+    where = Path(folder) / LEDGER_FILE
+    data = read_json(where, "privacy ledger")
+    return None if data is None else LedgerRecord.from_json(data, where)

@@ -11,6 +11,7 @@ import numpy as np
 from dpaudit.audit.clipping import TALLY as CLIP_TALLY, read_tally as read_clip_tally
 from dpaudit.audit.noise_check import TALLY as NOISE_TALLY, read_tally as read_noise_tally
 from dpaudit.core.atomic import atomic_write_json
+from dpaudit.core.run_record import stamped
 
 SIZE_RATIO = 8.0  # odd canaries' per-example rows are this much larger (WhiteBoxProbe.canary_examples)
 FULL_PRECISION = ("torch.float32", "torch.float64")  # releases the per-tensor noise check measures
@@ -41,9 +42,9 @@ class ClipTally:
     def save(self, out: Path, run_id: str, steps: int) -> None:
         if self.values is None:
             return
-        atomic_write_json(Path(out) / CLIP_TALLY, private=True, data={
+        atomic_write_json(Path(out) / CLIP_TALLY, private=True, data=stamped(CLIP_TALLY, {
             "run_id": run_id, "size_ratio": SIZE_RATIO, "steps": steps,
-            "small": [float(v) for v in self.values[0]], "large": [float(v) for v in self.values[1]]})
+            "small": [float(v) for v in self.values[0]], "large": [float(v) for v in self.values[1]]}))
 
 
 class NoiseTally:
@@ -85,6 +86,6 @@ class NoiseTally:
         steps = np.zeros(len(sizes)) if self.prior is None else self.prior_steps
         if self.squares is not None:
             squares, steps = squares + self.squares.cpu().numpy(), steps + self.steps.cpu().numpy()
-        atomic_write_json(Path(out) / NOISE_TALLY, {
+        atomic_write_json(Path(out) / NOISE_TALLY, stamped(NOISE_TALLY, {
             "run_id": run_id, "steps": [int(n) for n in steps], "sizes": list(sizes),
-            "squares": [float(v) for v in squares]})
+            "squares": [float(v) for v in squares]}))

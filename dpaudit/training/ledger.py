@@ -16,6 +16,7 @@ from pathlib import Path
 
 from dpaudit.accounting.result import json_float
 from dpaudit.core.atomic import atomic_write_json
+from dpaudit.core.run_record import ledger_json
 
 GRID_POINTS = 25
 
@@ -63,10 +64,10 @@ class PrivacyLedger:
 
     def record(self, steps_executed: int, **extra) -> None:
         """Write the count down (the trainer calls this before a step releases anything: write-ahead)."""
-        atomic_write_json(self.path, {
+        atomic_write_json(self.path, ledger_json({
             **self.header, "accountant": self.accountant, "relation": self.relation,
             "steps_executed": steps_executed, "epsilon_spent": json_float(self.spent(steps_executed)),
             "epsilon_planned": json_float(self.planned_epsilon), "epsilon_total": json_float(self.total_epsilon),
             "epsilon_overspend": json_float(max(0.0, self.total_epsilon - self.planned_epsilon)), **extra,
-        })
+        }))
         self.recorded = steps_executed

@@ -12,7 +12,7 @@ from pathlib import Path
 import hashlib
 
 from dpaudit.core import run_folder, run_record
-from dpaudit.core.run_record import RunSettings
+from dpaudit.core.run_record import LedgerRecord, RunSettings, read_ledger
 from dpaudit.core.errors import DPAuditError
 from dpaudit.training import checkpoint
 from dpaudit.training.batches import source
@@ -27,7 +27,7 @@ class Opening:
     start: int = 0
     model_dir: Path | str = ""
     base_model: str = ""               # the original model, never a checkpoint
-    previous_ledger: dict | None = None
+    previous_ledger: LedgerRecord | None = None
     released_before: int = 0           # steps whose outputs may have been seen
 
 
@@ -61,7 +61,7 @@ def _check_resumable(run_dir: Path, cfg, opening: Opening, world):
             raise DPAuditError(f"{run_dir} holds a run with another configuration (not as it was started: "
                                f"{', '.join(differ)}; pass the run's own), or use a new folder")
         opening.base_model = previous.base_model or opening.base_model
-    opening.previous_ledger = run_folder.ledger(run_dir)
+    opening.previous_ledger = read_ledger(run_dir)
     opening.released_before = released_steps(run_dir, opening.previous_ledger, cfg)
     if opening.previous_ledger is None and (opening.released_before or any(
             (run_dir / name).exists() for name in (checkpoint.FINAL, checkpoint.TMP, checkpoint.OLD))):
@@ -92,7 +92,7 @@ RESUME_IDENTITY = ("method", "mechanism", "sigma", "clip", "delta", "sampling_ra
 DATA_KEYS = ("sampling_rate", "examples", "data_sha256")  # a resume on other data: a new phase, composed
 
 
-def resume_phases(plan, header: dict, previous: dict, released: int, run_dir: Path):
+def resume_phases(plan, header: dict, previous: LedgerRecord, released: int, run_dir: Path):
     """(plan, header) for resuming a run whose ledger says ``previous`` after ``released`` released steps.
 
     The method, noise, clip and delta must be the ledger's (else refused, naming what differs). Other data
@@ -100,27 +100,27 @@ def resume_phases(plan, header: dict, previous: dict, released: int, run_dir: Pa
     accounted at the old rate and the rest at the new one, composed in sequence (never re-accounted at the
     new p, which would under-count). The run keeps the ledger's sigma: a calibrated sigma is not calibrated
     again for the new data (that would change the noise of a run already part-spent)."""
-    missing = [k for k in RESUME_IDENTITY if k not in previous] if plan.private else []
+    missing = [k for k in RESUME_IDENTITY if not previous.says(k)] if plan.private else []
     if missing:
         raise DPAuditError(f"{run_dir / run_folder.LEDGER} does not say its {', '.join(missing)}: refusing to resume a "
                            "run whose spending is unknown; start a new run folder")
-    data_changed = [k for k in DATA_KEYS if k in previous and previous[k] != header[k]]
-    drawn = source(header.get("sampling", "poisson"))  # independent steps: the new data is a phase of its own
+    data_changed = [k for k in DATA_KEYS if previous.says(k) and previous.value(k) != header[k]]
+    drawn = source(header["sampling"])  # independent steps: the new data is a phase of its own
     if data_changed and plan.private and (drawn is None or drawn.pattern != "independent"):
         raise DPAuditError(f"resuming {run_dir} on other data is composed as a new phase of Poisson sampling only; "
                            f"this run draws {header['sampling']} batches: start a new run folder")
-    if data_changed and plan.private and plan.calibrated and isinstance(previous.get("sigma"), (int, float)):
-        plan = replace(plan, mechanism=plan.mechanism.with_sigma(float(previous["sigma"])))
+    if data_changed and plan.private and plan.calibrated and previous.says("sigma"):
+        plan = replace(plan, mechanism=plan.mechanism.with_sigma(float(previous.value("sigma"))))
         header = {**header, "sigma": plan.sigma}
-    differ = [k for k in RESUME_IDENTITY if k not in DATA_KEYS and k in previous and previous[k] != header[k]]
+    differ = [k for k in RESUME_IDENTITY if k not in DATA_KEYS and previous.says(k) and previous.value(k) != header[k]]
     if differ or (data_changed and not plan.private):
         raise DPAuditError(f"resuming {run_dir} with another {', '.join(differ or data_changed)} than its ledger "
                            "accounts: the steps already taken would be re-accounted at the new values and eps "
                            "under-counted. Resume with the run's own method, noise, clip and delta (other data is "
                            "composed as a new phase), or start a new run folder")
-    phases = [dict(p) for p in previous.get("phases") or [] if isinstance(p, dict)]
+    phases = [dict(p) for p in previous.value("phases") or ()]
     if not phases and data_changed:
-        phases = [{"from_step": 0, **{k: previous.get(k) for k in DATA_KEYS}}]
+        phases = [{"from_step": 0, **{k: previous.value(k) for k in DATA_KEYS}}]
     if data_changed:
         phases.append({"from_step": released, **{k: header[k] for k in DATA_KEYS}})
     if not phases:
@@ -133,15 +133,15 @@ def resume_phases(plan, header: dict, previous: dict, released: int, run_dir: Pa
     return plan.in_phases(steps), {**header, "phases": phases}
 
 
-def never_below(previous: dict, ledger, released: int, run_dir: Path) -> None:
+def never_below(previous: LedgerRecord, ledger, released: int, run_dir: Path) -> None:
     """A resumed run never ends having spent less than its old ledger already recorded as spent: the new
     ledger's total (released steps, redone ones and the rest, composed) must reach the old epsilon_spent (else
     the ledger, or the data, is not what the run spent on; a stripped ledger resumed at 13.93 below
     the 16.45 already recorded). The old figure is read at a grid point at or after the steps it counted, so a
     total within GRID_SLACK of it is not refused: a legitimate resume on more data near the end of a run can
     come that close."""
-    before = previous.get("epsilon_spent")
-    if isinstance(before, (int, float)) and not isinstance(before, bool) and math.isfinite(before) and released:
+    before = previous.value("epsilon_spent")
+    if before is not None and math.isfinite(before) and released:
         now = ledger.total_epsilon
         if now < before * (1 - GRID_SLACK):
             raise DPAuditError(f"resuming {run_dir} would spend eps {now:.4g} in all, below the {before:.4g} its "
@@ -152,16 +152,16 @@ def never_below(previous: dict, ledger, released: int, run_dir: Path) -> None:
 GRID_SLACK = 0.02
 
 
-def released_steps(run_dir: Path, ledger: dict | None, cfg) -> int:
+def released_steps(run_dir: Path, ledger: LedgerRecord | None, cfg) -> int:
     """Steps whose outputs may have been seen: the ledger's count, or more where the DP-ZO log or the
     white-box transcript holds more (a run written by an older dpaudit released before it counted)."""
 
     counted = 0
     if ledger is not None:
-        counted = ledger.get("steps_executed")
-        if type(counted) is not int or counted < 0:
-            raise DPAuditError(f"{run_dir / run_folder.LEDGER} does not say how many steps ran; refusing to resume a run whose "
-                               "spending is unknown")
+        counted = ledger.steps_executed
+        if counted is None:
+            raise DPAuditError(f"{run_dir / run_folder.LEDGER} does not say how many steps ran; refusing to resume a "
+                               "run whose spending is unknown")
     counted = max(counted, run_folder.log_lines(run_dir))
     transcript = run_dir / TRANSCRIPT
     if cfg.white_box and transcript.is_file():
@@ -202,13 +202,13 @@ def has_content(folder: Path) -> bool:
 MAX_ATTEMPTS = 1000  # resumes one correlated-noise run folder records (the ledger header lists each)
 
 
-def correlated_attempts(previous: dict | None, released: int, start: int, writer, run_dir: Path) -> list:
+def correlated_attempts(previous: LedgerRecord | None, released: int, start: int, writer, run_dir: Path) -> list:
     """The attempts of a correlated-noise run resumed at ``start`` (accounting/matrix/bandmf.py: a resumed attempt
     continues its parent's last b - 1 noises, so the coins drawn there move its rows too): the old ledger's list,
     its last attempt closed at the ``released`` steps the ledger counts, and the new one, whose parent is the attempt
     that wrote the checkpoint it resumes (``writer``, from the checkpoint's state; None when it starts over)."""
     where = run_dir / run_folder.LEDGER
-    listed = previous.get("attempts") if previous else None
+    listed = previous.value("attempts") if previous is not None else None
     if listed is None:   # a ledger from before resumes were recorded: one attempt from step 0 (it had no checkpoint)
         listed = [[0, None, None]] if released else []
     if not isinstance(listed, list) or len(listed) >= MAX_ATTEMPTS or not all(

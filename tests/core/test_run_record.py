@@ -177,3 +177,51 @@ def test_a_probe_value_no_probe_writes_is_refused(key, value):
     data = json.loads((FIXTURES / "v1_probe" / "probe.json").read_text())
     with pytest.raises(DPAuditError):
         ProbeRecord.from_json({**data, key: value}, "probe.json")
+
+
+def test_the_side_files_carry_their_format_and_old_ones_still_read(tmp_path):
+    """The canary manifest and the probe's tallies are written with a format; the format-1 files of the probe
+    fixture (no key) audit as the same folder with each rewritten in format 2; a format no dpaudit wrote is refused."""
+    import shutil
+
+    from dpaudit.audit.whitebox import audit_run_folder
+    from dpaudit.core.run_record import SIDE_FORMATS
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    shutil.copytree(FIXTURES / "v1_probe", old)
+    shutil.copytree(old, new)
+    present = [name for name in SIDE_FORMATS if (old / name).is_file()]
+    assert "whitebox_canaries.json" in present and "noise_tally.json" in present
+    for name in present:
+        data = json.loads((old / name).read_text())
+        assert "format" not in data
+        (new / name).write_text(json.dumps(run_record.stamped(name, data)))
+    a, b = (audit_run_folder(folder, claimed_epsilon=4.375, delta=1e-5, alpha=0.05)[0] for folder in (old, new))
+    assert a.epsilon_lower_bound == b.epsilon_lower_bound and a.noise.to_dict() == b.noise.to_dict()
+    for name in present:
+        data = json.loads((new / name).read_text())
+        (new / name).write_text(json.dumps({**data, "format": "dpaudit-from-the-future/9"}))
+        with pytest.raises(DPAuditError, match="format this dpaudit does not know"):
+            audit_run_folder(new, claimed_epsilon=4.375, delta=1e-5, alpha=0.05)
+        (new / name).write_text(json.dumps(data))
+
+
+def test_a_format_1_ledger_reads_as_it_said_and_a_tampered_one_is_refused(tmp_path):
+    """The white-box fixture's ledger (format 1, no key) reads back typed, each key as written ("inf" as infinity);
+    a value no run writes, a phase it does not describe or a format no dpaudit wrote is refused, never read as 0."""
+    from dpaudit.core.run_record import LEDGER_FORMAT, LedgerRecord, ledger_json, read_ledger
+
+    written = json.loads((FIXTURES / "v1_white_box_run" / "privacy_ledger.json").read_text())
+    record = read_ledger(FIXTURES / "v1_white_box_run")
+    assert "format" not in written and dict(record.said) == written
+    assert record.steps_executed == 3 and record.claimed_epsilon == written["epsilon_total"]
+    assert LedgerRecord.from_json(ledger_json(written), "l") == record
+    assert ledger_json(written)["format"] == LEDGER_FORMAT
+    assert LedgerRecord.from_json({**written, "epsilon_total": "inf"}, "l").claimed_epsilon is None
+    assert not LedgerRecord.from_json({"steps_executed": None}, "l").says("steps_executed")
+    for bad in ({"steps_executed": -1}, {"steps_executed": "3"}, {"sigma": "1.0"}, {"epsilon_spent": float("nan")},
+                {"phases": [{"from_step": 0}]}, {"phases": ["x"]}, {"format": "dpaudit-ledger/9"},
+                ledger_json({"retired": 1})):
+        with pytest.raises(DPAuditError, match="spending is unknown|does not know"):
+            LedgerRecord.from_json(bad, "l")
+    assert dict(LedgerRecord.from_json({"retired": 1}, "l").said) == {}  # format 1 had no schema: dropped
