@@ -34,6 +34,7 @@ from dpaudit.training.per_example import supported_for_dp_sgd
 from dpaudit.training.streams import step_key
 from dpaudit.training.bugs import seams
 from dpaudit.training.dp_step import CorrelatedNoise, InPlace, NoisyShards, dp_optimizer
+from dpaudit.training.bias_clipping import BiasClipping, bias_only
 from dpaudit.training.ghost import GhostClipping
 from dpaudit.training.per_example import materialising_module
 from dpaudit.training.shard import full_optimizer_state, gathered, load_optimizer_state, local_slices, sliced
@@ -63,7 +64,9 @@ def per_example_module(model, ghost: bool, clip: float, sharded: bool = False):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         supported_for_dp_sgd(model)
-        if ghost:
+        if ghost and not sharded and bias_only(model):  # DP-BiTFiT: the biases' own gradients (bias_clipping.py)
+            wrapped = BiasClipping(model, clip)
+        elif ghost:
             wrapped = GhostClipping(model, clip, book_keeping=not sharded)
         else:
             wrapped = materialising_module(model)
