@@ -20,6 +20,7 @@ import typer.core
 import typer.main
 from rich.console import Console
 
+from dpaudit.accounting.matrix.strategy import error_summary, parse
 from dpaudit.accounting.mechanism import Mechanism, event, parse_phase, schedule  # noqa: F401 - schedule: the commands import it here
 from dpaudit.accounting.samplers import SAMPLINGS
 from dpaudit.accounting.noises import NOISES, noise, resolve_delta  # noqa: F401 - resolve_delta: likewise
@@ -200,7 +201,6 @@ def _noise_lines(mech, result) -> list[str]:
     """Correlated noise: the strategy, and the error it buys at this sigma (what a user chooses a strategy on)."""
     if not isinstance(mech, Mechanism) or mech.strategy is None:
         return []
-    from dpaudit.accounting.matrix.strategy import error_summary
     from dpaudit.accounting.matrix.toeplitz import MAX_OPTIMISE
 
     err = error_summary(mech, result.accountant)
@@ -215,8 +215,6 @@ def event_from(mech: str, sigma: float | None, p, batch_size, dataset_size, step
                phases: list[str] | None, noise_spec: str | None = None):
     """The event a command describes: one schedule from the flags, or the --phase list composed in sequence
     (each phase's sigma defaults to --sigma, or 1 when calibrating: then it is the phase's share)."""
-    from dpaudit.accounting.matrix.strategy import parse
-
     if not phases and steps is None and epochs is None and (p is not None or batch_size is not None):
         note_after("note: no -T/--steps or --epochs given: one step (T = 1) is accounted")
     return event(mech, sigma, p, batch_size, dataset_size, steps, epochs, sampling,

@@ -13,6 +13,7 @@ import yaml
 from dpaudit.accounting.mechanism import (
     Mechanism, Phases, compose_phases, phase_from, schedule,
 )
+from dpaudit.accounting.matrix.strategy import parse
 from dpaudit.core.validate import check_delta, check_epsilon
 from dpaudit.accounting.noises import NOISES
 from dpaudit.accounting.samplers import names as sampler_names
@@ -248,8 +249,6 @@ def load_privacy_config(path: Path) -> PrivacyConfig:
 
 def _strategy(data: dict):
     """``noise:`` (correlated noise, matrix/strategy.py), parsed with its limits; None: independent."""
-    from dpaudit.accounting.matrix.strategy import parse
-
     value = data.get("noise")
     if value is not None and not isinstance(value, str):
         raise DPAuditError("config key 'noise' must be a text such as bandmf,b=16")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from dpaudit.accounting.matrix.strategy import Strategy, resolve
 from dpaudit.accounting.noises import noise
 from dpaudit.accounting.samplers import scheme
 from dpaudit.core.errors import DPAuditError
@@ -47,8 +48,6 @@ class Mechanism:
     def __post_init__(self) -> None:
         noise(self.kind)  # refuses an unknown mechanism
         if self.strategy is not None:
-            from dpaudit.accounting.matrix.strategy import Strategy
-
             if not isinstance(self.strategy, Strategy):
                 raise DPAuditError("strategy must be a matrix.strategy.Strategy (or None: independent noise)")
             if self.kind != "gaussian":
@@ -60,8 +59,6 @@ class Mechanism:
         facts = scheme(self.sampling)
         self._sizes(facts)
         if self.strategy is not None:
-            from dpaudit.accounting.matrix.strategy import resolve
-
             object.__setattr__(self, "strategy", resolve(self))   # blt,buffers=d: searched for this schedule
 
     def _sizes(self, facts) -> None:

@@ -51,14 +51,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from dpaudit.accounting.mechanism import Mechanism, Phases, compose_phases, resampled
 from dpaudit.accounting.result import EpsilonResult
 from dpaudit.accounting.samplers import relation_of
-from dpaudit.accounting import allocation, pld
-from dpaudit.accounting.registry import epsilon as account
-from dpaudit.accounting.result import json_float
 from dpaudit.core import limits as budget
 
 LOWER_GRID = 1e-3          # the lower bound's loss discretisation at most (rounded down: a finer grid is tighter)
@@ -80,6 +75,7 @@ def full_batch_equivalent(mech: Mechanism | Phases) -> Mechanism | Phases:
 
 def epsilon(mech: Mechanism | Phases, delta: float) -> EpsilonResult:
     """Upper bound on eps under zero-out neighbours (the theorem in the module docstring)."""
+    from dpaudit.accounting.registry import epsilon as account
 
     equivalent = full_batch_equivalent(mech)
     inner = account(equivalent, delta)
@@ -103,6 +99,8 @@ class ShuffleContext:
     lower_bound_words: str = "Chua et al. shuffle construction"
 
     def to_json(self, upper: float) -> dict:
+        from dpaudit.accounting.result import json_float
+
         lower = None if self.lower_bound is None else json_float(self.lower_bound)
         return {"lower_bound": lower, "lower_bound_words": self.lower_bound_words,
                 **({"lower_bound_chua": lower} if self.lower_bound_words.startswith("Chua") else {}),
@@ -120,6 +118,9 @@ def context_for(event, delta: float, result: EpsilonResult) -> ShuffleContext | 
     if event.sampling == "shuffle" and result.accountant == "shuffle":
         return context(event, delta)
     if result.accountant == "allocation":
+        from dpaudit.accounting import allocation
+        from dpaudit.accounting.registry import epsilon as account
+
         poisson = account(resampled(event, "poisson"), delta)
         lower = result.details.get("lower_bound")
         if lower is None:
@@ -132,6 +133,8 @@ def context_for(event, delta: float, result: EpsilonResult) -> ShuffleContext | 
 
 
 def context(mech: Mechanism | Phases, delta: float) -> ShuffleContext:
+    from dpaudit.accounting.registry import epsilon as account
+
     poisson = account(resampled(mech, "poisson"), delta)  # p = B / N: what a Poisson accountant is given
     lower, note = None, "the Chua et al. construction is for Gaussian noise"
     if all(m.kind == "gaussian" for m in mech.phases) and delta > 0:
@@ -150,10 +153,12 @@ def lower_bound(sigma: float, per_epoch: int, epochs: int, delta: float, grid: f
     noise multiplier ``sigma``, zero-out): the module docstring's construction. None for no full epoch. The loss
     grid is ``LOWER_GRID``, or finer with many epochs (each rounds its loss down by up to one grid step, so
     E epochs lose up to E x grid: kept at ``LOWER_SLACK``; at sigma = 16.4 and 1209 epochs a 1e-3 grid read 0)."""
+    import numpy as np
     from dp_accounting.pld import pld_pmf
 
     if epochs < 1:
         return None
+    from dpaudit.accounting import pld
 
     epochs = min(epochs, LOWER_MAX_EPOCHS)  # fewer epochs: a smaller, still valid, lower bound
     grid = grid if grid is not None else min(LOWER_GRID, LOWER_SLACK / epochs)
@@ -175,6 +180,7 @@ def lower_bound(sigma: float, per_epoch: int, epochs: int, delta: float, grid: f
 def _binned_epoch(sigma: float, per_epoch: int, grid: float):
     """One epoch's binned pair (P, Q) of M = max_t y_t: each slice's loss floor(log(P_i / Q_i) / grid) and its
     P mass, on slices narrow enough that the loss varies by about ``grid`` within one."""
+    import numpy as np
     from scipy.special import log_ndtr
     from scipy.stats import norm
 

@@ -26,11 +26,8 @@ import re
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-import numpy as np
-
-from dpaudit.core.errors import DPAuditError
-from dpaudit.accounting.matrix import toeplitz
 from dpaudit.accounting.samplers import scheme
+from dpaudit.core.errors import DPAuditError
 
 FAMILIES = ("bandmf", "blt")
 MAX_SPEC = 200          # characters of a --noise spec
@@ -70,6 +67,7 @@ class Strategy:
 
     def rational(self, steps: int):
         """(num, den) of C's generating function for a run of ``steps`` steps."""
+        from dpaudit.accounting.matrix import toeplitz
 
         if self.family == "bandmf":
             return banded_coefs(steps, self.bands), (1.0,)
@@ -77,6 +75,7 @@ class Strategy:
 
     def coefs(self, steps: int):
         """C's first column (Toeplitz coefficients), length ``steps``."""
+        from dpaudit.accounting.matrix import toeplitz
 
         num, den = self.rational(steps)
         return toeplitz.series(num, den, steps)
@@ -84,12 +83,16 @@ class Strategy:
 
 @lru_cache(maxsize=32)
 def _banded(steps: int, bands: int) -> tuple[float, ...]:
+    from dpaudit.accounting.matrix import toeplitz
+
     if steps > toeplitz.MAX_OPTIMISE:
         raise DPAuditError(f"the banded strategy is optimised for T <= {toeplitz.MAX_OPTIMISE}; got T = {steps}")
     return tuple(toeplitz.optimal_banded(steps, min(bands, steps)))
 
 
 def banded_coefs(steps: int, bands: int):
+    import numpy as np
+
     return np.array(_banded(steps, bands))
 
 
@@ -97,7 +100,6 @@ def participation(mech) -> tuple[int, int, str]:
     """(k, min_sep, words): how often and how close together one example can take part, from the sampler.
     Epoch samplers: once an epoch; in one fixed order (``order=fixed``) exactly an epoch apart, otherwise as close
     as adjacent steps (across an epoch's end). Other samplers: any step, so k = T, separation 1."""
-
     facts = scheme(mech.sampling)
     if facts.epochs:
         per_epoch = mech.steps_per_epoch
@@ -110,6 +112,7 @@ def participation(mech) -> tuple[int, int, str]:
 
 def sensitivity_squared(mech) -> float:
     """The strategy's squared L2 sensitivity (per unit clip norm) under the sampler's participation."""
+    from dpaudit.accounting.matrix import toeplitz
 
     k, sep, _ = participation(mech)
     if mech.strategy.family == "bandmf" and mech.strategy.bands <= sep:
@@ -120,6 +123,7 @@ def sensitivity_squared(mech) -> float:
 def expected_error(mech, sensitivity2: float = 1.0) -> float:
     """sigma^2 sens^2 error(C): the expected squared error of the last released prefix sum, per coordinate, in
     units of C^2 (the largest over the run: Toeplitz)."""
+    from dpaudit.accounting.matrix import toeplitz
 
     if mech.strategy is None:
         return mech.sigma ** 2 * mech.steps
@@ -189,6 +193,8 @@ def resolve(mech):
 
 @lru_cache(maxsize=32)
 def _searched_blt(steps: int, buffers: int, sep: int, k: int) -> dict:
+    from dpaudit.accounting.matrix import toeplitz
+
     if steps > toeplitz.MAX_BLT_OPTIMISE:
         raise DPAuditError(f"blt,buffers=d is searched for T <= {toeplitz.MAX_BLT_OPTIMISE}; got T = {steps} (give "
                            "theta= and omega=)")
@@ -213,7 +219,6 @@ def error_summary(mech, accountant: str) -> dict:
     last released prefix sum (per coordinate, units of C^2), at the event's sigma. The amplified BandMF route
     normalises C to column norm 1 (its participations are in the accounting), the matrix route scales the noise
     by the sensitivity under the sampler's participation; independent noise is DP-SGD's sigma^2 T."""
-
     if mech.strategy is None:
         return {"noise": "independent", "noise_std": mech.sigma, "expected_error": mech.sigma ** 2 * mech.steps}
     sens2 = 1.0 if accountant == "bandmf" else sensitivity_squared(mech) * scheme(mech.sampling).sensitivity ** 2
