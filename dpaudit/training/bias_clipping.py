@@ -66,6 +66,7 @@ class BiasClipping(torch.nn.Module):
         self.layers = layers
         self.grads: dict[int, torch.Tensor] = {}  # id(bias) -> per-example gradients (B, *bias.shape), this pass
         self.per_sample_gradient_norms = None
+        self._rows: torch.Tensor | None = None  # the step's per-example gradients, between the two calls
         self._handles = [m.register_forward_hook(self._watch) for m, _ in layers]
 
     def forward(self, *args, **kwargs):
@@ -92,13 +93,17 @@ class BiasClipping(torch.nn.Module):
         missing = [p for _, p in self.layers if id(p) not in self.grads]
         if missing:  # never a stale or partial norm: a bias whose layer's output did not reach the loss
             raise RuntimeError("a trainable bias did not report its per-example gradients")
-        norms = torch.stack([g.flatten(1).norm(dim=1) for g in self.grads.values()]).norm(dim=0)
+        # all the biases' per-example gradients side by side (B x their total size): one norm, one product, however
+        # many layers (a few operators a layer, not a norm and a sum each)
+        self._rows = torch.cat([self.grads.pop(id(p)).flatten(1) for _, p in self.layers], dim=1)
+        norms = torch.linalg.vector_norm(self._rows, dim=1)
         self.per_sample_gradient_norms = norms
         return (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
 
     def clipped_backward(self, losses, coef) -> None:
         """Adds sum_i c_i g_i to each bias's ``p.grad`` (no second backward)."""
-        grads, self.grads = self.grads, {}
-        for _, p in self.layers:
-            g = torch.einsum("n,n...->...", coef.detach().to(torch.float32), grads[id(p)]).to(p.dtype)
+        rows, self._rows = self._rows, None
+        total = coef.detach().to(rows.dtype) @ rows
+        for (_, p), part in zip(self.layers, total.split([p.numel() for _, p in self.layers])):
+            g = part.view_as(p).to(p.dtype)
             p.grad = g if p.grad is None else p.grad.add_(g)
