@@ -247,13 +247,16 @@ def main() -> None:
             targets += [(f"{label} step <= 2.2x forward", zo, "seconds_per_step", fwd, 2.2)]
             targets += [(f"{label} {names[k].split()[0]} memory <= 1.05x forward", zo, k, fwd, 1.05) for k in memory]
     if "dp-bitfit" in rows and "bitfit" in rows:  # the seed paper (Bu et al.): DP-BiTFiT at nearly BiTFiT's cost
-        targets += [("DP-BiTFiT step <= 1.2x BiTFiT", "dp-bitfit", "seconds_per_step", rows["bitfit"], 1.2)]
+        targets += [("DP-BiTFiT step <= 1.1x BiTFiT", "dp-bitfit", "seconds_per_step", rows["bitfit"], 1.1)]
     for what, method, key, base, factor in targets:
         if key != "seconds_per_step":
             value = rows[method][key] / base[key]
-        else:  # against a forward: the in-process ratio itself
+        elif one_process:  # every row timed in this process: the table's own s/step, so the two agree
+            value = rows[method][key] / base[key]
+        else:  # rows from separate processes: each against the forward timed beside it (the "x fwd" column)
             value = relative(rows[method]) / (relative(base) if base is not fwd else 1.0)
-        print(f"target: {what}: {'met' if value <= factor else 'MISSED'} ({value:.2f}x)")
+        print(f"target: {what}: {'met' if value <= factor else 'MISSED'} ({value:.2f}x, "
+              f"{'the s/step column' if one_process or key != 'seconds_per_step' else 'the x fwd column'})")
 
 
 if __name__ == "__main__":

@@ -149,10 +149,10 @@ def _outside_without_releases(run_dir: Path) -> None:
     stepped, yet tensors moved): VIOLATION (``PrivacyViolation``), never the refusal of an empty transcript."""
 
     try:
-        findings = (read_json(run_dir / HEALTH, "health check") or {}).get("findings") or []
+        health = run_record.read_health(run_dir)
     except (DPAuditError, OSError):
         return
-    outside = [str(f.get("tensor")) for f in findings if isinstance(f, dict) and f.get("kind") in OUTSIDE_DP]
+    outside = [tensor for kind, tensor, _ in (health.findings if health is not None else ()) if kind in OUTSIDE_DP]
     if outside:
         raise PrivacyViolation(f"VIOLATION: the DP optimizer released no step ({run_dir}), yet {len(outside)} "
                                f"trainable tensors moved outside it (no clipping, no noise): {', '.join(outside[:3])}; "

@@ -20,7 +20,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from dpaudit.core.errors import DPAuditError
-from dpaudit.core.run_folder import LEDGER as LEDGER_FILE, PROBE as PROBE_FILE, RUN_CONFIG as FILE, read_json
+from dpaudit.core.run_folder import (
+    HEALTH as HEALTH_FILE, LEDGER as LEDGER_FILE, PROBE as PROBE_FILE, RUN_CONFIG as FILE, read_json,
+)
 from dpaudit.core.atomic import atomic_write_json
 from dpaudit.core.validate import check_number
 
@@ -508,3 +510,140 @@ def read_ledger(folder: Path) -> LedgerRecord | None:
     where = Path(folder) / LEDGER_FILE
     data = read_json(where, "privacy ledger")
     return None if data is None else LedgerRecord.from_json(data, where)
+
+
+# -- checkpoint/trainer_state.json -----------------------------------------------------------------------------------
+STATE_FORMAT = "dpaudit-checkpoint/2"
+
+
+@dataclass(frozen=True)
+class CheckpointState:
+    """A checkpoint's trainer_state.json: the step it holds, whether it was saved sharded, the correlated-noise attempt
+    that wrote it, and the run's settings (informational: a resume reads run_config.json). Format 1: no "format" key
+    (its settings are read where they still parse, else left out); 2: "dpaudit-checkpoint/2"."""
+
+    step: int
+    settings: RunSettings | None = None
+    sharded: bool = False
+    attempt: int | None = None
+
+    def to_json(self) -> dict:
+        return {"format": STATE_FORMAT, "step": self.step,
+                **({"config": self.settings.to_json()} if self.settings is not None else {}),
+                "sharded": self.sharded, **({"attempt": self.attempt} if self.attempt is not None else {})}
+
+    @classmethod
+    def from_json(cls, data, where) -> "CheckpointState":
+        if not isinstance(data, dict) or data.get("format", 1) not in (1, STATE_FORMAT):
+            raise DPAuditError(f"{where} is not a checkpoint state this dpaudit wrote")
+        version = data.get("format", 1)
+        unknown = sorted(set(data) - {"format", "step", "config", "sharded", "attempt"})
+        if unknown and version != 1:
+            raise DPAuditError(f"{where} has keys this dpaudit does not know ({', '.join(unknown[:5])}); upgrade it")
+        step, sharded, attempt = data.get("step"), data.get("sharded", False), data.get("attempt")
+        if type(step) is not int or step < 1 or not isinstance(sharded, bool) or not (
+                attempt is None or (type(attempt) is int and attempt >= 0)):
+            raise DPAuditError(f"{where} is not a checkpoint state this dpaudit wrote")
+        settings = None
+        if "config" in data:
+            try:
+                settings = RunSettings.from_json(data["config"], str(where))
+            except DPAuditError:
+                if version != 1:
+                    raise
+        return cls(step, settings, sharded, attempt)
+
+
+def read_checkpoint_state(path: Path) -> CheckpointState:
+    data = read_json(Path(path), "checkpoint state")
+    if data is None:
+        raise DPAuditError(f"{path} is missing: the checkpoint is not intact")
+    return CheckpointState.from_json(data, path)
+
+
+# -- health.json (probes/health.py) -----------------------------------------------------------------------------
+HEALTH_FORMAT = "dpaudit-health/1"
+
+
+@dataclass(frozen=True)
+class HealthRecord:
+    """A probe's health check (probes/health.py: UpdateHealth): the DP steps it checked, how often, and its findings
+    (kind, tensor, the line it printed); why the update size was not checked, if it was not."""
+
+    dp_steps: int
+    every: int
+    findings: tuple = ()          # ((kind, tensor, line), ...)
+    update_size_unchecked: str | None = None
+
+    def to_json(self) -> dict:
+        return {"format": HEALTH_FORMAT, "dp_steps": self.dp_steps, "every": self.every,
+                "findings": [{"kind": k, "tensor": n, "line": line} for k, n, line in self.findings],
+                "update_size_unchecked": self.update_size_unchecked}
+
+    @classmethod
+    def from_json(cls, data, where) -> "HealthRecord":
+        bad = DPAuditError(f"{where} is not a health check this dpaudit wrote")
+        if not isinstance(data, dict) or data.get("format") != HEALTH_FORMAT:
+            raise bad
+        findings, unchecked = data.get("findings"), data.get("update_size_unchecked")
+        if type(data.get("dp_steps")) is not int or type(data.get("every")) is not int \
+                or not isinstance(findings, list) or len(findings) > 1_000_000 \
+                or not (unchecked is None or isinstance(unchecked, str)):
+            raise bad
+        if not all(isinstance(f, dict) and all(isinstance(f.get(k), str) for k in ("kind", "tensor", "line"))
+                   for f in findings):
+            raise bad
+        return cls(data["dp_steps"], data["every"], tuple((f["kind"], f["tensor"], f["line"]) for f in findings),
+                   unchecked)
+
+
+def read_health(folder: Path) -> HealthRecord | None:
+    """The folder's health.json, typed; None where there is none."""
+    where = Path(folder) / HEALTH_FILE
+    data = read_json(where, "health check")
+    return None if data is None else HealthRecord.from_json(data, where)
+
+
+# -- the Hugging Face Trainer's accountant ledger (integrations/hf_opacus.py) ------------------------------------
+ACCOUNTANT_FORMAT = "dpaudit-hf-accountant/1"
+
+
+def accountant_ledger_json(history: list) -> dict:
+    """What the Trainer writes ahead of each step: every attempt's (noise multiplier, sample rate, steps)."""
+    return {"format": ACCOUNTANT_FORMAT, "history": [list(h) for h in history], "released": sum(h[2] for h in history)}
+
+
+def read_accountant_history(path: Path) -> list | None:
+    """The history the ledger at ``path`` counts, typed; None where there is no ledger; refused when it is not one
+    dpaudit wrote (a resume never goes on without the steps earlier attempts released)."""
+    data = read_json(Path(path), "accountant ledger")
+    if data is None:
+        return None
+    history = data.get("history") if isinstance(data, dict) and data.get("format") == ACCOUNTANT_FORMAT else None
+    if not isinstance(history, list) or not all(
+            isinstance(h, list) and len(h) == 3 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                        for v in h) and h[2] >= 0 and float(h[1]) > 0
+            for h in history):
+        raise DPAuditError(f"{path} is not an accountant ledger dpaudit wrote; refusing to resume without the steps "
+                           "earlier attempts released")
+    return [(float(h[0]), float(h[1]), int(h[2])) for h in history]
+
+
+# -- the allocation secret (balls-in-bins runs: the key a resume needs to draw the same allocation) -------------
+SECRET_FORMAT = "dpaudit-allocation-secret/2"
+
+
+def allocation_secret_json(secret: int) -> dict:
+    return {"format": SECRET_FORMAT, "secret": secret}
+
+
+def read_allocation_secret(path: Path) -> int | None:
+    """The secret a run's allocation was drawn with (format 1: no "format" key), or None where none was kept."""
+    data = read_json(Path(path), "allocation secret")
+    if data is None:
+        return None
+    secret = data.get("secret") if data.get("format", 1) in (1, SECRET_FORMAT) else None
+    if secret is not None and (isinstance(secret, bool) or not isinstance(secret, int)) or (
+            secret is None and data.get("format", 1) != 1):
+        raise DPAuditError(f"{path} is not an allocation secret dpaudit wrote")
+    return secret

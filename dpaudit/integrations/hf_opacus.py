@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader
 
 from dpaudit.core.errors import DPAuditError
 from dpaudit.core.atomic import atomic_write_json
-from dpaudit.core.run_folder import read_json
+from dpaudit.core.run_record import accountant_ledger_json, read_accountant_history
 from dpaudit.training.sgd import dp_optimizer_class, per_example_module
 from dpaudit.training.streams import step_key
 
@@ -44,7 +44,6 @@ MODES = ("ghost", "hooks")
 # resumed run (trainer.train(resume_from_checkpoint=...)) counts every step every earlier attempt released, those
 # after its checkpoint included, and the claim read from the accountant covers each of them.
 LEDGER = "dpaudit_accountant.json"
-LEDGER_FORMAT = "dpaudit-hf-accountant/1"
 
 
 def opacus_trainer(trainer_class=None, *, noise_multiplier: float, max_grad_norm: float = 1.0,
@@ -95,16 +94,7 @@ class OpacusTrainerMixin:
     def _read_ledger(self) -> list | None:
         """The history of the attempts before this one, or None where the output folder holds no ledger."""
 
-        data = read_json(self._ledger_path(), "accountant ledger")
-        if data is None:
-            return None
-        history = data.get("history") if data.get("format") == LEDGER_FORMAT else None
-        if not isinstance(history, list) or not all(
-                isinstance(h, list) and len(h) == 3 and all(isinstance(v, (int, float)) for v in h) and h[2] >= 0
-                and float(h[1]) > 0 for h in history):
-            raise DPAuditError(f"{self._ledger_path()} is not an accountant ledger dpaudit wrote; refusing to resume "
-                               "without the steps earlier attempts released")
-        return [(float(h[0]), float(h[1]), int(h[2])) for h in history]
+        return read_accountant_history(self._ledger_path())
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         """A resume: the accountant starts from every step the earlier attempts released (the ledger), or, with no
@@ -132,8 +122,7 @@ class OpacusTrainerMixin:
         self.attempt_steps += 1
         history = self.ledger_history + [(self.dp_settings["noise_multiplier"], self.sample_rate_accounted,
                                           self.attempt_steps)]
-        atomic_write_json(self._ledger_path(), {"format": LEDGER_FORMAT, "history": [list(h) for h in history],
-                                                "released": sum(h[2] for h in history)})
+        atomic_write_json(self._ledger_path(), accountant_ledger_json(history))
 
     def get_train_dataloader(self):
         plain = super().get_train_dataloader()

@@ -31,6 +31,7 @@ import math
 
 import numpy as np
 
+from dpaudit.core.run_record import HealthRecord
 from dpaudit.core.run_folder import OUTSIDE_DP
 
 SAMPLES = 64         # strided values a tensor's fingerprint keeps (besides its sum and sum of squares)
@@ -199,9 +200,8 @@ class UpdateHealth:
         return out
 
     def to_dict(self) -> dict:
-        return {"format": "dpaudit-health/1", "dp_steps": self.steps, "every": self.every,
-                "findings": [{"kind": k, "tensor": n, "line": line} for (k, n), line in self.findings.items()],
-                "update_size_unchecked": self.unchecked}
+        return HealthRecord(self.steps, self.every, tuple((k, n, line) for (k, n), line in self.findings.items()),
+                            self.unchecked).to_json()
 
     # -- the checks --------------------------------------------------------------------------------------
     def look(self, step: int) -> None:

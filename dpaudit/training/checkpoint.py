@@ -21,6 +21,7 @@ from pathlib import Path
 
 from dpaudit.core.atomic import atomic_write_json, follow_umask
 from dpaudit.core.errors import DPAuditError
+from dpaudit.core.run_record import CheckpointState
 
 FINAL, TMP, OLD = "checkpoint", ".checkpoint.tmp", ".checkpoint.old"
 MANIFEST = "checkpoint_manifest.json"
@@ -60,9 +61,9 @@ def intact_step(folder: Path) -> int | None:
                 return None
             if f.stat().st_size != facts["bytes"] or sha256_of(f) != facts["sha256"]:
                 return None
-        state = json.loads((folder / STATE).read_text(encoding="utf-8"))
-        return step if isinstance(state, dict) and state.get("step") == step else None
-    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        state = CheckpointState.from_json(json.loads((folder / STATE).read_text(encoding="utf-8")), folder / STATE)
+        return step if state.step == step else None
+    except (OSError, ValueError, KeyError, TypeError, RecursionError, DPAuditError):
         return None
 
 

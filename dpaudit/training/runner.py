@@ -189,7 +189,8 @@ class TrainResult:
         return d
 
 
-def _save_checkpoint(run_dir: Path, model, tokenizer, state: dict, trainer_state=None, weights=None) -> None:
+def _save_checkpoint(run_dir: Path, model, tokenizer, state: run_record.CheckpointState, trainer_state=None,
+                     weights=None) -> None:
     """Write the checkpoint beside the old one, seal it with its checksums, then swap (training/checkpoint.py),
     so a crash leaves one intact copy. ``weights``: the gathered state of a sharded model (same plain format)."""
 
@@ -199,13 +200,13 @@ def _save_checkpoint(run_dir: Path, model, tokenizer, state: dict, trainer_state
             tokenizer.save_pretrained(tmp)
             if trainer_state is not None:
                 torch.save(trainer_state, tmp / checkpoint.OPTIMIZER)
-            atomic_write_json(tmp / checkpoint.STATE, state)
+            atomic_write_json(tmp / checkpoint.STATE, state.to_json())
         except (OSError, RuntimeError) as exc:  # torch reports a full disk as a RuntimeError
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-            raise DPAuditError(f"could not write the checkpoint of step {state['step']} in {run_dir} ({first}); "
+            raise DPAuditError(f"could not write the checkpoint of step {state.step} in {run_dir} ({first}); "
                                "the last intact checkpoint is kept, and --resume continues from it") from None
 
-    checkpoint.save(run_dir, state["step"], write)
+    checkpoint.save(run_dir, state.step, write)
 
 
 def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *, resume: bool = False,
@@ -356,14 +357,11 @@ def _allocation_secret(opening, run_dir: Path, cfg: TrainConfig, world, secret: 
     path = run_dir / run_folder.ALLOCATION_SECRET
     if not opening.start:
         if world.is_main:
-            atomic_write_json(path, {"secret": secret}, private=True)
+            atomic_write_json(path, run_record.allocation_secret_json(secret), private=True)
         return secret
     kept = None
     if world.is_main:
-        data = run_folder.read_json(path, "allocation secret")
-        kept = data.get("secret") if isinstance(data, dict) else None
-        if kept is not None and (isinstance(kept, bool) or not isinstance(kept, int)):
-            raise DPAuditError(f"{path} is not an allocation secret dpaudit wrote")
+        kept = run_record.read_allocation_secret(path)
     if world.size > 1:
         kept = _broadcast_int(world, -1 if kept is None else kept)
         kept = None if kept == -1 else kept
@@ -455,8 +453,7 @@ def _correlated_attempts(plan, header: dict, opening, run_dir: Path):
                            f"{plan.accountant}; resume without --accountant or with --accountant {own[0]}")
     writer = None
     if opening.start:
-        state = run_folder.read_json(run_dir / checkpoint.FINAL / checkpoint.STATE, "checkpoint state")
-        writer = state.get("attempt") if isinstance(state, dict) else None
+        writer = run_record.read_checkpoint_state(run_dir / checkpoint.FINAL / checkpoint.STATE).attempt
     attempts = correlated_attempts(opening.previous_ledger, released, opening.start, writer, run_dir)
     return replace(plan, attempts=tuple(attempts)), {**header, "attempts": [list(a) for a in attempts]}
 
@@ -470,7 +467,7 @@ def _load_trainer_state(trainer, run_dir: Path, start: int, sharded: bool) -> No
                            "the run again")
     if not (start and (saved / checkpoint.OPTIMIZER).is_file()):
         return
-    was_sharded = run_folder.read_json(saved / checkpoint.STATE, "checkpoint state").get("sharded", False)
+    was_sharded = run_record.read_checkpoint_state(saved / checkpoint.STATE).sharded
     if was_sharded != sharded:
         raise DPAuditError(f"the checkpoint in {run_dir} was saved {'with' if was_sharded else 'without'} "
                            "--shard over several processes; resume it the same way")
@@ -538,9 +535,9 @@ def _checkpoint_if_due(run: _Run, step: int) -> None:
     state = run.trainer.state_dict() if run.world.is_main or run.sharded else None
     if run.world.is_main:
         # a correlated-noise run's checkpoint says which attempt wrote it: a resume continues that attempt's noises
-        attempt = {"attempt": max(0, len(run.plan.attempts) - 1)} if cfg.strategy is not None else {}
+        attempt = max(0, len(run.plan.attempts) - 1) if cfg.strategy is not None else None
         _save_checkpoint(run.run_dir, run.model, run.tokenizer,
-                         {"step": step + 1, "config": settings_of(cfg).to_json(), "sharded": run.sharded, **attempt},
+                         run_record.CheckpointState(step + 1, settings_of(cfg), run.sharded, attempt),
                          state, weights)
 
 

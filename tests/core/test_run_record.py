@@ -225,3 +225,52 @@ def test_a_format_1_ledger_reads_as_it_said_and_a_tampered_one_is_refused(tmp_pa
         with pytest.raises(DPAuditError, match="spending is unknown|does not know"):
             LedgerRecord.from_json(bad, "l")
     assert dict(LedgerRecord.from_json({"retired": 1}, "l").said) == {}  # format 1 had no schema: dropped
+
+
+def test_a_checkpoint_state_health_and_accountant_ledger_read_back_typed():
+    """trainer_state.json (format 1 as the trainers wrote it before: no key; 2 with its format), health.json and the
+    Hugging Face accountant ledger: what is written reads back the same; what no dpaudit wrote is refused."""
+    from dpaudit.core.run_record import CheckpointState, HealthRecord, RunSettings
+
+    settings = RunSettings(method="dp-sgd")
+    state = CheckpointState(4, settings, sharded=True, attempt=1)
+    assert CheckpointState.from_json(json.loads(json.dumps(state.to_json())), "s") == state
+    old = {"step": 4, "config": {**settings.to_json(), "retired_option": 1}, "sharded": False}  # format 1
+    assert CheckpointState.from_json(old, "s") == CheckpointState(4, None, False, None)
+    for bad in ({"step": 0}, {"step": 4, "sharded": "yes"}, {"step": 4, "attempt": -1}, {**state.to_json(), "x": 1},
+                {"format": "dpaudit-checkpoint/9", "step": 4}):
+        with pytest.raises(DPAuditError):
+            CheckpointState.from_json(bad, "s")
+    health = HealthRecord(12, 4, (("outside-dp", "lm_head.weight", "moved outside the DP step"),), None)
+    assert HealthRecord.from_json(json.loads(json.dumps(health.to_json())), "h") == health
+    with pytest.raises(DPAuditError):
+        HealthRecord.from_json({**health.to_json(), "findings": [{"kind": 1}]}, "h")
+
+
+def test_the_accountant_ledger_reads_its_history_and_refuses_another_file(tmp_path):
+    from dpaudit.core.run_record import accountant_ledger_json, read_accountant_history
+
+    path = tmp_path / "ledger.json"
+    assert read_accountant_history(path) is None
+    path.write_text(json.dumps(accountant_ledger_json([(1.0, 0.01, 30), (1.0, 0.02, 5)])))
+    assert read_accountant_history(path) == [(1.0, 0.01, 30), (1.0, 0.02, 5)]
+    for bad in ({"history": [[1.0, 0.01, 30]]}, {**accountant_ledger_json([]), "history": [[1.0, 0.0, 3]]},
+                {**accountant_ledger_json([]), "history": [[1.0, 0.01, True]]}):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(DPAuditError, match="not an accountant ledger"):
+            read_accountant_history(path)
+
+
+def test_the_allocation_secret_reads_in_both_formats_and_refuses_another_file(tmp_path):
+    from dpaudit.core.run_record import allocation_secret_json, read_allocation_secret
+
+    path = tmp_path / "allocation_secret.json"
+    assert read_allocation_secret(path) is None
+    for data, secret in ((allocation_secret_json(2 ** 62), 2 ** 62), ({"secret": 7}, 7), ({}, None)):
+        path.write_text(json.dumps(data))
+        assert read_allocation_secret(path) == secret
+    for bad in ({"secret": True}, {"secret": "7"}, {"format": "dpaudit-allocation-secret/9", "secret": 7},
+                {"format": "dpaudit-allocation-secret/2"}):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(DPAuditError, match="not an allocation secret"):
+            read_allocation_secret(path)
