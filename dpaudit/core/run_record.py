@@ -171,7 +171,9 @@ def _integer(key, v, where, *, optional=False, low=0):
     return v
 
 
-def _flag(key, v, where):
+def _flag(key, v, where, *, optional=False):
+    if v is None and optional:
+        return None
     if not isinstance(v, bool):
         raise _bad(key, where, "true or false")
     return v
@@ -187,6 +189,10 @@ def _n(**kw):
 
 def _i(**kw):
     return lambda k, v, w: _integer(k, v, w, **kw)
+
+
+def _f(**kw):
+    return lambda k, v, w: _flag(k, v, w, **kw)
 
 
 def _rows(key, v, where):
@@ -386,37 +392,6 @@ LEDGER_FORMAT = "dpaudit-ledger/2"
 _UNKNOWN = "refusing to read a ledger whose spending is unknown"
 
 
-def _ledger_number(key, v, where):
-    """A number of the ledger, "inf" (json_float's infinity) read as one; None: not said."""
-    if v is None:
-        return None
-    if v in ("inf", "-inf"):
-        return float(v)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
-        raise DPAuditError(f"{where}: {key} is not a number; {_UNKNOWN}")
-    return v
-
-
-def _ledger_int(key, v, where):
-    if v is None:
-        return None
-    if type(v) is not int or v < 0:
-        raise DPAuditError(f"{where}: {key} is not a count; {_UNKNOWN}")
-    return v
-
-
-def _ledger_string(key, v, where):
-    if v is not None and not (isinstance(v, str) and len(v) <= 4096):
-        raise DPAuditError(f"{where}: {key} is not a string; {_UNKNOWN}")
-    return v
-
-
-def _ledger_flag(key, v, where):
-    if v is not None and not isinstance(v, bool):
-        raise DPAuditError(f"{where}: {key} is not true or false; {_UNKNOWN}")
-    return v
-
-
 def _ledger_phases(key, v, where):
     """Each phase: from_step, sampling_rate (the rate its steps are accounted at), examples, data_sha256."""
     if v is None:
@@ -429,13 +404,11 @@ def _ledger_phases(key, v, where):
                 and type(p.get("from_step")) is int and p["from_step"] >= 0):
             raise bad
         try:
-            rate = _ledger_number("sampling_rate", p.get("sampling_rate"), where)
-            _ledger_int("examples", p.get("examples"), where)
-            _ledger_string("data_sha256", p.get("data_sha256"), where)
+            _number("sampling_rate", p.get("sampling_rate"), where, low=0, low_open=True, high=1)
+            _integer("examples", p.get("examples"), where, optional=True)
+            _string("data_sha256", p.get("data_sha256"), where, optional=True)
         except DPAuditError:
             raise bad from None
-        if rate is None:
-            raise bad
     return tuple(dict(p) for p in v)
 
 
@@ -446,16 +419,16 @@ def _ledger_attempts(key, v, where):
     return v
 
 
-_LEDGER_CHECKS = {
-    "method": _ledger_string, "private": _ledger_flag, "mechanism": _ledger_string, "sigma": _ledger_number,
-    "clip": _ledger_number, "sampling_rate": _ledger_number, "steps_planned": _ledger_int, "delta": _ledger_number,
-    "target_epsilon": _ledger_number, "examples": _ledger_int, "noise_disabled_unsafely": _ledger_flag,
-    "white_box_canaries": _ledger_int, "planted_bug": _ledger_string, "world_size": _ledger_int,
-    "data_sha256": _ledger_string, "sampling": _ledger_string, "noise": _ledger_string, "noise_std": _ledger_number,
-    "phases": _ledger_phases, "attempts": _ledger_attempts, "steps_discarded_by_resume": _ledger_int,
-    "overspend_allowed": _ledger_flag, "accountant": _ledger_string, "relation": _ledger_string,
-    "steps_executed": _ledger_int, "epsilon_spent": _ledger_number, "epsilon_planned": _ledger_number,
-    "epsilon_total": _ledger_number, "epsilon_overspend": _ledger_number, "steps_in_model": _ledger_int,
+_LEDGER_STRINGS = ("method", "mechanism", "planted_bug", "data_sha256", "sampling", "noise", "accountant", "relation")
+_LEDGER_NUMBERS = ("sigma", "clip", "sampling_rate", "delta", "target_epsilon", "noise_std", "epsilon_spent",
+                   "epsilon_planned", "epsilon_total", "epsilon_overspend")
+_LEDGER_COUNTS = ("steps_planned", "examples", "white_box_canaries", "world_size", "steps_discarded_by_resume",
+                  "steps_executed", "steps_in_model")
+_LEDGER_FLAGS = ("private", "noise_disabled_unsafely", "overspend_allowed")
+_LEDGER_CHECKS = {  # every key a ledger says, each optional: a key it does not say reads None
+    **{k: _s(optional=True) for k in _LEDGER_STRINGS}, **{k: _n(optional=True, inf=True) for k in _LEDGER_NUMBERS},
+    **{k: _i(optional=True) for k in _LEDGER_COUNTS}, **{k: _f(optional=True) for k in _LEDGER_FLAGS},
+    "phases": _ledger_phases, "attempts": _ledger_attempts,
 }
 
 

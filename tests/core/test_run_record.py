@@ -222,7 +222,7 @@ def test_a_format_1_ledger_reads_as_it_said_and_a_tampered_one_is_refused(tmp_pa
     for bad in ({"steps_executed": -1}, {"steps_executed": "3"}, {"sigma": "1.0"}, {"epsilon_spent": float("nan")},
                 {"phases": [{"from_step": 0}]}, {"phases": ["x"]}, {"format": "dpaudit-ledger/9"},
                 ledger_json({"retired": 1})):
-        with pytest.raises(DPAuditError, match="spending is unknown|does not know"):
+        with pytest.raises(DPAuditError, match="spending is unknown|does not know| is not "):
             LedgerRecord.from_json(bad, "l")
     assert dict(LedgerRecord.from_json({"retired": 1}, "l").said) == {}  # format 1 had no schema: dropped
 
