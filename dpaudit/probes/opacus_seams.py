@@ -8,9 +8,10 @@ complete (``ProbeSeams.read_release``), in units of the noisy sum (``release_sca
 
 What is read of Opacus beyond its public API sits here alone, for the pinned range (pyproject: opacus>=1.6,<1.7):
 the accountant and sample rate that PrivacyEngine's step hook closes over (``hooked_accountant``,
-``hooked_sample_rate``), the class in an optimizer's ancestry that clips (``opacus_own``), its clipping run on
-stand-in parameters (``clip_rows``), and the processed-flag helpers of ``add_noise`` (``check_processed``,
-``mark_processed``). training/ghost.py reads Opacus' grad-sample hooks for its own clipping, with the same pin.
+``hooked_sample_rate``), the rates an accountant's history counted (``accounted_rate``), the class in an
+optimizer's ancestry that clips (``opacus_own``), its clipping run on stand-in parameters (``clip_rows``), and the
+processed-flag helpers of ``add_noise`` (``check_processed``, ``mark_processed``). training/ghost.py reads Opacus'
+grad-sample hooks for its own clipping, with the same pin.
 """
 
 from __future__ import annotations
@@ -64,6 +65,16 @@ def _closed_over(optimizer, name: str):
     if code is None or name not in code.co_freevars:
         return None
     return hook.__closure__[code.co_freevars.index(name)].cell_contents
+
+
+def accounted_rate(accountant) -> tuple[float | None, str]:
+    """The lowest sample rate an Opacus accountant has counted (its history: (noise multiplier, sample rate,
+    steps)), or (None, "") where it has counted nothing."""
+    history = getattr(accountant, "history", None)
+    rates = [float(h[1]) for h in history if len(h) >= 2] if isinstance(history, list) else []
+    if not rates:
+        return None, ""
+    return min(rates), f"{type(accountant).__name__}'s history"
 
 
 def opacus_own(cls):

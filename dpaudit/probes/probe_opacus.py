@@ -22,7 +22,9 @@ import numpy as np
 
 from dpaudit.core.errors import DPAuditError
 from dpaudit.probes import probe_folder
-from dpaudit.probes.opacus_seams import ProbeSeams, clip_rows, hooked_accountant, hooked_sample_rate
+from dpaudit.probes.opacus_seams import (
+    ProbeSeams, accounted_rate, clip_rows, hooked_accountant, hooked_sample_rate,
+)
 
 OPACUS_BYPASS = ("ghost (fast gradient clipping): Opacus clips each example in the loss's backward pass, which "
                  "canaries never enter, so the probe clips them itself at the optimizer's max_grad_norm")
@@ -276,13 +278,3 @@ def _length(dataset) -> int | None:
         return len(dataset)
     except TypeError:
         return None
-
-
-def accounted_rate(accountant) -> tuple[float | None, str]:
-    """The lowest sample rate an Opacus accountant has counted (its history: (noise multiplier, sample rate,
-    steps)), or (None, "") where it has counted nothing."""
-    history = getattr(accountant, "history", None)
-    rates = [float(h[1]) for h in history if len(h) >= 2] if isinstance(history, list) else []
-    if not rates:
-        return None, ""
-    return min(rates), f"{type(accountant).__name__}'s history"

@@ -16,7 +16,7 @@ from dpaudit.audit.whitebox import audit_run_folder
 from dpaudit.core.errors import DPAuditError
 from dpaudit.core.lock import remove_folder
 from dpaudit.probes import probe_folder
-from dpaudit.probes.probe_opacus import accounted_rate
+from dpaudit.probes.opacus_seams import accounted_rate
 
 
 def audit(probe, claimed_eps: float | None, delta: float | None, *, accountant, alpha: float,
