@@ -20,7 +20,6 @@ from dpaudit.accounting.config import load_privacy_config
 from dpaudit.core.errors import DPAuditError
 
 
-
 def check(
     config: Annotated[Path, typer.Argument(help="Training config (YAML or TOML) with the privacy keys.")],
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds the check may take (exit 2 past it).")] = DEFAULT_TIMEOUT,

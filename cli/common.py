@@ -102,7 +102,6 @@ console = _Console(soft_wrap=not _TTY, width=None if _TTY else 100_000)
 err_console = _Console(stderr=True, soft_wrap=True)  # an error stays one line, however long
 
 
-
 class WholeNumber(click.ParamType):
     """An integer, also written in scientific notation or with underscores where that is exact (``-T 1e6``,
     ``-N 60_000``): the docs write schedules so. ``1.5`` or ``1e400`` is refused."""

@@ -65,7 +65,6 @@ class PrivacyConfig:
         return self.event.steps
 
 
-
 class _NoAliasLoader(yaml.SafeLoader):
     """YAML without anchors/aliases: a config never needs them, and they make billion-laughs bombs."""
 
