@@ -161,7 +161,8 @@ def worker(method: str, args) -> dict:
     estimate = None if method in ("forward", "noise") else memory.peak_bytes(
         memory.ModelShape.of(model.config, total), trainable=sum(p.numel() for p in params),
         method="dp-zo" if method.startswith("dp-zo") else "dp-sgd", examples=args.batch, tokens=args.seq, optimizer="sgd",
-        per_sample_grads="materialise" if method.endswith("materialise") else "ghost", private=method.startswith("dp-"))
+        per_sample_grads="materialise" if method.endswith("materialise") else "ghost", private=method.startswith("dp-"),
+        norm_pass=method != "dp-bitfit")  # DP-BiTFiT: the bias route (training/bias_clipping.py)
     return {"method": method, "seconds_per_step": statistics.median(times), "peak_bytes": peak,
             "forward_seconds": statistics.median(forwards),
             "parameters": total, "device": device, "estimate_bytes": estimate}

@@ -29,17 +29,21 @@ def _bias_axes(module) -> int | None:
     return None
 
 
-def biased_layers(model) -> list | None:
+def biased_layers(model, trains=None) -> list | None:
     """(layer, its bias) for every trainable parameter of ``model`` when each is the bias of one supported layer and
-    used by that layer alone; None when any trainable parameter is something else (another route clips it)."""
+    used by that layer alone; None when any trainable parameter is something else (another route clips it).
+    ``trains(name)``: which parameters train, where they are not marked yet (pre-flight's meta model); default: those
+    that require a gradient."""
+    trainable = {id(p) for name, p in model.named_parameters()
+                 if (trains(name) if trains is not None else p.requires_grad)}
     owners: dict[int, list] = {}
     for m in model.modules():
         for attr, p in m.named_parameters(recurse=False):
-            if p.requires_grad:
+            if id(p) in trainable:
                 owners.setdefault(id(p), []).append((m, attr))
     layers = []
     for p in model.parameters():
-        if not p.requires_grad:
+        if id(p) not in trainable:
             continue
         uses = owners.get(id(p), [])
         if len(uses) != 1 or uses[0][1] != "bias" or _bias_axes(uses[0][0]) is None:
@@ -48,8 +52,8 @@ def biased_layers(model) -> list | None:
     return layers or None
 
 
-def bias_only(model) -> bool:
-    return biased_layers(model) is not None
+def bias_only(model, trains=None) -> bool:
+    return biased_layers(model, trains) is not None
 
 
 class BiasClipping(torch.nn.Module):

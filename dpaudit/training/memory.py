@@ -54,9 +54,10 @@ class ModelShape:
 
 def peak_bytes(shape: ModelShape, *, trainable: int, method: str, examples: int, tokens: int, bf16: bool = False,
                optimizer: str = "adamw", per_sample_grads: str = "ghost", private: bool = True,
-               shards: int = 1) -> int:
+               shards: int = 1, norm_pass: bool = True) -> int:
     """Estimated peak bytes of one step over ``examples`` sequences of ``tokens`` tokens at once (per
-    rank, when the model is sharded over ``shards`` ranks)."""
+    rank, when the model is sharded over ``shards`` ranks). ``norm_pass`` False: DP-BiTFiT's own route
+    (training/bias_clipping.py), which keeps what BiTFiT keeps plus each example's bias gradients."""
 
     forward_only = method_record(method).zeroth_order  # no backward: activations, gradients, moments absent
     width = 2 if bf16 else 4
@@ -74,8 +75,10 @@ def peak_bytes(shape: ModelShape, *, trainable: int, method: str, examples: int,
     per_token_layer = 10 * shape.hidden + 4 * shape.intermediate + shape.heads * tokens
     activations = n * shape.layers * per_token_layer * width + logits
     extra = examples * trainable * width if private and per_sample_grads == "materialise" else 0
-    if private and per_sample_grads != "materialise":
+    if private and per_sample_grads != "materialise" and norm_pass:
         activations *= 1.15  # output gradients alive during the norm pass (noise is added in place)
+    elif private and per_sample_grads != "materialise":
+        extra = examples * trainable * 4  # the bias route: each example's bias gradients, float32
     # Activations are freed as gradients form during the backward pass: the two overlap only in part.
     return int(OVERHEAD + weights + moments + max(activations, grads) + min(activations, grads) / 2 + extra)
 

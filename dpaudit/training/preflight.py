@@ -18,6 +18,7 @@ from dpaudit.core.safe_json import load_json_file
 from dpaudit.models import hf as hf_models  # meta_model through the module: tests stand in for it there
 from dpaudit.models.hf import MAX_CONFIG_BYTES, check_model_size, load_tokenizer, resolve_model_path
 from dpaudit.training import memory
+from dpaudit.training.bias_clipping import bias_only
 from dpaudit.training.per_example import check_layers
 
 
@@ -70,9 +71,11 @@ def _step_settings(folder: Path, model, cfg, texts: list[str] | None) -> tuple[d
     total = sum(p.numel() for p in model.parameters())
     shards = int(os.environ.get("WORLD_SIZE", "1")) if cfg.shard else 1
     tokens = cfg.max_length if texts is None else longest_tokens(folder, texts, cfg.max_length)
+    bias_route = cfg.trainable == "bias" and shards == 1 and bias_only(model, lambda name: name.endswith(".bias"))
     return dict(shape=memory.ModelShape.of(model.config, total), trainable=_trainable_count(model, cfg, total),
                 method=cfg.method, tokens=tokens, bf16=cfg.bf16, optimizer=cfg.optimizer,
-                per_sample_grads=cfg.per_sample_grads, private=cfg.private, shards=shards), tokens, shards
+                per_sample_grads=cfg.per_sample_grads, private=cfg.private, shards=shards,
+                norm_pass=not bias_route), tokens, shards
 
 
 def micro_batch_that_fits(model_dir: Path, cfg, texts: list[str], share: float = 0.7) -> int:

@@ -156,3 +156,11 @@ def test_the_trainer_takes_the_bias_route_and_steps_by_the_clipped_sum(tiny_mode
     trainer.step(batch, 3)
     for p, b, w in zip(params, before, want):
         assert torch.allclose((b - p.detach()).double(), w / 3, atol=1e-7, rtol=1e-4)
+
+
+def test_pre_flight_can_tell_the_route_before_any_parameter_is_marked():
+    """Pre-flight's meta model has every parameter requiring a gradient: the route is read from the names that will
+    train (the bias subset), as the trainer will see them."""
+    model = Tiny()
+    assert not bias_only(model) and bias_only(model, lambda name: name.endswith(".bias"))
+    assert not bias_only(model, lambda name: name.endswith((".bias", "head.weight")))

@@ -99,3 +99,14 @@ def test_a_step_is_estimated_at_the_datas_longest_tokenised_length(tiny_model_di
     assert _longest(tiny_model_dir, short, cfg.max_length) < cfg.max_length
     assert _longest(tiny_model_dir, ["word " * 500], cfg.max_length) == cfg.max_length  # capped
     assert preflight(tiny_model_dir, cfg, 40, warn=False, texts=short) < preflight(tiny_model_dir, cfg, 40, warn=False)
+
+
+# DP-BiTFiT's own route (training/bias_clipping.py) and BiTFiT, live peaks (MiB) measured by benchmarks/trainers.py on
+# 2026-12-05 (2 CPU cores, B 64 x 64 tokens, SGD, the 26,624 biases of SHAPE's model): 835 and 834. Through Opacus'
+# hooks DP-BiTFiT was 1,142 and its estimate (the norm pass's) 1.49x the route's peak.
+def test_the_bias_route_is_estimated_as_what_it_keeps():
+    c = dict(trainable=26_624, tokens=64, optimizer="sgd", examples=64, method="dp-sgd")
+    route, plain = memory.peak_bytes(SHAPE, norm_pass=False, **c), memory.peak_bytes(SHAPE, private=False, **c)
+    for estimate, mib in ((route, 835), (plain, 834)):
+        assert 0.95 * mib <= estimate / 2**20 <= 1.45 * mib
+    assert plain < route < memory.peak_bytes(SHAPE, **c)  # BiTFiT's, plus each example's bias gradients
