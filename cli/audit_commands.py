@@ -15,7 +15,7 @@ from dpaudit.audit.headlines import headline_help
 from dpaudit.cli.common import (
     LONG_TIMEOUT, MODEL_TIMEOUT, ForceOpt, JsonOpt, LazyCommand, ThreadsOpt, bounded, console, emit_json, lazy_group,
 )
-from dpaudit.core.errors import DPAuditError
+from dpaudit.core.errors import DPAuditError, PrivacyViolation
 from dpaudit.audit.analysis import analyse
 from dpaudit.audit.claims import group_claim, run_claims
 from dpaudit.audit.correlated import separation_violations
@@ -24,7 +24,6 @@ from dpaudit.audit.report import prepare_folder, write_report
 from dpaudit.audit.sampler import analyse_as, read_log
 from dpaudit.audit.whitebox import audit_run_folder
 from dpaudit.canaries.manifest import load_manifest
-from dpaudit.core.errors import PrivacyViolation
 from dpaudit.core.safe_json import count_newlines
 from dpaudit.core.threads import set_threads
 from dpaudit.core.validate import check_number

@@ -9,12 +9,11 @@ import typer
 
 from dpaudit.core.atomic import guard_new_file, guard_new_folder, refuse_overlap, save_model_folder
 from dpaudit.cli.common import LONG_TIMEOUT, ForceOpt, JsonOpt, ThreadsOpt, bounded, emit
-from dpaudit.canaries.manifest import NEW_TOKEN_PREFIX
+from dpaudit.canaries.manifest import NEW_TOKEN_PREFIX, load_manifest
 from dpaudit.core.threads import set_threads
 from dpaudit.canaries.generate import make_canaries
 from dpaudit.canaries.hf import check_base_tokenizer, extend_model
 from dpaudit.canaries.insert import insert_canaries
-from dpaudit.canaries.manifest import load_manifest
 from dpaudit.models.embedded import embedded_marker
 from dpaudit.models.hf import load_tokenizer
 from dpaudit.models.loading import load_causal_lm

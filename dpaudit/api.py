@@ -24,12 +24,10 @@ from dpaudit.core import limits as budgets
 from dpaudit.accounting.calibrate import Calibration, StepsAnswer
 from dpaudit.accounting.calibrate import calibrate_sigma as _calibrate_sigma
 from dpaudit.accounting.calibrate import max_steps as _max_steps
-from dpaudit.accounting.mechanism import Mechanism, Phases, schedule
+from dpaudit.accounting.mechanism import Mechanism, Phases, event as _event, schedule
 from dpaudit.core.validate import check_epsilon
-from dpaudit.accounting.mechanism import event as _event
 from dpaudit.accounting.noises import resolve_delta
-from dpaudit.accounting.registry import delta as _delta
-from dpaudit.accounting.registry import epsilon as _epsilon
+from dpaudit.accounting.registry import delta as _delta, epsilon as _epsilon
 from dpaudit.accounting.result import DeltaResult, EpsilonResult, NeighboringRelation
 from dpaudit.accounting.shuffle import context_for
 

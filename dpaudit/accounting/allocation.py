@@ -51,12 +51,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dpaudit.accounting.mechanism import Mechanism, Phases
+from dpaudit.accounting.mechanism import Mechanism, Phases, compose_phases
 from dpaudit.accounting.result import EpsilonResult
 from dpaudit.accounting.samplers import relation_of
 from dpaudit.core import limits as budgets
 from dpaudit.core.errors import DPAuditError
-from dpaudit.accounting.mechanism import compose_phases
 from dpaudit.accounting import calibrate
 from dpaudit.accounting.pld import kernel
 from dpaudit.accounting.registry import epsilon as account

@@ -12,8 +12,7 @@ import json
 import math
 from pathlib import Path
 
-from dpaudit.core import run_folder
-from dpaudit.core import run_record
+from dpaudit.core import run_folder, run_record
 from dpaudit.core.errors import DPAuditError
 
 MAX_BYTES = 1 << 20

@@ -20,8 +20,8 @@ import json
 
 import numpy as np
 
-from dpaudit.core import run_folder, run_record
-from dpaudit.core.errors import DPAuditError
+from dpaudit.core import limits as budget, run_folder, run_record
+from dpaudit.core.errors import DPAuditError, PrivacyViolation
 from dpaudit.core.run_record import ProbeRecord, RunRecord
 from dpaudit.accounting.matrix.strategy import banded_coefs, parse
 from dpaudit.accounting.mechanism import Mechanism
@@ -35,8 +35,6 @@ from dpaudit.audit.noise_check import NOISE_SHARE
 from dpaudit.audit.rate_check import RateCheck
 from dpaudit.audit.sampler import analyse_batches
 from dpaudit.audit.whitebox_canaries import TRANSCRIPT, WhiteBoxCanaries, step_signs
-from dpaudit.core import limits as budget
-from dpaudit.core.errors import PrivacyViolation
 from dpaudit.core.run_folder import HEALTH, OUTSIDE_DP, read_json
 
 

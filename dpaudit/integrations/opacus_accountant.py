@@ -28,9 +28,8 @@ from opacus.accountants.accountant import IAccountant
 from opacus.accountants.registry import register_accountant
 
 from dpaudit.accounting import Mechanism, pld
-from dpaudit.accounting.mechanism import compose_phases
+from dpaudit.accounting.mechanism import MAX_PHASES, compose_phases
 from dpaudit.accounting.registry import epsilon as account
-from dpaudit.accounting.mechanism import MAX_PHASES
 
 MECHANISM = "dpaudit-pld"
 REUSE = 1.1  # a laddered resolution serves sigmas within this factor

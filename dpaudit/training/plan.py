@@ -11,10 +11,9 @@ import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from dpaudit.accounting import Mechanism, calibrate_sigma, epsilon
+from dpaudit.accounting import Mechanism, calibrate_sigma, epsilon, pld
 from dpaudit.accounting.mechanism import compose_phases
 from dpaudit.training.bugs import NO_BUG, Bug
-from dpaudit.accounting import pld
 from dpaudit.accounting.matrix import bandmf, single
 from dpaudit.accounting.matrix.single import sensitivity
 from dpaudit.accounting.samplers import scheme

@@ -20,10 +20,9 @@ from dpaudit.core.atomic import atomic_write_json, save_model_folder
 from dpaudit.core.errors import DPAuditError, Interrupted
 from dpaudit.core import run_folder, run_record
 from dpaudit.core.progress import progress_bar
-from dpaudit.training import checkpoint
-from dpaudit.training import streams
+from dpaudit.training import checkpoint, streams
 from dpaudit.training.directions import DEFAULT_DIRECTION, DIRECTIONS
-from dpaudit.training.methods import METHODS, method
+from dpaudit.training.methods import METHODS, TrainerSetup, method
 from dpaudit.training.plan import PrivacyPlan
 from dpaudit.training.preflight import preflight  # refusals from the model's config alone (also for callers)
 from dpaudit.training.resume import settings_of
@@ -41,7 +40,6 @@ from dpaudit.training.data import tokenize
 from dpaudit.training.distributed import launch_rank, setup_world
 from dpaudit.training.divergence import DivergenceWatch
 from dpaudit.training.ledger import PrivacyLedger
-from dpaudit.training.methods import TrainerSetup
 from dpaudit.training.new_tokens import new_token_ids
 from dpaudit.training.resume import check_spending, correlated_attempts, fingerprint, open_run, resume_phases
 from dpaudit.training.shard import Sharding, full_state_dict, shard_model

@@ -30,13 +30,12 @@ from opacus import optimizers as dp
 from dpaudit.core.errors import DPAuditError
 from dpaudit.training.data import padded_chunks, per_example_loss, split
 from dpaudit.training.heap import release_freed
-from dpaudit.training.per_example import supported_for_dp_sgd
+from dpaudit.training.per_example import materialising_module, supported_for_dp_sgd
 from dpaudit.training.streams import step_key
 from dpaudit.training.bugs import seams
 from dpaudit.training.dp_step import CorrelatedNoise, InPlace, NoisyShards, dp_optimizer
 from dpaudit.training.bias_clipping import BiasClipping, bias_only
 from dpaudit.training.ghost import GhostClipping
-from dpaudit.training.per_example import materialising_module
 from dpaudit.training.shard import full_optimizer_state, gathered, load_optimizer_state, local_slices, sliced
 
 PER_SAMPLE_GRADS = ("ghost", "materialise")

@@ -20,12 +20,12 @@ import torch
 from scipy.stats import norm
 
 from dpaudit.audit.claims import held_claim
-from dpaudit.canaries.manifest import NEW_TOKEN_PREFIX
+from dpaudit.canaries.manifest import NEW_TOKEN_PREFIX, load_manifest
 from dpaudit.core.atomic import atomic_write_json, atomic_write_text
 from dpaudit.audit.analysis import AuditResult, analyse
 from dpaudit.audit.report import prepare_folder, write_report
-from dpaudit.core.lock import remove_folder
-from dpaudit.training.runner import TrainConfig, TrainResult, preflight, train
+from dpaudit.core.lock import folder_lock, remove_folder
+from dpaudit.training.runner import TrainConfig, TrainResult, preflight, privacy_plan, train
 from dpaudit.accounting.mechanism import Mechanism
 from dpaudit.accounting.noises import noise
 from dpaudit.audit.ceiling import run_ceiling
@@ -35,9 +35,7 @@ from dpaudit.audit.whitebox import audit_run_folder
 from dpaudit.canaries.generate import make_canaries, redraw_membership
 from dpaudit.canaries.hf import extend_model
 from dpaudit.canaries.insert import insert_canaries
-from dpaudit.canaries.manifest import load_manifest
 from dpaudit.core.errors import DPAuditError
-from dpaudit.core.lock import folder_lock
 from dpaudit.core.run_folder import read_json
 from dpaudit.core.texts import detect_format, read_texts
 from dpaudit.models.corpus import sentences
@@ -47,7 +45,6 @@ from dpaudit.models.hf import resolve_model_path
 from dpaudit.models.loading import load_causal_lm
 from dpaudit.training.methods import METHODS
 from dpaudit.training.preflight import micro_batch_that_fits
-from dpaudit.training.runner import privacy_plan
 from dpaudit.workflows.scoring import score_checkpoint, score_for
 
 

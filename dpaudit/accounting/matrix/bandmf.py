@@ -21,11 +21,10 @@ from dataclasses import replace
 
 import numpy as np
 
-from dpaudit.accounting.mechanism import Mechanism
+from dpaudit.accounting.mechanism import Mechanism, compose_phases
 from dpaudit.core.errors import DPAuditError
 from dpaudit.accounting import pld
 from dpaudit.accounting.matrix.strategy import banded_coefs
-from dpaudit.accounting.mechanism import compose_phases
 from dpaudit.accounting.search import SearchHooks
 
 
