@@ -33,7 +33,7 @@ from dpaudit.core.run_folder import HEALTH, PROBE
 from dpaudit.core.validate import check_canaries, check_number as _check_number
 from dpaudit.probes import looks, probe_folder, verdict
 from dpaudit.probes.health import for_tensors, unprotected
-from dpaudit.probes.injector import Injector, checked_release, clipped_value, per_tensor_counts  # noqa: F401
+from dpaudit.probes.injector import Injector, checked_release, clipped_value
 from dpaudit.probes.looks import LOOKS, ON_VIOLATION, RUNNING, STOP_ALPHA, WATCH_FIRST  # noqa: F401 - importable here
 from dpaudit.probes.probe_opacus import attach
 from dpaudit.probes.tallies import ClipTally, NoiseTally
