@@ -369,6 +369,8 @@ SIDE_FORMATS = {
     "whitebox_canaries.json": "dpaudit-whitebox-canaries/2",
     "clipping_check.json": "dpaudit-clip-tally/2",
     "noise_tally.json": "dpaudit-noise-tally/2",
+    "checkpoint_manifest.json": "dpaudit-checkpoint-manifest/2",
+    "running.jsonl": "dpaudit-look/2",  # each line, a look
 }
 
 

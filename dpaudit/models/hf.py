@@ -123,6 +123,18 @@ def resolve_model_path(path: str | Path) -> Path:
                        "pass the snapshot folder itself")
 
 
+def vocab_rows(path: str | Path) -> int:
+    """The token rows of the model in ``path``, from its config alone (its text model's, for a multimodal one)."""
+    transformers = require_transformers()
+    path = Path(path)
+    refuse_remote_code(path)
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+        return int(config.get_text_config().vocab_size)
+    except Exception as exc:  # a bad config: one line naming the file, never its content
+        raise DPAuditError(f"cannot read the model config in {path}: {type(exc).__name__}") from None
+
+
 def meta_model(path: str | Path):
     """The model built from its config on the meta device: names and shapes, no weights read."""
     import torch

@@ -16,6 +16,7 @@ from typing import Any
 
 from dpaudit.core.atomic import atomic_write_text
 from dpaudit.core.errors import DPAuditError, PrivacyViolation
+from dpaudit.core.run_record import stamped, unstamped
 from dpaudit.core.validate import check_alpha, check_count
 
 ON_VIOLATION = ("warn", "stop", "raise")  # what a watched probe does at its first look that reads VIOLATION
@@ -98,7 +99,9 @@ def running_looks(out: Path) -> tuple[int, bool]:
             # a kill during the last append: that look was made (its alpha spent) though its line is torn;
             # counted as a look of the series, and the line rewritten whole so the next appends stay readable
             value = {"step": None, "torn": True, "final": False}
-            atomic_write_text(path, "".join(json.dumps(x) + "\n" for x in lines + [value]))
+            atomic_write_text(path, "".join(json.dumps(stamped(RUNNING, x)) + "\n" for x in lines + [value]))
+        else:  # a whole line: format 1 (no key) or this one; another is refused, never taken for a torn line
+            value = unstamped(RUNNING, value, f"{path}: line {k + 1}")
         lines.append(value)
     return sum(1 for x in lines if not x.get("final")), any(x.get("final") for x in lines)
 
@@ -137,7 +140,7 @@ def look(probe, watch: Watch, final: bool):
                 "claimed_epsilon": result.claimed_epsilon, "epsilon_lower_bound": eps if eps < 1e300 else "inf",
                 "headline": result.headline, "violation": result.violation, "verdict": result.verdict}
     with open(probe.out / RUNNING, "a", encoding="utf-8") as fh:
-        fh.write(json.dumps(line) + "\n")
+        fh.write(json.dumps(stamped(RUNNING, line)) + "\n")
     if result is None or not result.violation:
         return None
     folder = probe.out / LOOKS / f"step-{step}"  # kept: the end-of-run report never replaces it

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from dpaudit.core.atomic import atomic_write_json, follow_umask
 from dpaudit.core.errors import DPAuditError
-from dpaudit.core.run_record import CheckpointState
+from dpaudit.core.run_record import CheckpointState, stamped, unstamped
 
 FINAL, TMP, OLD = "checkpoint", ".checkpoint.tmp", ".checkpoint.old"
 MANIFEST = "checkpoint_manifest.json"
@@ -42,7 +42,7 @@ def seal(folder: Path, step: int) -> None:
     """Write the manifest of everything in ``folder`` (its last file: a folder without one is not intact)."""
     files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_of(p)}
              for p in sorted(Path(folder).iterdir()) if p.is_file() and p.name != MANIFEST}
-    atomic_write_json(Path(folder) / MANIFEST, {"step": int(step), "files": files})
+    atomic_write_json(Path(folder) / MANIFEST, stamped(MANIFEST, {"step": int(step), "files": files}))
 
 
 def intact_step(folder: Path) -> int | None:
@@ -51,7 +51,7 @@ def intact_step(folder: Path) -> int | None:
     try:
         if folder.is_symlink() or not folder.is_dir() or (folder / MANIFEST).stat().st_size > 1 << 20:
             return None
-        manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+        manifest = unstamped(MANIFEST, json.loads((folder / MANIFEST).read_text(encoding="utf-8")), folder / MANIFEST)
         step, files = manifest["step"], manifest["files"]
         if type(step) is not int or step < 1 or not isinstance(files, dict) or STATE not in files:
             return None

@@ -24,7 +24,7 @@ from dpaudit.training import checkpoint, streams
 from dpaudit.training.directions import DEFAULT_DIRECTION, DIRECTIONS
 from dpaudit.training.methods import METHODS, TrainerSetup, method
 from dpaudit.training.plan import PrivacyPlan
-from dpaudit.training.preflight import preflight  # refusals from the model's config alone (also for callers)
+from dpaudit.training.preflight import StepCheck, preflight  # refusals from the model's config alone (also for callers)
 from dpaudit.training.resume import settings_of
 from dpaudit.accounting.matrix.strategy import parse
 from dpaudit.accounting.noises import NOISES
@@ -208,13 +208,15 @@ def _save_checkpoint(run_dir: Path, model, tokenizer, state: run_record.Checkpoi
 
 
 def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *, resume: bool = False,
-          show_progress: bool = True) -> TrainResult:
-    """Train into ``run_dir``, holding its lock (rank 0 of a distributed run) so no second run writes there."""
+          show_progress: bool = True, step: StepCheck | None = None) -> TrainResult:
+    """Train into ``run_dir``, holding its lock (rank 0 of a distributed run) so no second run writes there.
+    ``step``: the caller's pre-flight check of this model and these texts (``preflight.check_model``), not made
+    again."""
 
     main_process = launch_rank() == 0
     run_dir = Path(run_dir)
     check_run_folder(run_dir, resume)
-    estimate = preflight(model_dir, cfg, len(texts), texts=texts) if main_process else None
+    estimate = preflight(model_dir, cfg, len(texts), texts=texts, step=step) if main_process else None
     with folder_lock(run_dir) if main_process else nullcontext():
         return _train(model_dir, texts, run_dir, cfg, resume=resume, show_progress=show_progress,
                       estimate=estimate)

@@ -25,7 +25,7 @@ from dpaudit.core.atomic import atomic_write_json, atomic_write_text
 from dpaudit.audit.analysis import AuditResult, analyse
 from dpaudit.audit.report import prepare_folder, write_report
 from dpaudit.core.lock import folder_lock, remove_folder
-from dpaudit.training.runner import TrainConfig, TrainResult, preflight, privacy_plan, train
+from dpaudit.training.runner import TrainConfig, TrainResult, privacy_plan, train
 from dpaudit.accounting.mechanism import Mechanism
 from dpaudit.accounting.noises import noise
 from dpaudit.audit.ceiling import run_ceiling
@@ -44,7 +44,7 @@ from dpaudit.models.extension import files_stamp, save_extension
 from dpaudit.models.hf import resolve_model_path
 from dpaudit.models.loading import load_causal_lm
 from dpaudit.training.methods import METHODS
-from dpaudit.training.preflight import micro_batch_that_fits
+from dpaudit.training.preflight import StepCheck, check_model
 from dpaudit.workflows.scoring import score_checkpoint, score_for
 
 
@@ -236,24 +236,27 @@ def run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, force:
     """The whole audit in ``out`` (a non-empty folder only with --force, and only one dpaudit made), holding
     the folder's lock so a second run into the same folder is refused."""
 
-    if kwargs.get("model") is not None:  # refusals before the folder exists; where the recipe sets the micro batch
-        # (_fitted_to_the_model), only a step it cannot make fit (one example at a time) is refused here
+    # The model's pre-flight, once, before the folder exists (its check goes on to train, grown by the canaries'
+    # rows); where the recipe sets the micro batch (_fitted_to_the_model), only a step it cannot make fit (one
+    # example at a time) is refused here. The embedded default is checked once built (in the folder).
+    step = check_model(kwargs["model"], cfg) if kwargs.get("model") is not None else None
+    if step is not None:
         fits = settings.fitted and not cfg.micro_batch
-        preflight(kwargs["model"], dataclasses.replace(cfg, micro_batch=1) if fits else cfg, settings.examples,
-                  warn=False)
+        step.estimate(dataclasses.replace(cfg, micro_batch=1) if fits else cfg, settings.examples, warn=False)
     out = prepare_folder(out, force)
     with folder_lock(out):
-        return _run_audit(out, cfg, settings, **kwargs)
+        return _run_audit(out, cfg, settings, step=step, **kwargs)
 
 
 def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model: Path | None = None,
                data: Path | None = None, data_format: str | None = None, field: str = "text",
-               show_progress: bool = True) -> tuple[AuditResult, TrainResult, dict]:
+               show_progress: bool = True, step: StepCheck | None = None) -> tuple[AuditResult, TrainResult, dict]:
 
     base = model if model is not None else embedded_default(out / "base_model", settings.seed)
+    step = step or check_model(base, cfg)  # the embedded default's, once it is built
     power = _power_note(cfg, settings, cfg.white_box or settings.canaries)
     if cfg.white_box:
-        return _white_box(out, cfg, settings, base, data, data_format, field, show_progress, power)
+        return _white_box(out, cfg, settings, base, data, data_format, field, show_progress, power, step)
     stamp = _extension_stamp(base, settings)
     manifest = _reusable_canaries(out, stamp)
     lm = tok = None
@@ -284,12 +287,14 @@ def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model
         del lm
         atomic_write_json(out / REUSE_STAMP, {**stamp, **made})
     texts = read_texts(train_file, fmt, field)
+    if step is not None:
+        step = step.grown(out / EXTENDED).with_texts(texts, cfg.max_length)
     if fitted:
         cfg, why = _fitted_to_the_model(out / EXTENDED, cfg, settings, manifest, texts,
-                                        _stamped(out, HIDDEN_NORM))
+                                        _stamped(out, HIDDEN_NORM), step)
         power = {**power, **why}
     remove_folder(out / "run")
-    result = train(out / EXTENDED, texts, out / "run", cfg, show_progress=show_progress)
+    result = train(out / EXTENDED, texts, out / "run", cfg, show_progress=show_progress, step=step)
     score = score_for(cfg.trainable)
     scores, members = score_checkpoint(result.model_dir, manifest, score=score, base=out / EXTENDED,
                                        show_progress=show_progress)
@@ -306,11 +311,12 @@ def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model
 
 
 def _fitted_to_the_model(extended: Path, cfg: TrainConfig, settings: AuditRunSettings, manifest,
-                         texts, h: float | None = None) -> tuple[TrainConfig, dict]:
+                         texts, h: float | None = None, step: StepCheck | None = None) -> tuple[TrainConfig, dict]:
     """``cfg`` at the recipe's rate for this model (DP-SGD: ``sgd_exposure``; DP-ZO: ``zo_exposure``, phi too
     unless the user set it) and, unless the user set one, at a micro batch that fits the memory (full batches of a
     pretrained model: 1500 examples of a 135M model are ~45 GB at once). Returns the report's lines on it.
-    ``h``: |h| (``prefix_hidden_norm``) when already measured; else the extended model is loaded for it."""
+    ``h``: |h| (``prefix_hidden_norm``) when already measured; else the extended model is loaded for it.
+    ``step``: the run's pre-flight check of the extended model and ``texts`` (else one is made)."""
 
     if h is None:
         lm, tok = load_causal_lm(extended)
@@ -336,7 +342,10 @@ def _fitted_to_the_model(extended: Path, cfg: TrainConfig, settings: AuditRunSet
                                       "clip" if settings.phi_from_model else " (given)")}
         cfg = dataclasses.replace(cfg, lr=lr, phi=phi)
     if not cfg.micro_batch:
-        cfg = dataclasses.replace(cfg, micro_batch=micro_batch_that_fits(extended, cfg, texts))
+        step = step or check_model(extended, cfg)
+        if step is not None and step.tokens is None:
+            step = step.with_texts(texts, cfg.max_length)
+        cfg = dataclasses.replace(cfg, micro_batch=step.micro_batch_that_fits(cfg, n) if step else cfg.micro_batch)
     return cfg, why
 
 
@@ -420,7 +429,7 @@ def _power_note(cfg: TrainConfig, settings: AuditRunSettings, m: int) -> dict:
 
 
 def _white_box(out: Path, cfg: TrainConfig, settings: AuditRunSettings, base: Path, data, data_format, field,
-               show_progress: bool, power: dict):
+               show_progress: bool, power: dict, step: StepCheck | None):
     """Train with white-box canaries planted, then audit the transcript (no model scoring needed)."""
 
     if data is None:
@@ -429,7 +438,7 @@ def _white_box(out: Path, cfg: TrainConfig, settings: AuditRunSettings, base: Pa
         fmt = detect_format(Path(data), data_format)
         texts = read_texts(Path(data), fmt, field)
     remove_folder(out / "run")
-    result = train(base, texts, out / "run", cfg, show_progress=show_progress)
+    result = train(base, texts, out / "run", cfg, show_progress=show_progress, step=step)
     audit, scores, members, facts = audit_run_folder(out / "run", claimed_epsilon=result.epsilon,
                                                      delta=cfg.delta, alpha=settings.alpha)
     return _finish(out, cfg, base, audit, result, scores, members, {**facts, **power})

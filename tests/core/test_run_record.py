@@ -274,3 +274,42 @@ def test_the_allocation_secret_reads_in_both_formats_and_refuses_another_file(tm
         path.write_text(json.dumps(bad))
         with pytest.raises(DPAuditError, match="not an allocation secret"):
             read_allocation_secret(path)
+
+
+def test_a_checkpoint_manifest_carries_its_format_and_a_format_1_one_is_still_intact(tmp_path):
+    """checkpoint_manifest.json is sealed with its format; a format-1 manifest (no key, as dpaudit sealed before)
+    leaves the checkpoint intact at its step; a format no dpaudit wrote makes it not intact (a resume passes it over,
+    as it passes over any checkpoint it cannot verify)."""
+    from dpaudit.core.atomic import atomic_write_json
+    from dpaudit.training import checkpoint
+
+    def write(folder):
+        (folder / "weights.bin").write_bytes(b"w" * 64)
+        atomic_write_json(folder / checkpoint.STATE, run_record.CheckpointState(step=3).to_json())
+
+    checkpoint.save(tmp_path, 3, write)
+    saved = tmp_path / checkpoint.FINAL
+    manifest = json.loads((saved / checkpoint.MANIFEST).read_text())
+    assert manifest["format"] == run_record.SIDE_FORMATS[checkpoint.MANIFEST]
+    assert checkpoint.intact_step(saved) == 3
+    old = {k: v for k, v in manifest.items() if k != "format"}
+    (saved / checkpoint.MANIFEST).write_text(json.dumps(old))
+    assert checkpoint.intact_step(saved) == 3
+    (saved / checkpoint.MANIFEST).write_text(json.dumps({**old, "format": "dpaudit-from-the-future/9"}))
+    assert checkpoint.intact_step(saved) is None
+
+
+def test_a_watchs_looks_carry_their_format_and_old_lines_still_count(tmp_path):
+    """Each line of running.jsonl is written with its format; format-1 lines (no key) count as the looks they
+    were; a line of a format no dpaudit wrote is refused (its looks, and so the alpha spent, are unknown)."""
+    from dpaudit.probes.looks import RUNNING, running_looks
+
+    name = run_record.SIDE_FORMATS[RUNNING]
+    lines = [{"step": 16, "look": 1, "final": False}, {"format": name, "step": 32, "look": 2, "final": False},
+             {"format": name, "step": 40, "look": 3, "final": True}]
+    (tmp_path / RUNNING).write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert running_looks(tmp_path) == (2, True)
+    lines[1]["format"] = "dpaudit-from-the-future/9"
+    (tmp_path / RUNNING).write_text("".join(json.dumps(x) + "\n" for x in lines))
+    with pytest.raises(DPAuditError, match="format this dpaudit does not know"):
+        running_looks(tmp_path)

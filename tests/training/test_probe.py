@@ -497,6 +497,7 @@ def test_a_torn_last_look_counts_as_spent_and_the_watch_goes_on(tmp_path):
     assert again._watch.look == 2  # the torn look's alpha stays spent
     lines = [json.loads(x) for x in (tmp_path / "p" / RUNNING).read_text().splitlines()]
     assert lines[-1]["torn"] and len(lines) == 2
+    assert {x["format"] for x in lines} == {"dpaudit-look/2"}  # rewritten whole, in this format
 
 
 def test_opacus_adaptive_clipping_is_refused_at_attach_in_one_line(tmp_path):

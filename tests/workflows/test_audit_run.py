@@ -266,3 +266,33 @@ def test_an_audit_runs_sigma_is_calibrated_once(tmp_path, monkeypatch):
                                 phi_from_model=True)
     _, result, _ = run_audit(tmp_path / "run", cfg, settings, model=base, show_progress=False)
     assert len(calls) == 1 and result.private and result.epsilon <= 4.0
+
+
+@pytest.mark.parametrize("white_box", [0, 24])
+def test_an_audit_runs_model_is_checked_once(tiny_model_dir, tmp_path, monkeypatch, white_box):
+    """`audit run --model M` checks M's step once, before its folder exists (the refusals read only the config):
+    the meta model is built once and the training texts are tokenised once for the estimate; the check, grown
+    by the canaries' rows, goes on to the recipe's micro batch and to train. A model the run could not have
+    fitted is still refused before the folder exists."""
+    import dpaudit.training.preflight as preflight
+    from dpaudit.models import hf
+    from dpaudit.training.runner import TrainConfig
+    from dpaudit.workflows.audit_run import AuditRunSettings, PRETRAINED_RECIPE, run_audit
+
+    built, tokenised = [], []
+    meta, longest = hf.meta_model, preflight.longest_tokens
+    monkeypatch.setattr(hf, "meta_model", lambda *a: built.append(a) or meta(*a))
+    monkeypatch.setattr(preflight, "longest_tokens", lambda *a: tokenised.append(a) or longest(*a))
+    cfg = TrainConfig(method="dp-sgd", target_epsilon=8.0, trainable="full" if white_box else "new-tokens",
+                      batch_size=8 if white_box else 0, optimizer="sgd", steps=1, secret_seed=1,
+                      white_box=white_box)
+    settings = AuditRunSettings(canaries=20, examples=40,
+                                logit_step=None if white_box else PRETRAINED_RECIPE.logit_step)
+    run_audit(tmp_path / "out", cfg, settings, model=tiny_model_dir, show_progress=False)
+    assert len(built) == 1 and len(tokenised) == 1
+    from dpaudit.core import run_record
+    assert run_record.read(tmp_path / "out" / "run").estimated_peak_bytes > 0  # the check's estimate, recorded
+    tiny = dataclasses.replace(cfg, max_memory=2**20)  # below the weights: refused with no folder made
+    with pytest.raises(DPAuditError, match="max-memory|memory"):
+        run_audit(tmp_path / "refused", tiny, settings, model=tiny_model_dir, show_progress=False)
+    assert not (tmp_path / "refused").exists()
