@@ -31,7 +31,9 @@ def simulated_scores(method: str, m: int, steps: int, sigma: float, rate: float,
 
 
 def cell(args: tuple) -> dict:
-    method, eps, steps, seed, out, bug, batch = args
+    """One white-box audit run. ``args``: (method, eps, steps, seed, out, bug, batch[, records]); records > 1: a
+    user-level run (--unit user, k = records) whose canaries are users of that many records."""
+    method, eps, steps, seed, out, bug, batch, records = (*args, 1) if len(args) == 7 else args
     import torch
 
     torch.set_num_threads(1)
@@ -39,19 +41,21 @@ def cell(args: tuple) -> dict:
     from dpaudit.workflows.audit_run import AuditRunSettings, run_audit, white_box_canaries
     from dpaudit.training.runner import TrainConfig
 
+    user = dict(unit="user", records_per_user=records, canary_records=records) if records > 1 else {}
     cfg = TrainConfig(method=method, target_epsilon=eps, secret_seed=seed, steps=steps, batch_size=batch,
-                      plant_bug=bug, white_box=1)
+                      plant_bug=bug, white_box=1, **user)
     cfg.white_box = white_box_canaries(cfg)
     start = time.perf_counter()
     audit, result, summary = run_audit(Path(out), cfg, AuditRunSettings(examples=64), force=True, show_progress=False)
     wall = time.perf_counter() - start
     members = np.array([c for c in audit_members(Path(out) / "run")])
     ideal = analyse(simulated_scores(method, cfg.white_box, result.steps, result.sigma, result.sampling_rate, members,
-                                     seed + 10_000), members, delta=cfg.delta, score=f"white-box-{method}")
+                                     seed + 10_000), members, delta=cfg.delta, score=f"white-box-{method}") \
+        if records == 1 else None  # the simulation plants one record a canary
     return {"method": method, "eps": eps, "claimed": result.epsilon, "sigma": result.sigma, "m": cfg.white_box,
             "steps": result.steps, "bound": audit.epsilon_lower_bound, "mu": audit.headline_bound.mu,
-            "violation": audit.violation, "ideal": ideal.epsilon_lower_bound, "seconds": wall, "seed": seed,
-            "bug": bug or "none", "statistic": summary["context"].get("statistic"), "p": result.sampling_rate,
+            "violation": audit.violation, "ideal": ideal.epsilon_lower_bound if ideal else None, "seconds": wall,
+            "seed": seed, "bug": (bug or "none") + (f" (users of {records}, k = {records})" if records > 1 else ""), "statistic": summary["context"].get("statistic"), "p": result.sampling_rate,
             "all": {k: b.epsilon for k, b in audit.bounds.items()}}
 
 

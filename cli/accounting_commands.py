@@ -20,9 +20,9 @@ from dpaudit.core.errors import DPAuditError
 from dpaudit.core.threads import set_threads
 from dpaudit.cli.common import (
     AccountantOpt, BatchOpt, DatasetOpt, DeltaOpt, EpochsOpt, ForceOpt, JsonOpt, McBackendOpt, McSamplesOpt, McWorkersOpt, MechOpt,
-    NoiseOpt, PhaseOpt, POpt, SamplingOpt, SeedOpt, StepsOpt, accountant_options, assumptions, bounded, console, emit_json,
-    event_from,
-    fmt, resolve_delta, schedule, shuffle_lines,
+    NoiseOpt, PhaseOpt, POpt, RecordsOpt, SamplingOpt, SeedOpt, StepsOpt, UnitOpt, UserSamplingOpt, accountant_options,
+    assumptions, bounded, console, emit_json, event_from, fmt, resolve_delta, schedule, shuffle_lines, unit_from,
+    with_unit,
 )
 
 SigmaOpt = Annotated[float, typer.Option("--sigma", "-s", help="Noise multiplier (gaussian) or Laplace scale / sensitivity.")]
@@ -51,13 +51,16 @@ def calibrate(
     epochs: EpochsOpt = None, accountant: AccountantOpt = None,
     rtol: Annotated[float, typer.Option(help="Relative tolerance on sigma (never on the wrong side).")] = 1e-3,
     mc_samples: McSamplesOpt = None, seed: SeedOpt = 0, sampling: SamplingOpt = "poisson", phase: PhaseOpt = None,
-    noise_spec: NoiseOpt = None, as_json: JsonOpt = False,
+    noise_spec: NoiseOpt = None, unit: UnitOpt = "example", records_per_user: RecordsOpt = None,
+    user_sampling: UserSamplingOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Smallest noise whose accounted epsilon is <= the target (one release when no schedule is given). With
-    --phase: the smallest multiplier of every phase's sigma (each phase's sigma=S is its share; default 1)."""
+    --phase: the smallest multiplier of every phase's sigma (each phase's sigma=S is its share; default 1). With
+    --unit user: the target is a user-level epsilon."""
     check_epsilon(eps)
     d = resolve_delta(mech, delta)
-    template = event_from(mech, 1.0, p, batch_size, dataset_size, steps, epochs, sampling, phase, noise_spec)
+    template = event_from(mech, 1.0, p, batch_size, dataset_size, steps, epochs, sampling, phase, noise_spec,
+                          unit_from(unit, records_per_user, user_sampling))
     name = accountant or default_accountant(template, d)
     cal = calibrate_sigma(template, eps, d, name, rtol=rtol, options=accountant_options(name, mc_samples, seed, not as_json))
     calibrated = template.with_sigma(cal.sigma)
@@ -69,7 +72,7 @@ def calibrate(
             "command": "calibrate", "mechanism": mech, "sampling": template.sampling, **_noise_json(calibrated, cal.result),
             "sampling_rate": template.sampling_rate,
             "steps": template.steps, "delta": d, "target_epsilon": eps, "accountant": cal.result.accountant,
-            "requested_accountant": name,
+            "requested_accountant": name, "unit": template.unit.to_json(),
             "sigma": cal.sigma, "epsilon": json_float(cal.result.epsilon),
             "sigma_rejected": cal.sigma_rejected, "epsilon_rejected": json_float(cal.epsilon_rejected),
             "relative_tolerance": rtol, "converged": cal.converged, "evaluations": cal.evaluations,
@@ -122,19 +125,22 @@ def epsilon_cmd(
     epochs: EpochsOpt = None, accountant: AccountantOpt = None, mc_samples: McSamplesOpt = None,
     seed: SeedOpt = 0, mc_workers: McWorkersOpt = 1, mc_backend: McBackendOpt = "numpy",
     threads: McThreadsOpt = None, sampling: SamplingOpt = "poisson", phase: PhaseOpt = None,
-    noise_spec: NoiseOpt = None, as_json: JsonOpt = False,
+    noise_spec: NoiseOpt = None, unit: UnitOpt = "example", records_per_user: RecordsOpt = None,
+    user_sampling: UserSamplingOpt = None, as_json: JsonOpt = False,
 ) -> None:
-    """Epsilon (an upper bound) spent by a given noise level and schedule, or by phases (--phase, repeated)."""
+    """Epsilon (an upper bound) spent by a given noise level and schedule, or by phases (--phase, repeated). With
+    --unit user, a user's epsilon."""
     _torch_threads(mc_backend, threads)
     d = resolve_delta(mech, delta)
-    m = event_from(mech, sigma, p, batch_size, dataset_size, steps, epochs, sampling, phase, noise_spec)
+    m = event_from(mech, sigma, p, batch_size, dataset_size, steps, epochs, sampling, phase, noise_spec,
+                   unit_from(unit, records_per_user, user_sampling))
     name = accountant or default_accountant(m, d)
     res = epsilon(m, d, name, accountant_options(name, mc_samples, seed, not as_json, mc_workers, mc_backend))
     lines = assumptions(m, d, res) + _one_step_note(m, steps, epochs)
     extra, shuffled = shuffle_lines(m, d, res)
     if as_json:
         emit_json({"command": "epsilon", "sigma": sigma, "sampling": m.sampling, "sampling_rate": m.sampling_rate,
-                   **_noise_json(m, res),
+                   "unit": m.unit.to_json(), **_noise_json(m, res),
                    "steps": m.steps, "phases": len(m.phases), **({"shuffle": shuffled} if shuffled else {}),
                    "result": res.to_json(), "assumptions": lines})
         return
@@ -157,14 +163,16 @@ def delta_cmd(
     mc_backend: McBackendOpt = "numpy",
     mc_tilt: Annotated[bool, typer.Option(
         "--mc-tilt", help="mc, Laplace: importance sampling by exponential tilting (tight at small delta).")] = False,
-    threads: McThreadsOpt = None, as_json: JsonOpt = False,
+    threads: McThreadsOpt = None, unit: UnitOpt = "example", records_per_user: RecordsOpt = None,
+    user_sampling: UserSamplingOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """delta(eps) for a noise level and schedule: an upper bound (pld; mc with probability >= 1 - beta)."""
 
     _torch_threads(mc_backend, threads)
 
     check_epsilon(eps)
-    m = schedule(mech, sigma, p, batch_size, dataset_size, steps, epochs)
+    m = with_unit(schedule(mech, sigma, p, batch_size, dataset_size, steps, epochs),
+                  unit_from(unit, records_per_user, user_sampling))
     accountant = accountant or default_delta_accountant(m)
     res = delta_of(m, eps, accountant,
                    accountant_options(accountant, mc_samples, seed, not as_json, mc_workers, mc_backend, mc_tilt))
@@ -186,17 +194,21 @@ def delta_cmd(
 def max_steps_cmd(
     sigma: SigmaOpt, eps: EpsOpt, mech: MechOpt = "gaussian", delta: DeltaOpt = None, p: POpt = None,
     batch_size: BatchOpt = None, dataset_size: DatasetOpt = None, accountant: AccountantOpt = None,
-    sampling: SamplingOpt = "poisson", noise_spec: NoiseOpt = None, as_json: JsonOpt = False,
+    sampling: SamplingOpt = "poisson", noise_spec: NoiseOpt = None, unit: UnitOpt = "example",
+    records_per_user: RecordsOpt = None, user_sampling: UserSamplingOpt = None, as_json: JsonOpt = False,
 ) -> None:
-    """Largest number of steps that stays within the target epsilon at a given noise level."""
+    """Largest number of steps that stays within the target epsilon at a given noise level. With --unit user, a
+    user's epsilon."""
     from dpaudit.accounting.matrix.strategy import parse
 
     d = resolve_delta(mech, delta)
-    template = schedule(mech, sigma, p, batch_size, dataset_size, 1, None, sampling, parse(noise_spec))
+    template = with_unit(schedule(mech, sigma, p, batch_size, dataset_size, 1, None, sampling, parse(noise_spec)),
+                         unit_from(unit, records_per_user, user_sampling))
     ans = max_steps(template, eps, d, accountant)
     lines = assumptions(template.with_steps(ans.steps), d, ans.result)
     if as_json:
         emit_json({"command": "max-steps", "sigma": sigma, "sampling": sampling, "sampling_rate": template.sampling_rate,
+                   "unit": template.unit.to_json(),
                    **_noise_json(template.with_steps(ans.steps), ans.result),
                    "target_epsilon": eps, "delta": d, "max_steps": ans.steps, "at_cap": ans.at_cap,
                    "epsilon": json_float(ans.result.epsilon),
@@ -224,7 +236,7 @@ def compare(
         "--noise", help="Compare noise strategies instead of accountants (repeat: --noise independent --noise "
                         "bandmf,b=16 --noise blt,...): each one's sigma at --eps (or eps at --sigma) from its default "
                         "accountant, with the noise it adds and its expected error.")] = None,
-    as_json: JsonOpt = False,
+    unit: UnitOpt = "example", records_per_user: RecordsOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Every applicable accountant side by side, with timings (eps for --sigma, or sigma for --eps); the
     accountants that do not cover the schedule (its sampler, its phases) say why. With --noise: strategies side
@@ -236,6 +248,12 @@ def compare(
     if sampling == "all":
         _compare_samplers(mech, sigma, d, p, batch_size, dataset_size, steps, epochs, phase, as_json)
         return
+    if unit != "example":
+        unit_from(unit, records_per_user)  # --unit user needs k
+        _compare_units(mech, sigma, eps, d, p, batch_size, dataset_size, steps, epochs, sampling, phase,
+                       records_per_user, as_json)
+        return
+    unit_from(unit, records_per_user)  # k without --unit user is refused
     if eps is not None:
         check_epsilon(eps)
     if noise_spec:
@@ -299,6 +317,42 @@ def compare(
 
 
 MAX_STRATEGIES = 12
+
+
+def _compare_units(mech, sigma, eps, delta, p, batch_size, dataset_size, steps, epochs, sampling, phase, k,
+                   as_json) -> None:
+    """``--unit user``: ELS, ULS and group privacy for the records' schedule (accounting/user_level.py), eps at
+    --sigma or sigma at --eps, with each one's noise per unit of signal relative to ELS's."""
+    from rich.table import Table
+
+    from dpaudit.accounting import user_level
+
+    if eps is not None:
+        check_epsilon(eps)
+    m = event_from(mech, 1.0 if sigma is None else sigma, p, batch_size, dataset_size, steps, epochs, sampling, phase)
+    with console.status("ELS, ULS, group privacy ...", spinner="dots") if not as_json else nullcontext():
+        found = user_level.rows(m, k, delta, eps)
+    what = "epsilon" if eps is None else "sigma"
+    if as_json:
+        emit_json({"command": "compare", "quantity": what, "unit": "user", "records_per_user": k, "mechanism": mech,
+                   "sigma": sigma, "target_epsilon": eps, "sampling_rate": m.sampling_rate, "steps": m.steps,
+                   "delta": delta, "rows": [r.to_json() for r in found]})
+        return
+    table = Table(title=f"user-level {what}: k = {k} records a user, {m.kind}, {m.sampling}, p = {m.sampling_rate:g} "
+                        f"(records; ULS: users at the same rate), T = {m.steps}, delta = {delta:g}")
+    for col in ("algorithm", "sigma", "user-level eps", "noise / signal vs ELS", "guarantee"):
+        table.add_column(col)
+    for r in found:
+        if r.result is None:
+            table.add_row(r.name, "—", "—", "—", f"[dim]{r.why}[/dim]")
+            continue
+        table.add_row(r.name, fmt(r.sigma), fmt(r.result.epsilon),
+                      "—" if r.noise_per_signal is None else f"{r.noise_per_signal:.3g}x", r.result.guarantee)
+    console.print(table)
+    console.print("noise / signal: the noise std over the expected clipped units a step (ELS and group privacy: "
+                  "B records; ULS: B / k users, each clipped as one), relative to ELS's. Lower trains better at "
+                  "the same eps; ELS and group privacy run the same training, ELS accounts it tighter.",
+                  highlight=False)
 
 
 def _compare_strategies(specs, mech, sigma, eps, delta, p, batch_size, dataset_size, steps, epochs, sampling, phase,

@@ -70,10 +70,11 @@ def check(
         raise typer.Exit(1)
     noise_words = (f"sigma = {fmt(report['phases'][0]['sigma'])}" if len(report["phases"]) == 1 else
                    f"{len(report['phases'])} phases (sigma {', '.join(fmt(x['sigma']) for x in report['phases'])})")
+    whose = "" if not cfg.event.unit.user_level else f"a user's ({cfg.event.unit.short()}) "
     if passed:
         how = "calibrated" if cfg.sigma is None else "configured"
         console.print(f"[bold green]PASS[/bold green] {escape(str(config))}: {how} {noise_words} "
-                      f"spends eps <= {fmt(report['epsilon'])} <= target {cfg.target_epsilon:g} "
+                      f"spends {whose}eps <= {fmt(report['epsilon'])} <= target {cfg.target_epsilon:g} "
                       f"(delta = {cfg.delta:g}, {report['accountant']})")
     elif sampler is not None and not sampler["consistent_with_config"] and report["epsilon"] <= cfg.target_epsilon:
         console.print(f"[bold red]FAIL[/bold red] {escape(str(config))}: its eps <= {fmt(report['epsilon'])} was "
@@ -82,7 +83,7 @@ def check(
         hint = ("" if report["minimal_sigma"] is None else
                 f"; every sigma x {fmt(report['minimal_sigma'])} would meet it" if report["minimal_sigma_is_multiplier"]
                 else f"; sigma >= {fmt(report['minimal_sigma'])} would meet it")
-        console.print(f"[bold red]FAIL[/bold red] {escape(str(config))}: {noise_words} spends eps <= "
+        console.print(f"[bold red]FAIL[/bold red] {escape(str(config))}: {noise_words} spends {whose}eps <= "
                       f"{fmt(report['epsilon'])}, over the target {cfg.target_epsilon:g} by "
                       f"{fmt(report['epsilon'] - cfg.target_epsilon, 4)} (delta = {cfg.delta:g}, "
                       f"{report['accountant']}){hint}")
@@ -173,7 +174,7 @@ def _judge(cfg, config: Path) -> tuple[dict, bool]:
     report = {
         "command": "check", "config": str(config), "passed": passed, "mechanism": cfg.mechanism,
         "sigma": sigma, "sigma_from_config": cfg.sigma is not None, "sampling": cfg.sampling,
-        "neighboring": spent.neighboring.value, "sampling_rate": cfg.sampling_rate,
+        "neighboring": spent.neighboring.value, "unit": probe.unit.to_json(), "sampling_rate": cfg.sampling_rate,
         "steps": cfg.steps, "phases": [{"sigma": m.sigma, "sampling_rate": m.sampling_rate, "steps": m.steps,
                                         "sampling": m.sampling} for m in probe.phases],
         "delta": cfg.delta, "target_epsilon": cfg.target_epsilon,

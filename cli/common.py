@@ -21,7 +21,8 @@ import typer.main
 from rich.console import Console
 
 from dpaudit.accounting.matrix.strategy import error_summary, parse
-from dpaudit.accounting.mechanism import Mechanism, event, parse_phase, schedule  # noqa: F401 - schedule: the commands import it here
+from dpaudit.accounting.mechanism import Mechanism, event, parse_phase, schedule, with_unit  # noqa: F401 - schedule: the commands import it here
+from dpaudit.accounting.unit import EXAMPLE, Unit, unit_from  # noqa: F401 - unit_from: likewise
 from dpaudit.accounting.samplers import SAMPLINGS
 from dpaudit.accounting.noises import NOISES, noise, resolve_delta  # noqa: F401 - resolve_delta: likewise
 from dpaudit.core.errors import DPAuditError
@@ -138,6 +139,16 @@ DatasetOpt = Annotated[Optional[int], typer.Option("--dataset-size", "-N", click
 StepsOpt = Annotated[Optional[int], typer.Option("--steps", "-T", click_type=WHOLE,
                                                  help="Number of steps T (1e6 is taken: exact whole numbers).")]
 EpochsOpt = Annotated[Optional[float], typer.Option("--epochs", help="Epochs (T = epochs / p).")]
+UnitOpt = Annotated[str, typer.Option(
+    "--unit", help="Privacy unit: example (one record; default) or user (all of one user's records, at most "
+                   "--records-per-user k of them). A user-level answer names the user as the neighbour.")]
+RecordsOpt = Annotated[Optional[int], typer.Option(
+    "--records-per-user", click_type=WHOLE, help="--unit user: k, the most records one user contributes (a run caps "
+                                                 "each user's records at k).")]
+UserSamplingOpt = Annotated[Optional[str], typer.Option(
+    "--user-sampling", help="--unit user: els (default; records sampled at p as usual, a step holds Binomial(k, p) "
+                            "of a user's records) or uls (users sampled at p, each user's contribution clipped as "
+                            "one).")]
 AccountantOpt = Annotated[Optional[str], typer.Option(
     "--accountant", "-a", help="pld, prv, mc, pure, pure-prv, rdp or analytic. Default: the tightest exact "
                                "route (analytic for one release, pure for laplace at delta=0, else pld).")]
@@ -190,7 +201,8 @@ def assumptions(mech: Mechanism, delta: float, result) -> list[str]:
         f"mechanism: {', '.join(kinds)}; {'; '.join(noise(k).scale_text for k in kinds)}; "
         "sensitivity (clip norm) C = 1 unit",
         ("one release: no subsampling, one step (p = 1, T = 1)" if mech.is_single_release
-         else mech.sampling_words()),
+         else mech.sampling_words() + (" (p: the users' rate)" if mech.unit.algorithm == "ULS" else "")),
+        *([f"privacy unit: {mech.unit.words()}"] if mech.unit.user_level else []),
         f"delta = {delta:g}" + (" (pure eps-DP)" if delta == 0 else ""),
         f"accountant: {answered}; neighbouring relation: {result.relation}",
     ] + _noise_lines(mech, result)
@@ -211,15 +223,16 @@ def _noise_lines(mech, result) -> list[str]:
 
 
 def event_from(mech: str, sigma: float | None, p, batch_size, dataset_size, steps, epochs, sampling: str,
-               phases: list[str] | None, noise_spec: str | None = None):
+               phases: list[str] | None, noise_spec: str | None = None, unit: Unit = EXAMPLE):
     """The event a command describes: one schedule from the flags, or the --phase list composed in sequence
-    (each phase's sigma defaults to --sigma, or 1 when calibrating: then it is the phase's share)."""
+    (each phase's sigma defaults to --sigma, or 1 when calibrating: then it is the phase's share), accounted for
+    ``unit`` (``unit_from`` of --unit, --records-per-user, --user-sampling)."""
     if not phases and steps is None and epochs is None and (p is not None or batch_size is not None):
         note_after("note: no -T/--steps or --epochs given: one step (T = 1) is accounted")
-    return event(mech, sigma, p, batch_size, dataset_size, steps, epochs, sampling,
-                 [parse_phase(text) for text in phases] if phases else None,
-                 ("--sigma", "--phase sigma=...,p=...,steps=...", "--p/-B/-N/-T/--epochs/--sampling"),
-                 strategy=parse(noise_spec))
+    return with_unit(event(mech, sigma, p, batch_size, dataset_size, steps, epochs, sampling,
+                           [parse_phase(text) for text in phases] if phases else None,
+                           ("--sigma", "--phase sigma=...,p=...,steps=...", "--p/-B/-N/-T/--epochs/--sampling"),
+                           strategy=parse(noise_spec)), unit)
 
 
 def shuffle_lines(event, delta: float, result) -> tuple[list[str], dict]:

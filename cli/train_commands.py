@@ -12,7 +12,8 @@ import typer
 
 from dpaudit.core.atomic import guard_new_folder, refuse_overlap, save_model_folder
 from dpaudit.cli.common import (
-    MODEL_TIMEOUT, WHOLE, ForceOpt, JsonOpt, ThreadsOpt, bounded, console, emit, err_console, fmt,
+    MODEL_TIMEOUT, WHOLE, ForceOpt, JsonOpt, RecordsOpt, ThreadsOpt, UnitOpt, UserSamplingOpt, bounded, console, emit,
+    err_console, fmt,
 )
 from dpaudit.core.errors import DPAuditError
 from dpaudit.core.threads import set_threads
@@ -23,6 +24,7 @@ from dpaudit.cli.audit_commands import present
 from dpaudit.core import run_folder, run_record
 from dpaudit.core.limits import parse_memory
 from dpaudit.core.texts import detect_format, read_texts
+from dpaudit.core.users import cap_records, read_user_texts
 from dpaudit.models.embedded import is_embedded
 from dpaudit.models.gguf import gguf_file_in, scan_header
 from dpaudit.models.hf import refuse_remote_code, resolve_model_path
@@ -133,7 +135,8 @@ _RESUMED = {"method": "method", "delta": "delta", "mech": "mechanism", "clip": "
             "direction": "direction", "trainable": "trainable", "bf16": "bf16", "seed": "seed",
             "accountant": "accountant", "save_every": "save_every", "white_box": "white_box",
             "plant_bug": "plant_bug", "per_sample_grads": "per_sample_grads", "micro_batch": "micro_batch",
-            "shard": "shard", "sampling": "sampling", "noise": "noise"}
+            "shard": "shard", "sampling": "sampling", "noise": "noise", "unit": "unit",
+            "records_per_user": "records_per_user", "user_sampling": "user_sampling"}
 
 
 def _resumed_flags(out: Path, flags: dict) -> dict:
@@ -185,12 +188,18 @@ def train_cmd(
                            "balls-in-bins (each example in one random step of each epoch of N // B steps); shuffle "
                            "with --noise blt,...,order=fixed only (one permutation, passed every epoch).")] = "poisson",
     noise: TrainNoiseOpt = None,
+    unit: UnitOpt = "example", records_per_user: RecordsOpt = None, user_sampling: UserSamplingOpt = None,
+    user_field: Annotated[str, typer.Option(
+        "--user-field", help="--unit user: the JSONL field or CSV column that says whose each record is; each "
+                             "user's records are capped at --records-per-user (a random k a user, chosen from the "
+                             "public --seed and the user's id: never from the texts or other users).")] = "user",
     check_inputs: Annotated[bool, typer.Option(
         "--check-inputs", help="Only check the inputs (model, data, options, run folder) and exit: 0 usable, 2 not. "
                                "Run it before torchrun, which turns every rank's exit 2 into its own 1.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Fine-tune a local causal LM with DP-ZO or DP-SGD (sigma calibrated to --eps) or a non-private baseline."""
+    """Fine-tune a local causal LM with DP-ZO or DP-SGD (sigma calibrated to --eps) or a non-private baseline. With
+    --unit user the claim is a user's (ELS: records sampled and clipped as usual, accounted per user)."""
 
     if resume:  # the run folder knows how it was started: only the flags that change need repeating
         given = _resumed_flags(out, dict(method=method, eps=eps, sigma=sigma, delta=delta, mech=mech, clip=clip,
@@ -198,18 +207,20 @@ def train_cmd(
                                          direction=direction, trainable=trainable, bf16=bf16, seed=seed,
                                          accountant=accountant, save_every=save_every, white_box=white_box,
                                          plant_bug=plant_bug, per_sample_grads=per_sample_grads,
-                                         micro_batch=micro_batch, shard=shard, sampling=sampling, noise=noise))
+                                         micro_batch=micro_batch, shard=shard, sampling=sampling, noise=noise,
+                                         unit=unit, records_per_user=records_per_user, user_sampling=user_sampling))
         (method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction, trainable, bf16,
          seed, accountant, save_every, white_box, plant_bug, per_sample_grads, micro_batch, shard,
-         sampling, noise) = given.values()
+         sampling, noise, unit, records_per_user, user_sampling) = given.values()
     cfg = make_config(method, eps, sigma, delta, mech, clip, lr, optimizer, steps, batch_size, phi, direction,
                       trainable, bf16, seed, secret_seed, accountant, save_every=save_every, white_box=white_box,
                       plant_bug=plant_bug, allow_overspend=allow_overspend, per_sample_grads=per_sample_grads,
                       micro_batch=micro_batch, max_memory=max_memory, shard=shard, sampling=sampling,
-                      stop_on_divergence=stop_on_divergence, model=model, noise=noise)
+                      stop_on_divergence=stop_on_divergence, model=model, noise=noise, unit=unit,
+                      records_per_user=records_per_user, user_sampling=user_sampling)
     refuse_overlap(out, {"model": model, "dataset": data}, folder_output=True)
     set_threads(threads)
-    texts = read_texts(data, detect_format(data, data_format), field)
+    texts = _user_texts(data, data_format, field, user_field, cfg, as_json)
     if check_inputs:
         _check_inputs(model, out, texts, resume)
 
@@ -224,6 +235,18 @@ def train_cmd(
                f"{result.accountant}, {result.relation})" if result.private else "non-private (eps = inf)")
     emit({"command": "train", **result.to_dict()}, as_json,
          f"trained {result.steps} steps of {method} in {result.seconds:.1f} s; {privacy}; model: {result.model_dir}")
+
+
+def _user_texts(data: Path, data_format, field: str, user_field: str, cfg, as_json: bool) -> list[str]:
+    """The training texts; for a user-level run, each user's records capped at k (core/users.py), said."""
+    fmt = detect_format(data, data_format)
+    if not cfg.privacy_unit.user_level:
+        return read_texts(data, fmt, field)
+    capped = cap_records(*read_user_texts(data, fmt, field, user_field), cfg.privacy_unit.records, cfg.seed)
+    if not as_json:
+        console.print(f"user level: {capped.user_count} users; {capped.dropped} of {capped.read} records dropped by "
+                      f"the cap of {cfg.privacy_unit.records} a user", highlight=False)
+    return capped.texts
 
 
 def _check_inputs(model: Path, out: Path, texts: list[str], resume: bool) -> None:
@@ -303,6 +326,12 @@ def audit_run(
                                 "to learn, whose gradient crowds the secret's row out of the clipped norm).")] = None,
     unsafe_disable_noise: Annotated[bool, typer.Option(
         "--unsafe-disable-noise", hidden=True, help="Testing only: claim eps but add no noise.")] = False,
+    unit: UnitOpt = "example", records_per_user: RecordsOpt = None,
+    canary_records: Annotated[int, typer.Option(
+        "--canary-records", help="--white-box: records of each canary, a canary user (each record sampled and "
+                                 "clipped as an example; at most --records-per-user for a user-level claim). Against "
+                                 "an example-level claim, users of several records show what it does not cover. "
+                                 "Black box: --repeat.")] = 1,
     force: ForceOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
@@ -320,11 +349,20 @@ def audit_run(
                       unsafe_disable_noise=unsafe_disable_noise,
                       plant_bug=plant_bug, per_sample_grads=per_sample_grads, micro_batch=micro_batch,
                       max_memory=max_memory, shard=shard, stop_on_divergence=stop_on_divergence, model=model,
-                      noise=noise)
+                      noise=noise, unit=unit, records_per_user=records_per_user)
+    if cfg.privacy_unit.user_level and data is not None:
+        raise DPAuditError("audit run --unit user trains on the synthetic data (one record a user) and its canary "
+                           "users; for your own data's users, train with `dpaudit train --unit user` and audit the "
+                           "checkpoint")
+    if cfg.privacy_unit.user_level and repeat > cfg.privacy_unit.records:
+        raise DPAuditError(f"--repeat {repeat} makes canary users of {repeat} records, over --records-per-user "
+                           f"{cfg.privacy_unit.records}: the user-level claim does not cover them")
     if white_box:
-        cfg = dataclasses.replace(cfg, white_box=canaries or white_box_canaries(cfg))
+        cfg = dataclasses.replace(cfg, white_box=canaries or white_box_canaries(cfg), canary_records=canary_records)
+    elif canary_records != 1:
+        raise DPAuditError("--canary-records is for --white-box; a black-box canary user's records are --repeat")
     set_threads(threads)
-    if repeat > 1 and cfg.private:
+    if repeat > 1 and cfg.private and not cfg.privacy_unit.user_level:
         err_console.print(f"[yellow]note:[/yellow] {repeat} copies per canary: the claimed eps is per example, "
                       "a canary's group guarantee is weaker", highlight=False)
     refuse_overlap(out, {"model": model, "dataset": data}, folder_output=True)

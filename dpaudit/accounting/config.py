@@ -11,8 +11,9 @@ import difflib
 import yaml
 
 from dpaudit.accounting.mechanism import (
-    Mechanism, Phases, compose_phases, phase_from, schedule,
+    Mechanism, Phases, compose_phases, phase_from, schedule, with_unit,
 )
+from dpaudit.accounting.unit import MAX_RECORDS, Unit, unit_from
 from dpaudit.accounting.matrix.strategy import parse
 from dpaudit.core.validate import check_delta, check_epsilon
 from dpaudit.accounting.noises import NOISES
@@ -22,7 +23,7 @@ from dpaudit.core.errors import DPAuditError
 KNOWN_KEYS = {
     "mechanism", "sigma", "noise_multiplier", "sampling_rate", "batch_size", "dataset_size",
     "steps", "epochs", "delta", "target_epsilon", "accountant", "calibrate", "sampling", "phases",
-    "claim_accounted_as", "noise",
+    "claim_accounted_as", "noise", "unit", "records_per_user", "user_sampling",
 }
 # Opacus' and the Hugging Face DP examples' names for the same privacy keys (make_private_with_epsilon's
 # target_delta, its accountants' sample_rate): read as ours, never ignored
@@ -240,10 +241,25 @@ def load_privacy_config(path: Path) -> PrivacyConfig:
             event = event.with_sigma(sigma)  # validates sigma
     if event.steps > MAX_STEPS:
         raise DPAuditError(f"config schedule has {event.steps:.3g} steps; dpaudit check accounts up to {MAX_STEPS:.0e}")
+    event = with_unit(event, _unit(data))
     accountant = data.get("accountant")
     if accountant is not None and not isinstance(accountant, str):
         raise DPAuditError("config accountant must be a name")
     return PrivacyConfig(mechanism, sigma, event, delta, target, accountant, n, claim, ignored)
+
+
+def _unit(data: dict) -> Unit:
+    """``unit: user`` with ``records_per_user: k`` (and ``user_sampling: els | uls``): the claim is a user's."""
+    kind = _name(data, "unit", ("example", "user"), "example")
+    records = _number(data, "records_per_user", int)
+    if records is not None and not 1 <= records <= MAX_RECORDS:
+        raise DPAuditError(f"config key 'records_per_user' must be in [1, {MAX_RECORDS}]")
+    sampling = _name(data, "user_sampling", ("els", "uls"), None)
+    if kind == "example" and (records is not None or sampling is not None):
+        raise DPAuditError("config gives records_per_user or user_sampling without unit: user")
+    if kind == "user" and records is None:
+        raise DPAuditError("config unit: user needs records_per_user (the most records one user contributes)")
+    return unit_from(kind, records, sampling)
 
 
 def _strategy(data: dict):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from dpaudit.accounting.matrix.strategy import Strategy, resolve
 from dpaudit.accounting.noises import noise
 from dpaudit.accounting.samplers import scheme
+from dpaudit.accounting.unit import EXAMPLE, Unit
 from dpaudit.core.errors import DPAuditError
 from dpaudit.core.validate import check_sampling_rate, check_sigma, check_steps
 
@@ -32,7 +33,9 @@ class Mechanism:
     (std = sigma * C) or the Laplace scale (b = sigma * C). ``sampling_rate`` is the Poisson
     rate p = B / N; p = 1 with steps = 1 is a single release of the mechanism. ``sampling`` names the
     batch sampler (``samplers.SCHEMES``); ``fixed`` and ``shuffle`` need ``batch_size`` and
-    ``dataset_size`` (then p = B / N).
+    ``dataset_size`` (then p = B / N). ``unit``: whose privacy is accounted (``unit.py``): one example (the
+    default), or one user under ELS (p the records' rate, k records a user: a step is the Binomial(k, p) mixture)
+    or ULS (p the users' rate; a user is accounted as an example).
     """
 
     kind: str
@@ -44,6 +47,7 @@ class Mechanism:
     dataset_size: int | None = None
     # correlated noise (accounting/matrix/strategy.py): the matrix the noise goes through; None: independent
     strategy: object = None
+    unit: Unit = EXAMPLE
 
     def __post_init__(self) -> None:
         noise(self.kind)  # refuses an unknown mechanism
@@ -58,6 +62,12 @@ class Mechanism:
         check_steps(self.steps)
         facts = scheme(self.sampling)
         self._sizes(facts)
+        if not isinstance(self.unit, Unit):
+            raise DPAuditError("unit must be an accounting.unit.Unit")
+        if self.unit.mixture > 1 and (self.sampling != "poisson" or self.strategy is not None):
+            raise DPAuditError("user-level accounting with example-level sampling (ELS) is built for independent "
+                               "Poisson sampling of records with independent noise; give --sampling poisson, or "
+                               "--user-sampling uls (users sampled, accounted under any sampler)")
         if self.strategy is not None:
             object.__setattr__(self, "strategy", resolve(self))   # blt,buffers=d: searched for this schedule
 
@@ -101,10 +111,16 @@ class Mechanism:
     def same_but_steps(self, other: "Mechanism") -> bool:
         return replace(self, steps=other.steps) == other
 
+    @property
+    def group(self) -> int:
+        """How many records of one unit a step may hold, each sampled at the step's rate (ELS: k; else 1)."""
+        return self.unit.mixture
+
     def describe(self) -> str:
         return (f"{self.sampling}-sampled {self.kind} mechanism, {noise(self.kind).axis_label} sigma={self.sigma:g}, "
                 f"sampling rate p={self.sampling_rate:g}, T={self.steps} steps"
-                + (f", correlated noise {self.strategy.spec()}" if self.strategy is not None else ""))
+                + (f", correlated noise {self.strategy.spec()}" if self.strategy is not None else "")
+                + (f", privacy unit {self.unit.short()}" if self.unit.user_level else ""))
 
     def sampling_words(self) -> str:
         return scheme(self.sampling).words.format(p=self.sampling_rate, T=self.steps, B=self.batch_size,
@@ -143,6 +159,14 @@ class Phases:
         return sum(m.steps for m in self.parts)
 
     @property
+    def unit(self) -> Unit:
+        return self.parts[0].unit  # compose_phases: one unit for all
+
+    @property
+    def group(self) -> int:
+        return self.unit.mixture
+
+    @property
     def is_single_release(self) -> bool:
         return False
 
@@ -166,19 +190,28 @@ def resampled(mech: Mechanism | Phases, sampling: str) -> Mechanism | Phases:
     accountant for that sampler would have been given."""
     sizes = scheme(sampling).needs_sizes
     return compose_phases([Mechanism(m.kind, m.sigma, m.sampling_rate, m.steps, sampling,
-                                     m.batch_size if sizes else None, m.dataset_size if sizes else None)
+                                     m.batch_size if sizes else None, m.dataset_size if sizes else None,
+                                     unit=m.unit)
                            for m in mech.phases])
 
 
+def with_unit(mech: Mechanism | Phases, unit: Unit) -> Mechanism | Phases:
+    """The same schedule accounted for ``unit`` (every phase: a run has one privacy unit)."""
+    if unit == mech.unit:
+        return mech
+    return compose_phases([replace(m, unit=unit) for m in mech.phases])
+
+
 def miss_log_probability(mech: Mechanism | Phases) -> float:
-    """log P(one given example is in no batch of the run): T log(1 - p) for Poisson and fixed-size batches
-    (each step takes it with probability p, independently); -inf where every epoch takes it (shuffle) or p = 1.
+    """log P(one given unit is in no batch of the run): T log(1 - p) for Poisson and fixed-size batches
+    (each step takes it with probability p, independently; an ELS user's k records: k T log(1 - p)); -inf where
+    every epoch takes it (shuffle) or p = 1.
     Every add/remove or replace-one pair is at total variation at most 1 - e^this (coupling)."""
     total = 0.0
-    for m in mech.phases:
+    for m in mech.phases:  # ELS: each of a user's k records is missed independently
         if not scheme(m.sampling).independent_steps or m.sampling_rate >= 1:
             return -math.inf
-        total += m.steps * math.log1p(-m.sampling_rate)
+        total += m.group * m.steps * math.log1p(-m.sampling_rate)
     return total
 
 
@@ -202,6 +235,8 @@ def compose_phases(parts) -> Mechanism | Phases:
             merged.append(m)
     if not merged:
         raise DPAuditError("no phases given")
+    if len({m.unit for m in merged}) > 1:
+        raise DPAuditError("phases of one run share one privacy unit; give every phase the same unit")
     if len(merged) > MAX_PHASES:
         raise DPAuditError(f"{len(merged)} distinct phases; dpaudit accounts up to {MAX_PHASES}")
     samplings = {m.sampling for m in merged}

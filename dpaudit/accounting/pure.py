@@ -14,6 +14,10 @@ Fixed-size batches (B of N without replacement, replace-one neighbours): replaci
 clipped sum by up to 2C in L1, so one Laplace release is (2 / sigma)-DP, and sampling without replacement
 amplifies it to log(1 + (B / N)(e^{2/sigma} - 1)) (Balle, Barthe & Gaboardi 2018: sampling without
 replacement under the substitution relation). Phases add up (basic composition).
+
+User level, ELS (accounting/unit.py): a user's k records each sampled at rate p make a step pure (k eps_1)-DP,
+exactly: sup_x P(x) / Q(x) = E[e^{J / sigma}] = (1 - p + p e^{1/sigma})^k for J ~ Binomial(k, p), the remove
+direction (the add direction's -k log(1 - p + p e^{-1/sigma}) is smaller). Both routes here take that eps_1.
 """
 
 from __future__ import annotations
@@ -56,8 +60,8 @@ def _require_laplace(mech: Mechanism, name: str) -> None:
 
 def phase_epsilon(mech: Mechanism) -> float:
     """eps_1 of one step of ``mech``: Poisson (add/remove) or without replacement (replace-one: the sampler's
-    sensitivity 2, so 2 / sigma)."""
-    return step_epsilon(mech.sigma / scheme(mech.sampling).sensitivity, mech.sampling_rate)
+    sensitivity 2, so 2 / sigma); an ELS user's k records: k times the record's."""
+    return mech.group * step_epsilon(mech.sigma / scheme(mech.sampling).sensitivity, mech.sampling_rate)
 
 
 def epsilon(mech: Mechanism, delta: float) -> EpsilonResult:
@@ -79,7 +83,7 @@ def sigma_closed_form(mech: Mechanism, target_eps: float) -> float | None:
     (calibration searches their multiplier)."""
     if not isinstance(mech, Mechanism):
         return None
-    sigma = sigma_for_step_epsilon(target_eps / mech.steps, mech.sampling_rate)
+    sigma = sigma_for_step_epsilon(target_eps / (mech.steps * mech.group), mech.sampling_rate)
     return scheme(mech.sampling).sensitivity * sigma
 
 
@@ -90,7 +94,7 @@ def prv_epsilon(mech: Mechanism, delta: float) -> EpsilonResult:
 
     budget.current().require(RR_BYTES_PER_STEP * (mech.steps + 1), f"pure-prv at T = {mech.steps}",
                              "the pure accountant (T * eps_1) answers at any T")
-    eps1 = step_epsilon(mech.sigma, mech.sampling_rate)
+    eps1 = phase_epsilon(mech)
     eps = randomized_response_epsilon(eps1, mech.steps, delta)
     return EpsilonResult(
         accountant="pure-prv",

@@ -65,4 +65,6 @@ def _event(mech: Mechanism):
 def limitation(mech) -> str | None:
     """None when every phase's noise has an RDP event (noises/: ``Noise.rdp_event``; the Gaussian's), else why not."""
     missing = sorted({part.kind for part in mech.phases if noise(part.kind).rdp_event(1.0) is None})
-    return f"rdp does not cover the {', '.join(missing)} mechanism" if missing else None
+    if missing:
+        return f"rdp does not cover the {', '.join(missing)} mechanism"
+    return "rdp accounts one record a step, not a user-level (ELS) step of k records" if mech.group > 1 else None

@@ -53,6 +53,9 @@ class Accountant:
     also_relations: tuple[NeighboringRelation, ...] = ()
     # the correlated-noise families it accounts (matrix/strategy.py); (): independent noise only
     strategies: tuple[str, ...] = ()
+    # the noises whose user-level ELS step (k > 1 records of a user, Binomial(k, p) of them a step; unit.py) it
+    # accounts; (): one record a step only (a ULS user is one record a step: every accountant covers it)
+    users: tuple[str, ...] = ()
 
     def covers(self, sampling: str) -> bool:
         """Whether it accounts ``sampling``: listed here, or among the sampler record's own accountants."""
@@ -84,6 +87,11 @@ class Accountant:
                     f"accounted by {', '.join(others)}")
         if self.strategies and not families:
             return f"{self.name} accounts correlated noise (--noise {'/'.join(self.strategies)}); this run has none"
+        if mech.group > 1 and any(m.kind not in self.users for m in mech.phases):
+            others = [n for n, a in ACCOUNTANTS.items() if {m.kind for m in mech.phases} <= set(a.users)]
+            return (f"{self.name} accounts one record a step, not a user-level ELS step of k = {mech.group} records"
+                    + (f" (accounted by {', '.join(others)})" if others else
+                       f"; no accountant here builds that step for {mech.kind} noise"))
         missing = [] if self.mechanisms is None else sorted({m.kind for m in mech.phases} - set(self.mechanisms))
         if missing:
             return f"{self.name} does not cover the {', '.join(missing)} mechanism"
@@ -111,7 +119,7 @@ class Accountant:
         check_delta(delta, allow_zero=True)
         self._require(mech, delta, relation)
         result = _load(self.epsilon_fn)(mech, delta, **self._options(options))
-        return replace(result, neighboring=relation or scheme(mech.sampling).relation)
+        return _unit_of(replace(result, neighboring=relation or scheme(mech.sampling).relation), mech)
 
     def delta(self, mech: Event, eps: float, options=None,
               relation: NeighboringRelation | None = None) -> DeltaResult:
@@ -121,7 +129,7 @@ class Accountant:
                                f" not {self.name}")
         self._require(mech, 1.0 if self.needs_positive_delta else 0.0, relation)
         result = _load(self.delta_fn)(mech, eps, **self._options(options))
-        return replace(result, neighboring=scheme(mech.sampling).relation)
+        return _unit_of(replace(result, neighboring=scheme(mech.sampling).relation), mech)
 
     def sigma(self, mech: Event, eps: float, delta: float) -> float | None:
         """The smallest sigma meeting eps in closed form, or None when this accountant has none."""
@@ -135,7 +143,7 @@ ACCOUNTANTS: dict[str, Accountant] = {
                    "dp-accounting PLD, pessimistic, add/remove max, grid refined until converged",
                    "dpaudit.accounting.pld:epsilon", delta_fn="dpaudit.accounting.pld:delta",
                    options="dpaudit.accounting.pld:PldOptions", phases=True,
-                   search="dpaudit.accounting.pld:search_hooks"),
+                   search="dpaudit.accounting.pld:search_hooks", users=("gaussian",)),
         Accountant("prv", ("gaussian",), True,
                    "prv-accountant, remove + our add-direction PRV, max of upper bounds",
                    "dpaudit.accounting.prv:epsilon", options="dpaudit.accounting.prv:PrvOptions"),
@@ -146,10 +154,10 @@ ACCOUNTANTS: dict[str, Accountant] = {
         Accountant("pure", ("laplace",), False,
                    "subsampled Laplace as pure eps-DP, basic composition",
                    "dpaudit.accounting.pure:epsilon", sigma_fn=lambda m, e, d: pure.sigma_closed_form(m, e),
-                   phases=True),
+                   phases=True, users=("laplace",)),
         Accountant("pure-prv", ("laplace",), True,
                    "each step as randomized response with eps_1, composed exactly",
-                   "dpaudit.accounting.pure:prv_epsilon"),
+                   "dpaudit.accounting.pure:prv_epsilon", users=("laplace",)),
         Accountant("rdp", None, True,
                    "Renyi DP (valid at any delta; looser); fixed-size batches: sampled without replacement, "
                    "replace-one", "dpaudit.accounting.rdp:epsilon", phases=True,
@@ -191,6 +199,14 @@ ACCOUNTANTS: dict[str, Accountant] = {
 }
 
 
+def _unit_of(result, mech: Event):
+    """``result`` saying its privacy unit: a user-level answer names the user as the neighbour's unit."""
+    if not mech.unit.user_level:
+        return result
+    return replace(result, unit=mech.unit.short(),
+                   relation=f"one user's records ({mech.unit.algorithm}, k = {mech.unit.records}); {result.relation}")
+
+
 def get_accountant(name: str) -> Accountant:
     try:
         return ACCOUNTANTS[name]
@@ -213,6 +229,9 @@ def default_accountant(mech: Event, delta: float) -> str:
     if facts.accountants:
         return next((name for name in facts.accountants if ACCOUNTANTS[name].supports(mech, delta) is None),
                     facts.accountants[0])
+    if mech.group > 1 and all(noise(m.kind).pure_dp for m in mech.phases):
+        # ELS with Laplace noise: each step is pure (k eps_1)-DP exactly (pure.py); composed exactly at delta > 0
+        return "pure-prv" if delta > 0 and isinstance(mech, Mechanism) else "pure"
     if ACCOUNTANTS["analytic"].supports(mech, delta) is None:
         return "analytic"
     if all(noise(m.kind).pure_dp for m in mech.phases) and delta == 0:

@@ -45,6 +45,7 @@ class EpsilonResult:
     details: dict[str, object] = field(default_factory=dict)
     neighboring: NeighboringRelation = NeighboringRelation.ADD_OR_REMOVE_ONE
     mechanism: object = None  # the Mechanism accounted, when the caller attached it (the Python API does)
+    unit: str = "example"     # whose privacy: "example", or "user (ELS, k = 4)" (accounting/unit.py)
 
     @property
     def sigma(self) -> float | None:
@@ -84,6 +85,7 @@ class DeltaResult:
     directions: dict[str, float] = field(default_factory=dict)
     details: dict[str, object] = field(default_factory=dict)
     neighboring: NeighboringRelation = NeighboringRelation.ADD_OR_REMOVE_ONE
+    unit: str = "example"
 
     def to_json(self) -> dict:
         out = asdict(self)

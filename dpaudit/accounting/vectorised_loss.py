@@ -91,6 +91,43 @@ class LaplaceLoss(_ArrayDeltas, plm.LaplacePrivacyLoss):
                         np.where(threshold <= -self.sensitivity, math.inf, middle))
 
 
+class MixtureLoss(plm.MixtureGaussianPrivacyLoss):
+    """dp-accounting's mixture of Gaussians (an ELS step: accounting/unit.py) with its inverse privacy loss on arrays.
+
+    dp-accounting inverts the mixture's loss (no closed form) by one recursive bisection shared by all the losses
+    asked, calling the scalar ``privacy_loss`` at every node: 4.8 million Python calls, 39 of a 41 s calibration
+    at k = 4. Here the same bisection runs for every loss at once: every loss starts in the same range and each
+    step halves it, so each follows the path the recursion would (the same midpoints, the same comparison
+    ``loss < privacy_loss(mid)``) and stops at the same depth, answering ``floor(hi / precision) precision``.
+    Tested equal to dp-accounting's answers."""
+
+    CHUNK = 1 << 15  # losses bisected at a time: CHUNK x (k + 1) doubles for the mixture's terms
+
+    def _losses_at(self, x: np.ndarray) -> np.ndarray:
+        """``privacy_loss`` at every point of ``x`` (the library's formula, one row a point)."""
+        x_loss = np.multiply.outer(x, self.sensitivities) / self._variance
+        if self.adjacency_type == plm.AdjacencyType.ADD:
+            return -np.logaddexp.reduce(self._precompute_privacy_loss_constants + x_loss, axis=1)
+        return np.logaddexp.reduce(self._precompute_privacy_loss_constants - x_loss, axis=1)
+
+    def _inverse_privacy_losses_with_range(self, privacy_losses, bounds, precision=1e-6):
+        losses = np.asarray(privacy_losses, dtype=float)
+        if len(losses) == 0:
+            return []
+        out = np.empty_like(losses)
+        for start in range(0, len(losses), self.CHUNK):
+            part = losses[start:start + self.CHUNK]
+            lo, hi = np.full_like(part, bounds[0]), np.full_like(part, bounds[1])
+            width = bounds[1] - bounds[0]
+            while width > precision:
+                mid = (lo + hi) / 2
+                up = part < self._losses_at(mid)  # the loss falls in x: the answer lies above mid
+                lo, hi = np.where(up, mid, lo), np.where(up, hi, mid)
+                width /= 2
+            out[start:start + self.CHUNK] = np.floor(hi / precision) * precision
+        return out
+
+
 def subsampled_pld(loss_for, sampling_prob: float, grid: float, pessimistic: bool, connect_dots: bool = True):
     """dp-accounting's ``from_gaussian_mechanism`` / ``from_laplace_mechanism`` (add/remove, connect-the-dots
     when pessimistic and the loss has its bounds, privacy buckets otherwise) built on ``loss_for(adjacency)``."""

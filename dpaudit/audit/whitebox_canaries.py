@@ -7,6 +7,11 @@ step (public, from the canary seed), so the data's steady drift cancels out of t
   (distinct coordinates: canaries do not interfere); the trainer's clipping brings it to norm C.
 - DP-ZO: a scalar canary, whose loss difference is ``gain`` x C times s[i, t], clipped to +-C by the
   trainer. All canaries share the step's one released scalar.
+A canary may be a user of ``records`` records (a user-level audit, accounting/unit.py): a member then joins the
+dataset as that many records, each sampled and clipped as an example, so a step holds Binomial(records, p) copies
+of its contribution, and its score reads them all. Against a user-level claim covering users of up to k >= records
+records, the one-run bound holds as for one record; against an example-level claim, such canaries show what the
+claim does not cover.
 The transcript holds only canary-aligned numbers: for DP-SGD each step's released noisy sum at the m
 coordinates (m floats a step, whitebox_transcript.f32), for DP-ZO the (seed, scalar) log itself. The
 secret seed is never written. Scores are computed from the transcript by ``dpaudit.audit.whitebox``.
@@ -47,18 +52,26 @@ class WhiteBoxCanaries:
     gain: float = GAIN
     coordinates: list[int] = field(default_factory=list)  # DP-SGD: flat indices into the trainable parameters
     run_id: str | None = None       # a probe's (probes/probe.py): its transcript and manifest belong together
+    records: int = 1                # records a canary (a canary user's; 1: an example)
 
     @classmethod
-    def make(cls, m: int, seed: int, membership_seed: int) -> "WhiteBoxCanaries":
+    def make(cls, m: int, seed: int, membership_seed: int, records: int = 1) -> "WhiteBoxCanaries":
         if m < 4:
             raise DPAuditError(f"a white-box audit needs at least 4 canaries, got {m}")
+        if records < 1:
+            raise DPAuditError(f"a canary holds at least one record, got {records}")
         stream = np.random.SeedSequence(membership_seed, spawn_key=(MEMBERSHIP_DOMAIN,))
         members = np.random.default_rng(stream).random(m) < 0.5
-        return cls(m=m, seed=seed, members=members)
+        return cls(m=m, seed=seed, members=members, records=records)
 
     @property
     def member_ids(self) -> np.ndarray:
         return np.flatnonzero(self.members)
+
+    @property
+    def member_records(self) -> np.ndarray:
+        """The canary id of each record the members add to the dataset (``records`` a member, in id order)."""
+        return np.repeat(self.member_ids, self.records)
 
     def signs(self, step: int) -> np.ndarray:
         return step_signs(self.seed, step, self.m)
@@ -74,7 +87,8 @@ class WhiteBoxCanaries:
         """Written 0600: membership is the audit's secret."""
         return atomic_write_json(Path(folder) / MANIFEST, private=True, data=stamped(MANIFEST, {
             "m": self.m, "seed": self.seed, "gain": self.gain, "members": [int(x) for x in self.members],
-            "coordinates": self.coordinates, **({"run_id": self.run_id} if self.run_id else {})}))
+            "coordinates": self.coordinates, **({"run_id": self.run_id} if self.run_id else {}),
+            **({"records": self.records} if self.records != 1 else {})}))
 
     @classmethod
     def load(cls, folder: Path) -> "WhiteBoxCanaries":
@@ -82,6 +96,6 @@ class WhiteBoxCanaries:
             d = unstamped(MANIFEST, json.loads((Path(folder) / MANIFEST).read_text()), Path(folder) / MANIFEST)
             return cls(m=int(d["m"]), seed=int(d["seed"]), members=np.array(d["members"], bool),
                        gain=float(d["gain"]), coordinates=[int(j) for j in d["coordinates"]],
-                       run_id=str(d["run_id"]) if d.get("run_id") else None)
+                       run_id=str(d["run_id"]) if d.get("run_id") else None, records=int(d.get("records", 1)))
         except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
             raise DPAuditError(f"{folder} has no readable white-box canary manifest: {exc}") from None

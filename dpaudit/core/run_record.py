@@ -56,6 +56,7 @@ class RunSettings:
     save_every: int = 0
     unsafe_disable_noise: bool = False
     white_box: int = 0
+    canary_records: int = 1
     sampling: str = "poisson"            # runs before the key existed drew Poisson batches
     plant_bug: str | None = None
     per_sample_grads: str = "ghost"
@@ -64,6 +65,9 @@ class RunSettings:
     shard: bool = False
     stop_on_divergence: bool = False
     noise: str | None = None
+    unit: str = "example"                # runs before the key existed accounted one example
+    records_per_user: int | None = None
+    user_sampling: str | None = None
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -214,8 +218,10 @@ _SETTING_CHECKS = {
     "batch_size": _i(), "phi": _n(low=0, low_open=True), "direction": _s(), "trainable": _s(),
     "lora_rank": _i(low=1), "bf16": _flag, "seed": _i(low=-2**63), "max_length": _i(low=1),
     "accountant": _s(optional=True), "save_every": _i(), "unsafe_disable_noise": _flag, "white_box": _i(),
+    "canary_records": _i(low=1),
     "sampling": _s(), "plant_bug": _s(optional=True), "per_sample_grads": _s(), "micro_batch": _i(),
     "max_memory": _i(optional=True), "shard": _flag, "stop_on_divergence": _flag, "noise": _s(optional=True),
+    "unit": _s(), "records_per_user": _i(optional=True, low=1), "user_sampling": _s(optional=True),
 }
 _RECORD_CHECKS = {
     "base_model": _s(), "sigma": _n(optional=True, low=0), "sampling_rate": _n(optional=True, low=0, low_open=True,
@@ -421,7 +427,8 @@ def _ledger_attempts(key, v, where):
     return v
 
 
-_LEDGER_STRINGS = ("method", "mechanism", "planted_bug", "data_sha256", "sampling", "noise", "accountant", "relation")
+_LEDGER_STRINGS = ("method", "mechanism", "planted_bug", "data_sha256", "sampling", "noise", "accountant", "relation",
+                   "privacy_unit")
 _LEDGER_NUMBERS = ("sigma", "clip", "sampling_rate", "delta", "target_epsilon", "noise_std", "epsilon_spent",
                    "epsilon_planned", "epsilon_total", "epsilon_overspend")
 _LEDGER_COUNTS = ("steps_planned", "examples", "white_box_canaries", "world_size", "steps_discarded_by_resume",

@@ -28,6 +28,7 @@ class Bug:
     actual_batch: bool = False     # noisy sum divided by the realised batch size, not the expected one
     public_noise: bool = False     # noise drawn from the public per-step seed (the log reveals it)
     remove_only: bool = False      # sigma calibrated on the remove direction alone
+    example_level: bool = False    # a user-level run accounted (calibrated and claimed) one record at a time
 
 
 BUGS = {b.name: b for b in (
@@ -38,6 +39,8 @@ BUGS = {b.name: b for b in (
     Bug("public-noise-seed", "noise drawn from the public per-step seed, so the log reveals it", ("zo-log",),
         public_noise=True),
     Bug("remove-only", "sigma calibrated with the remove direction only (add/remove max ignored)", remove_only=True),
+    Bug("example-level-claim", "a user-level run (--unit user, k records a user) accounted at the example level: its "
+        "eps quoted as if it covered users", example_level=True),
 )}
 NO_BUG = Bug("none", "no planted bug")
 

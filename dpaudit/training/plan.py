@@ -17,6 +17,7 @@ from dpaudit.training.bugs import NO_BUG, Bug
 from dpaudit.accounting.matrix import bandmf, single
 from dpaudit.accounting.matrix.single import sensitivity
 from dpaudit.accounting.samplers import scheme
+from dpaudit.accounting.unit import EXAMPLE, Unit
 
 
 @lru_cache(maxsize=32)
@@ -50,11 +51,13 @@ class PrivacyPlan:
     @classmethod
     def build(cls, *, kind: str, rate: float, steps: int, delta: float, target_epsilon: float,
               sigma: float | None, accountant: str | None, bug: Bug = NO_BUG, sampling: str = "poisson",
-              examples: int | None = None, strategy=None) -> "PrivacyPlan":
+              examples: int | None = None, strategy=None, unit: Unit = EXAMPLE) -> "PrivacyPlan":
         if sigma is None and not math.isfinite(target_epsilon):
             return cls(None, delta, None, math.inf, False)
         calibrated = sigma is None
-        template = replace(_template(kind, rate, steps, sampling, examples), strategy=strategy)
+        # the planted "example-level-claim": the unit dropped from the plan, so the claim is a record's
+        template = replace(_template(kind, rate, steps, sampling, examples), strategy=strategy,
+                           unit=EXAMPLE if bug.example_level else unit)
         if calibrated:
             sigma = (_remove_only_sigma(template, target_epsilon, delta) if bug.remove_only
                      else _calibrated_sigma(template, target_epsilon, delta, accountant))
@@ -83,7 +86,8 @@ class PrivacyPlan:
             last = self.phases[i + 1][0] if i + 1 < len(self.phases) else math.inf
             taken = int(min(steps, last) - first)
             if taken > 0:
-                parts.append(Mechanism(self.mechanism.kind, self.mechanism.sigma, rate, taken))
+                parts.append(Mechanism(self.mechanism.kind, self.mechanism.sigma, rate, taken,
+                                       unit=self.mechanism.unit))
         return compose_phases(parts)
 
     def epsilon_at(self, steps: int):

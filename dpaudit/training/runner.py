@@ -29,6 +29,7 @@ from dpaudit.training.resume import settings_of
 from dpaudit.accounting.matrix.strategy import parse
 from dpaudit.accounting.noises import NOISES
 from dpaudit.accounting.result import json_float
+from dpaudit.accounting.unit import unit_from
 from dpaudit.audit.whitebox_canaries import WhiteBoxCanaries
 from dpaudit.core.lock import folder_lock
 from dpaudit.core.threads import adapt as adapt_threads
@@ -71,6 +72,7 @@ class TrainConfig:
     save_every: int = 0
     unsafe_disable_noise: bool = False   # for audit tests only: claims eps but adds no noise
     white_box: int = 0                   # m white-box canaries planted in the run (0: none)
+    canary_records: int = 1              # records a white-box canary (a canary user of r records; 1: an example)
     sampling: str = "poisson"            # how private runs draw batches, and are accounted (training/batches.py)
     allow_overspend: bool = False        # a resume may spend more than planned (recorded); not part of the plan
     plant_bug: str | None = None         # a planted privacy bug (testing the audit; see training/bugs.py)
@@ -80,9 +82,13 @@ class TrainConfig:
     shard: bool = False                  # under torchrun: weights, gradients, optimizer state sharded (FSDP2)
     stop_on_divergence: bool = False     # stop (else warn once) when the loss rises well above its start
     noise: str | None = None             # correlated noise (accounting/matrix/strategy.py): bandmf,b=B; None: independent
+    unit: str = "example"                # the privacy unit: example, or user (accounting/unit.py; the data's
+    records_per_user: int | None = None  # user column says whose each record is, capped at k = this: data/users.py)
+    user_sampling: str | None = None     # user level: els (records sampled; the only one trained here) or uls
     # resolved from the fields above by __post_init__ (never given; dataclasses.replace resolves them again):
     bug: Any = field(default=None, init=False, repr=False, compare=False)       # the planted bug (training/bugs.py)
     strategy: Any = field(default=None, init=False, repr=False, compare=False)  # ``noise`` parsed, or None
+    privacy_unit: Any = field(default=None, init=False, repr=False, compare=False)  # accounting.unit.Unit
 
     def __post_init__(self) -> None:
         record = method(self.method)
@@ -113,8 +119,24 @@ class TrainConfig:
             raise DPAuditError("lr, clip and phi must be > 0")
 
         self.bug = planted_bug(self.plant_bug, record, METHODS)
+        self.privacy_unit = unit_from(self.unit, self.records_per_user, self.user_sampling)
+        if self.privacy_unit.algorithm == "ULS":
+            raise DPAuditError("the bundled trainers run user-level DP by example-level sampling (--user-sampling "
+                               "els: records sampled, each clipped, accounted per user); ULS (users sampled, each "
+                               "user's gradient clipped as one) is accounted by the accounting commands, not trained "
+                               "here")
+        if self.privacy_unit.user_level and not self.private:
+            raise DPAuditError("--unit user is a privacy claim: give --eps or --sigma")
         if self.white_box and not self.private:
             raise DPAuditError("a white-box audit needs a private run (give --eps or --sigma)")
+        if self.canary_records < 1 or (self.canary_records > 1 and not self.white_box):
+            raise DPAuditError(f"--canary-records is the records of each white-box canary user (>= 1, with "
+                               f"--white-box), got {self.canary_records}")
+        if self.bug.example_level and not self.privacy_unit.user_level:
+            raise DPAuditError("bug example-level-claim plants in a user-level run (--unit user)")
+        if self.privacy_unit.user_level and self.canary_records > self.privacy_unit.records:
+            raise DPAuditError(f"a canary user of {self.canary_records} records is over the run's cap of "
+                               f"{self.privacy_unit.records} a user: its claim does not cover it")
 
         strategy = parse(self.noise)
         fixed_order = strategy is not None and strategy.family == "blt" and strategy.fixed_order
@@ -127,6 +149,8 @@ class TrainConfig:
             raise DPAuditError(f"--sampling {self.sampling} is for private runs without white-box canaries (their "
                                "audit assumes Poisson sampling; non-private runs shuffle)")
         self.strategy = _correlated(self, strategy, record)
+        if self.canary_records > 1 and self.strategy is not None:
+            raise DPAuditError("canary users of several records are audited with independent noise, not --noise")
         if self.shard:  # the one list of what sharding does not run with (white-box canaries shard: probe.py)
             why = ("LoRA (its adapters are small; plain torchrun data parallelism suits it)" if self.trainable == "lora"
                    else "--per-sample-grads materialise (sharded DP-SGD uses ghost clipping)"
@@ -258,7 +282,7 @@ class _Run:
 
     @property
     def n(self) -> int:  # member canaries are examples too
-        return self.n_real + (len(self.canaries.member_ids) if self.canaries else 0)
+        return self.n_real + (len(self.canaries.member_records) if self.canaries else 0)
 
 
 def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *, resume: bool,
@@ -304,10 +328,11 @@ def _assemble(opening, texts: list[str], run_dir: Path, cfg: TrainConfig, world,
     canaries = None
     if cfg.white_box:
         canaries = (WhiteBoxCanaries.load(run_dir) if opening.start else
-                    WhiteBoxCanaries.make(cfg.white_box, seed=cfg.seed, membership_seed=int(secret)))
+                    WhiteBoxCanaries.make(cfg.white_box, seed=cfg.seed, membership_seed=int(secret),
+                                          records=cfg.canary_records))
         if METHODS[cfg.method].canaries == "gradient" and not canaries.coordinates:
             canaries.place(sum(p.numel() for p in params))
-    n = len(data) + (len(canaries.member_ids) if canaries else 0)
+    n = len(data) + (len(canaries.member_records) if canaries else 0)
     batch_size = batch_of(cfg, n)
     plan, ledger, discarded = _privacy(opening, texts, run_dir, cfg, world, n, batch_size / n)
     stream = _direction_stream(run_dir, opening.start, params[0].device)
@@ -393,7 +418,7 @@ def check_inputs(cfg: TrainConfig, texts: list[str], run_dir: Path, resume: bool
     with its sigma, sampler and noise strategy), so an answer of "usable" is one the run keeps. The examples are
     counted with half the white-box canaries as members (their number is drawn when the run starts)."""
     check_run_folder(Path(run_dir), resume)
-    n = len(texts) + (cfg.white_box // 2 if cfg.white_box else 0)
+    n = len(texts) + (cfg.white_box // 2 * cfg.canary_records if cfg.white_box else 0)
     plan = privacy_plan(cfg, batch_of(cfg, n) / n, n)
     if plan.private:  # the ledger accounts the planned steps before the first (its accountant's refusals)
         plan.epsilon_at(cfg.steps)
@@ -405,7 +430,8 @@ def privacy_plan(cfg: TrainConfig, rate: float, n: int) -> PrivacyPlan:
     """The run's privacy plan: sigma calibrated to the target (or the one given) for its rate, steps and sampler."""
     return PrivacyPlan.build(kind=cfg.mechanism, rate=rate, steps=cfg.steps, delta=cfg.delta,
                              target_epsilon=cfg.target_epsilon, sigma=cfg.sigma, accountant=cfg.accountant,
-                             bug=cfg.bug, sampling=cfg.sampling, examples=n, strategy=cfg.strategy)
+                             bug=cfg.bug, sampling=cfg.sampling, examples=n, strategy=cfg.strategy,
+                             unit=cfg.privacy_unit)
 
 
 def _privacy(opening, texts: list[str], run_dir: Path, cfg: TrainConfig, world, n: int, rate: float):
@@ -419,6 +445,7 @@ def _privacy(opening, texts: list[str], run_dir: Path, cfg: TrainConfig, world, 
               else "inf", "examples": n, "noise_disabled_unsafely": cfg.unsafe_disable_noise,
               "white_box_canaries": cfg.white_box, "planted_bug": cfg.plant_bug,
               "world_size": world.size, "data_sha256": fingerprint(texts), "sampling": cfg.sampling,
+              "privacy_unit": plan.mechanism.unit.short() if plan.private else None,
               **({"noise": plan.mechanism.strategy.spec(), "noise_std": plan.noise_sigma()}
                  if cfg.strategy and plan.private else {})}
     if opening.previous_ledger is not None:
@@ -499,7 +526,7 @@ def _loop(run: _Run, show_progress: bool):
             for step in range(run.start, cfg.steps):
                 idx = draw(step) if cfg.private else next(batches)
                 real = idx[idx < run.n_real]
-                sampled = canaries.member_ids[idx[idx >= run.n_real] - run.n_real] if canaries else idx[:0]
+                sampled = canaries.member_records[idx[idx >= run.n_real] - run.n_real] if canaries else idx[:0]
                 mine = world.shard(real)
                 batch = {k: v.to(world.device) for k, v in run.data.batch(mine).items()}
                 if world.is_main:  # written ahead: the step is spent before anything it releases is written

@@ -299,7 +299,9 @@ def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model
     scores, members = score_checkpoint(result.model_dir, manifest, score=score, base=out / EXTENDED,
                                        show_progress=show_progress)
     claimed = result.epsilon if math.isfinite(result.epsilon) else None
-    claimed, delta, group = held_claim(claimed, cfg.delta, settings.repeats, len(members))
+    # a member canary's copies are one canary user's records: a user-level claim covers up to k of them
+    copies = 1 if cfg.privacy_unit.user_level else settings.repeats
+    claimed, delta, group = held_claim(claimed, cfg.delta, copies, len(members))
     audit = analyse(scores, members, claimed_epsilon=claimed, delta=delta, alpha=settings.alpha, score=score,
                     mechanism=cfg.mechanism if cfg.private else None, ceiling=_ceiling(cfg, result, claimed, group))
     reused = {} if tok is not None else {

@@ -90,3 +90,13 @@ def test_loss_fields(cls, field, args):
     assert hasattr(loss, field), f"{cls} has no {field}, which dpaudit's vectorised_loss reads"
     for public in ("sampling_prob", "adjacency_type", "sensitivity"):
         assert hasattr(loss, public), f"{cls} has no {public}"
+
+
+def test_mixture_loss_internals():
+    """vectorised_loss.MixtureLoss (ELS steps) overrides the mixture's bisection helper and reads its constants."""
+    loss = privacy_loss_mechanism.MixtureGaussianPrivacyLoss(1.0, [0, 1, 2], [0.81, 0.18, 0.01])
+    for name in ("_inverse_privacy_losses_with_range", "_precompute_privacy_loss_constants", "_variance",
+                 "sensitivities"):
+        assert hasattr(loss, name), f"MixtureGaussianPrivacyLoss has no {name}, which dpaudit reads"
+    params = list(inspect.signature(loss._inverse_privacy_losses_with_range).parameters)  # noqa: SLF001
+    assert params == ["privacy_losses", "bounds", "precision"], params

@@ -116,7 +116,7 @@ def test_every_train_config_field_is_recorded_or_named_as_not():
     from dpaudit.training.runner import TrainConfig
 
     not_recorded = {"secret_seed", "allow_overspend",  # a secret; a permission for one resume
-                    "bug", "strategy"}                   # resolved from plant_bug and noise, which are recorded
+                    "bug", "strategy", "privacy_unit"}   # resolved from plant_bug, noise and the unit's fields
     assert {f.name for f in fields(TrainConfig)} - not_recorded == {f.name for f in fields(RunSettings)}
     cfg = TrainConfig(method="dp-zo", target_epsilon=2.0, secret_seed=7, batch_size=8)
     recorded = settings_of(cfg)

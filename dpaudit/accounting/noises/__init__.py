@@ -34,6 +34,9 @@ class Noise:
     composed_sigma: Callable | None = None
     # published closed-form sigmas for (T, eps, delta) without subsampling, shown beside the tight answer
     closed_forms: dict[str, Callable] = {}
+    # pld_loss builds an ELS step (``mech.group`` = k > 1 records of one user, Binomial(k, p) of them a step) as
+    # the mixture it is (accounting/unit.py); False: such a step is refused, never accounted as one record
+    mixture_loss: bool = False
 
     def estimated_sigma(self, mech, eps: float, delta: float) -> float | None:
         """An *estimate* of the sigma a tight accountant calibrates ``mech`` to (not a bound): a search's start.
@@ -50,9 +53,21 @@ class Noise:
         return bounds.epsilon_upper - bounds.epsilon_lower
 
     def pld(self, mech, grid: float, pessimistic: bool, log_mass_truncation: float):
-        """dp-accounting's single-step PLD of ``mech`` (both add/remove directions)."""
-        from dpaudit.accounting import vectorised_loss
+        """dp-accounting's single-step PLD of ``mech`` (both add/remove directions). An ELS step's loss is the
+        mixture itself (the sampling is in its weights): each direction is built from it, with no subsampling
+        on top."""
+        from dp_accounting.pld.privacy_loss_mechanism import AdjacencyType
 
+        from dpaudit.accounting import vectorised_loss
+        from dpaudit.accounting.pld import kernel
+
+        if mech.group > 1:
+            if not self.mixture_loss:
+                raise DPAuditError(f"pld does not build the user-level (ELS) mixture step of {self.kind} noise")
+            return kernel.from_directions(*(
+                kernel.monotone_pmf(self.pld_loss(mech, adjacency, log_mass_truncation, pessimistic), grid,
+                                    pessimistic, self.connect_dots)
+                for adjacency in (AdjacencyType.REMOVE, AdjacencyType.ADD)))
         return vectorised_loss.subsampled_pld(
             lambda adjacency: self.pld_loss(mech, adjacency, log_mass_truncation, pessimistic),
             mech.sampling_rate, grid, pessimistic, self.connect_dots)

@@ -23,6 +23,7 @@ class Gaussian(Noise):
     default_delta = 1e-5
     pure_dp = False
     closed_forms = {"DPZero closed form": dpzero_sigma}
+    mixture_loss = True
 
     @staticmethod
     def composed_sigma(sigma: float, steps: int) -> float:
@@ -38,28 +39,25 @@ class Gaussian(Noise):
         if not (facts.independent_steps and facts.relation == NeighboringRelation.ADD_OR_REMOVE_ONE) or not 0 < mech.sampling_rate < 1 \
                 or mech.steps < 100 or not 0 < delta < 1:
             return None
-        from scipy.special import log_ndtr, ndtr
-
-        def excess(mu: float) -> float:  # delta(eps) of mu-GDP less delta: grows with mu
-            # e^eps Phi(b) as exp(eps + log Phi(b)): e^eps alone overflows past eps = 709 (a target of 1e4 was
-            # refused as "math range error")
-            tail = eps + float(log_ndtr(-eps / mu - mu / 2))
-            return float(ndtr(-eps / mu + mu / 2)) - (math.exp(tail) if tail < 700 else math.inf) - delta
-
-        lo, hi = 1e-6, 1.0
-        while excess(hi) < 0 and hi < 1e3:
-            lo, hi = hi, hi * 2
-        if excess(hi) < 0:
+        mu = _gdp_mu(eps, delta)
+        if mu is None:
             return None
-        for _ in range(60):
-            mid = math.sqrt(lo * hi)
-            lo, hi = (mid, hi) if excess(mid) < 0 else (lo, mid)
-        per_step = (hi / mech.sampling_rate) ** 2 / mech.steps  # e^{1/sigma^2} - 1
+        if mech.group > 1:  # ELS: the same CLT, with the mixture's chi-square (_mixture_chi_square)
+            return _sigma_for_chi_square(mu * mu / mech.steps, mech.group, mech.sampling_rate)
+        per_step = (mu / mech.sampling_rate) ** 2 / mech.steps  # e^{1/sigma^2} - 1
         return 1 / math.sqrt(math.log1p(per_step)) if per_step > 0 else None
 
     def pld_loss(self, mech, adjacency, log_mass_truncation, pessimistic=True):
         from dpaudit.accounting import vectorised_loss
 
+        if mech.group > 1:  # ELS (accounting/unit.py): sensitivity j C with probability Binomial(j; k, p)
+            from scipy.stats import binom
+
+            k = mech.group
+            return vectorised_loss.MixtureLoss(mech.sigma, list(range(k + 1)),
+                                              binom.pmf(range(k + 1), k, mech.sampling_rate).tolist(),
+                                              pessimistic_estimate=pessimistic,
+                                              log_mass_truncation_bound=log_mass_truncation, adjacency_type=adjacency)
         return vectorised_loss.GaussianLoss(mech.sigma, sensitivity=1.0, pessimistic_estimate=pessimistic,
                                             log_mass_truncation_bound=log_mass_truncation,
                                             sampling_prob=mech.sampling_rate, adjacency_type=adjacency)
@@ -71,6 +69,51 @@ class Gaussian(Noise):
         import dp_accounting
 
         return dp_accounting.GaussianDpEvent(sigma)
+
+
+def _gdp_mu(eps: float, delta: float) -> float | None:
+    """The mu of mu-GDP whose delta at ``eps`` is ``delta`` (Dong, Roth & Su 2019), or None past mu = 1e3."""
+    from scipy.special import log_ndtr, ndtr
+
+    def excess(mu: float) -> float:  # delta(eps) of mu-GDP less delta: grows with mu
+        # e^eps Phi(b) as exp(eps + log Phi(b)): e^eps alone overflows past eps = 709 (a target of 1e4 was
+        # refused as "math range error")
+        tail = eps + float(log_ndtr(-eps / mu - mu / 2))
+        return float(ndtr(-eps / mu + mu / 2)) - (math.exp(tail) if tail < 700 else math.inf) - delta
+
+    lo, hi = 1e-6, 1.0
+    while excess(hi) < 0 and hi < 1e3:
+        lo, hi = hi, hi * 2
+    if excess(hi) < 0:
+        return None
+    for _ in range(60):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if excess(mid) < 0 else (lo, mid)
+    return hi
+
+
+def _mixture_chi_square(sigma: float, k: int, p: float) -> float:
+    """chi^2 of one ELS step, E_Q[(P/Q)^2] - 1 with P = sum_j w_j N(j, sigma^2), Q = N(0, sigma^2), w = Binomial(k, p):
+    sum_{j,l} w_j w_l e^{j l / sigma^2} - 1 (at k = 1: p^2 (e^{1/sigma^2} - 1), the CLT's own term)."""
+    from scipy.special import logsumexp
+    from scipy.stats import binom
+    import numpy as np
+
+    j = np.arange(k + 1)
+    log_w = binom.logpmf(j, k, p)
+    terms = log_w[:, None] + log_w[None, :] + np.outer(j, j) / sigma ** 2
+    return float(np.expm1(min(700.0, logsumexp(terms))))
+
+
+def _sigma_for_chi_square(target: float, k: int, p: float) -> float | None:
+    """The sigma whose ELS step has chi^2 ``target`` (chi^2 falls as sigma grows), or None out of (1e-3, 1e4)."""
+    lo, hi = 1e-3, 1e4
+    if not _mixture_chi_square(hi, k, p) <= target <= _mixture_chi_square(lo, k, p):
+        return None
+    for _ in range(80):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if _mixture_chi_square(mid, k, p) > target else (lo, mid)
+    return hi
 
 
 NOISE = Gaussian()

@@ -92,7 +92,7 @@ def _answer(mech: Event, delta: float, best: dict, rungs: list, rung_eps: list, 
         # A Laplace run is also pure (T * eps_1)-DP; pessimistic rounding can put PLD a grid step
         # above that, and the smaller of two valid upper bounds is still valid.
 
-        cap = sum(m.steps * step_epsilon(m.sigma, m.sampling_rate) for m in mech.phases)
+        cap = sum(m.steps * m.group * step_epsilon(m.sigma, m.sampling_rate) for m in mech.phases)
         best = {k: min(v, cap) for k, v in best.items()}
         eps = max(best.values())
     details = {"discretisation": rungs[int(min(range(len(rung_eps)), key=rung_eps.__getitem__))],

@@ -41,7 +41,10 @@ def _adjacencies(mech: Event):
 def _as_composed(mech: Mechanism) -> Mechanism:
     """What is discretised and composed: T Gaussian steps at p = 1 are exactly one Gaussian step with
     sigma / sqrt(T) (both privacy loss distributions are N(T / 2 sigma^2, T / sigma^2)), so no FFT is
-    needed; composing 1e7 copies of so narrow a step left FFT round-off above delta = 1e-10 (eps = inf)."""
+    needed; composing 1e7 copies of so narrow a step left FFT round-off above delta = 1e-10 (eps = inf).
+    An ELS step at p = 1 holds all k records of the user: the example-level step at sensitivity k, sigma / k."""
+    if mech.group > 1 and mech.sampling_rate == 1.0:
+        mech = Mechanism(mech.kind, mech.sigma / mech.group, 1.0, mech.steps)
     composed = noise(mech.kind).composed_sigma
     if composed is None or mech.sampling_rate < 1.0 or mech.steps == 1:
         return mech

@@ -113,6 +113,13 @@ def subsampled(single, sampling_prob: float):
     return pld_lib._pld_for_subsampled_mechanism(single, sampling_prob)  # noqa: SLF001
 
 
+def from_directions(pmf_remove, pmf_add):
+    """A ``PrivacyLossDistribution`` of its two directions' PMFs (dp-accounting's public constructor)."""
+    from dp_accounting.pld import privacy_loss_distribution as pld_lib
+
+    return pld_lib.PrivacyLossDistribution(pmf_remove, pmf_add)
+
+
 def raw_directions(pld) -> dict:
     """Both directions' PMFs as dp-accounting built them (sparse or dense)."""
     return {"remove": pld._pmf_remove, "add": pld._pmf_add}  # noqa: SLF001
