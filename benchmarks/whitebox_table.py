@@ -74,6 +74,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=0, help="repeat each cell with this many secret seeds")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--out", type=Path, default=Path("/tmp/whitebox-table"))
+    ap.add_argument("--records", type=int, default=1,
+                    help="> 1: user-level runs (--unit user, k = this) whose canaries are users of this many records")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     jobs = []
@@ -81,7 +83,8 @@ def main() -> None:
         steps = args.sgd_steps if method == "dp-sgd" else args.zo_steps
         for eps in args.eps:
             for seed in (range(1, args.seeds + 1) if args.seeds else [1]):
-                jobs.append((method, eps, steps, seed, str(args.out / f"{method}-eps{eps:g}-s{seed}"), None, 0))
+                jobs.append((method, eps, steps, seed, str(args.out / f"{method}-eps{eps:g}-s{seed}"), None, 0,
+                             args.records))
     with ProcessPoolExecutor(args.workers) as pool:
         rows = list(pool.map(cell, jobs))
     if args.seeds:
@@ -98,7 +101,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['method']} | {r['claimed']:.3f} | {r['sigma']:.3f} | {r['m']} | {r['steps']} | "
-              f"{r['bound']:.3f} ({r['mu']:.3f}) | {r['ideal']:.3f} | "
+              f"{r['bound']:.3f} ({r['mu']:.3f}) | {'—' if r['ideal'] is None else format(r['ideal'], '.3f')} | "
               f"{'VIOLATION' if r['violation'] else 'consistent'} | {r['seconds']:.0f} |", flush=True)
 
 

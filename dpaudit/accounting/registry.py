@@ -192,6 +192,10 @@ ACCOUNTANTS: dict[str, Accountant] = {
                    sigma_fn=lambda m, e, d: _load("dpaudit.accounting.matrix.single:sigma_closed_form")(m, e, d),
                    strategies=("bandmf", "blt"), samplings=("poisson", "fixed", "shuffle", "balls-in-bins"),
                    limitation=lambda m: _load("dpaudit.accounting.matrix.single:limitation")(m)),
+        Accountant("group", None, False,
+                   "user level by group privacy: the record-level default accountant's bound at delta_1, times k "
+                   "(delta_1 (1 + ... + e^((k-1) eps_1)) <= delta); k = 1: the record-level bound", "dpaudit.accounting.user_level:group_epsilon",
+                   phases=True, users=("gaussian", "laplace", "discrete-gaussian")),
         Accountant("shuffle", None, False,
                    "shuffled epochs without amplification: each example in at most one batch an epoch, zero-out",
                    "dpaudit.accounting.shuffle:epsilon", samplings=(), phases=True),

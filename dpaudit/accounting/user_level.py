@@ -70,6 +70,11 @@ def group_privacy(mech: Event, k: int, delta: float, accountant: str | None = No
     return _grouped(replace(base, epsilon=good), k, math.exp(lo), delta)
 
 
+def group_epsilon(mech: Event, delta: float) -> EpsilonResult:
+    """The ``group`` accountant (registry.py): an ELS event's k records by group privacy."""
+    return group_privacy(mech, mech.group, delta)
+
+
 def _record_epsilons(record: Event, delta: float, k: int, base: EpsilonResult, accountant: str | None):
     """delta_1 -> the record-level eps at delta_1 (an upper bound): where pld answered, read from one composed
     PLD at its converged grid (a scan a query), else (and where that PLD does not resolve delta_1: below ~1e-12

@@ -45,11 +45,12 @@ SAMPLING_DOMAIN = 0x77627370  # "wbsp": the canaries' per-step sampling, apart f
 
 class WhiteBoxProbe:
     """``WhiteBoxProbe(params, m=..., clip=C, sample_rate=p, out=...)`` for a plain PyTorch DP-SGD loop
-    (``kind="scalar"`` for DP-ZO-style scalar releases), or ``WhiteBoxProbe.attach(dp_optimizer, ...)``."""
+    (``kind="scalar"`` for DP-ZO-style scalar releases), or ``WhiteBoxProbe.attach(dp_optimizer, ...)``. ``records``
+    > 1: canary users of that many records, each sampled and clipped apart (hold them to a user-level claim)."""
 
     def __init__(self, params=None, *, m: int = 1000, clip: float, sample_rate: float, out, kind: str = "gradient",
                  gain: float = GAIN, seed: int = 0, resume: bool = False, model=None,
-                 secret_seed: int | None = None, noise_multiplier: float | None = None,
+                 secret_seed: int | None = None, noise_multiplier: float | None = None, records: int = 1,
                  _source: str = "plain PyTorch loop"):
         m, params = _checked(kind, m, clip, sample_rate, gain, noise_multiplier, params)
         # Given the model, every trainable tensor must be among the noised ones (a LoRA group left out of the
@@ -72,7 +73,7 @@ class WhiteBoxProbe:
         if resume:
             probe_folder.resume(self, m)
         else:
-            probe_folder.start(self, m, gain, seed)
+            probe_folder.start(self, m, gain, seed, records)
         self.transcript = Transcript(self.out / TRANSCRIPT, self.width)
 
     def _declare(self, *, kind: str, clip, rate, out, params: list, source: str, secret_seed: int | None = None,
@@ -138,9 +139,10 @@ class WhiteBoxProbe:
             self.health.look(step)  # a plain loop: moves since the start (an attached probe brackets each step)
             self.save_health()
         self._maybe_look()  # before this step's draw: the transcript and the accountant both hold `step` steps
-        if sampled is None:
-            members = self.canaries.member_ids
-            sampled = members[self._sampler.random(members.size) < self.rate]
+        if sampled is None:  # a canary user's records are sampled apart: Binomial(records, p) copies of its gradient
+            members, r = self.canaries.member_ids, self.canaries.records
+            sampled = (members[self._sampler.random(members.size) < self.rate] if r == 1
+                       else np.repeat(members, self._sampler.binomial(r, self.rate, members.size)))
         self._sampled = np.asarray(sampled, int)
         self._begun = step
         return self._sampled
@@ -271,14 +273,15 @@ class WhiteBoxProbe:
     @classmethod
     def attach(cls, optimizer, *, m: int = 1000, out, data_loader=None, sample_rate: float | None = None,
                accountant=None, gain: float = GAIN, seed: int = 0, resume: bool = False, model=None,
-               secret_seed: int | None = None) -> "WhiteBoxProbe":
+               secret_seed: int | None = None, records: int = 1) -> "WhiteBoxProbe":
         """Attach to an Opacus ``DPOptimizer`` (any grad_sample_mode, after ``make_private`` or
         ``make_private_with_epsilon``); the user's training loop stays as it is. Given ``data_loader`` (the one
         you train with), the canaries are sampled at its rate and the audit checks the accountant counts that rate;
         given ``model``, it also checks that every trainable tensor is noised by this optimizer. How:
         probe_opacus.py."""
         return attach(cls, optimizer, m=m, out=out, sample_rate=sample_rate, accountant=accountant, gain=gain,
-                      seed=seed, resume=resume, model=model, secret_seed=secret_seed, data_loader=data_loader)
+                      seed=seed, resume=resume, model=model, secret_seed=secret_seed, data_loader=data_loader,
+                      records=records)
 
     # -- audits as the run trains -----------------------------------------------------------------------
     def watch(self, *, delta: float, claimed_eps: float | None = None, accountant=None, alpha: float = STOP_ALPHA,

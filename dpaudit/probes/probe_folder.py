@@ -21,7 +21,7 @@ from dpaudit.probes.tallies import ClipTally, NoiseTally
 from dpaudit.probes.transcript import Transcript
 
 
-def start(probe, m: int, gain: float, seed: int) -> None:
+def start(probe, m: int, gain: float, seed: int, records: int = 1) -> None:
     """A new probe folder: the canaries made (membership from the secret seed or fresh OS entropy), placed on
     the parameters (a gradient probe), saved with probe.json."""
     if probe.out.exists() and any(p.name != MARKER for p in probe.out.iterdir()):
@@ -31,7 +31,7 @@ def start(probe, m: int, gain: float, seed: int) -> None:
     probe.out.mkdir(parents=True, exist_ok=True)
     mark(probe.out)
     membership = probe.secret_seed if probe.secret_seed is not None else int.from_bytes(os.urandom(8), "little")
-    probe.canaries = WhiteBoxCanaries.make(m, seed=seed, membership_seed=membership)
+    probe.canaries = WhiteBoxCanaries.make(m, seed=seed, membership_seed=membership, records=records)
     probe.canaries.gain = float(gain)
     if probe.kind == "gradient":
         probe.canaries.coordinates = place(probe.params, m, probe.canaries.seed)

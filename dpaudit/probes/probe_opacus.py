@@ -31,7 +31,7 @@ OPACUS_BYPASS = ("ghost (fast gradient clipping): Opacus clips each example in t
 
 
 def attach(cls, optimizer, *, m, out, sample_rate, accountant, gain, seed, resume, model, secret_seed,
-           data_loader=None):
+           data_loader=None, records: int = 1):
     """``cls.attach`` (cls: WhiteBoxProbe): the probe, with the optimizer's class put behind ``Probed``. The canaries
     are drawn at the data loader's own rate where the loader is given (audit/rate_check.py sets it beside the rate
     the accountant counts), else at ``sample_rate``, else at the rate the accountant's hook was given."""
@@ -68,7 +68,7 @@ def attach(cls, optimizer, *, m, out, sample_rate, accountant, gain, seed, resum
     clip = optimizer.max_grad_norm if np.isscalar(optimizer.max_grad_norm) else max(optimizer.max_grad_norm)
     probe = cls(optimizer.params, m=m, clip=float(clip), sample_rate=rate, out=out, gain=gain, seed=seed,
                 resume=resume, model=model, secret_seed=secret_seed, _source=f"Opacus {type(optimizer).__name__}",
-                noise_multiplier=float(optimizer.noise_multiplier))
+                noise_multiplier=float(optimizer.noise_multiplier), records=records)
     probe.bypass = OPACUS_BYPASS if ghost else None
     probe.accountant = accountant
     probe_folder.write_spec(probe, optimizer=type(optimizer).__name__,

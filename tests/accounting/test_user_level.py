@@ -211,3 +211,15 @@ def test_below_pld_resolution_an_els_query_is_refused_not_answered_at_the_exampl
         epsilon(Mechanism("gaussian", 1.0, 0.01, 100, unit=els(4)), 1e-14)
     assert math.isfinite(epsilon(Mechanism("gaussian", 1.0, 0.01, 100), 1e-14).epsilon)
     assert EXAMPLE.mixture == 1
+
+
+def test_the_group_accountant_answers_a_user_level_query_and_can_beat_pure_prv_for_laplace():
+    """Laplace ELS at delta > 0: the default (pure-prv, the exact k eps_1 step as randomized response) and group
+    privacy of the record-level PLD are both valid; here the second is tighter, and `-a group` asks for it."""
+    mech = Mechanism("laplace", 2.0, 0.01, 1000, unit=els(4))
+    default, group = epsilon(mech, 1e-6), epsilon(mech, 1e-6, "group")
+    assert default.accountant == "pure-prv" and group.accountant == "group"
+    assert group.epsilon == pytest.approx(user_level.group_privacy(mech, 4, 1e-6).epsilon)
+    assert group.epsilon < default.epsilon
+    cal = calibrate_sigma(mech, 3.0, 1e-6, "group")
+    assert cal.result.epsilon <= 3.0
