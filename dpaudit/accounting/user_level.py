@@ -50,9 +50,9 @@ def group_privacy(mech: Event, k: int, delta: float, accountant: str | None = No
     if delta == 0:
         return _grouped(epsilon(record, 0.0, accountant), k, 0.0, 0.0)
     base = epsilon(record, delta / k, accountant)  # delta_1 <= delta / k: the factor is at least k
-    eps_of = _record_epsilons(record, delta, k, base, accountant)
-    if delta / k * group_factor(base.epsilon, k) <= delta:  # eps_1 = 0 there: nothing to search
+    if delta / k * group_factor(base.epsilon, k) <= delta:  # k = 1, or eps_1 = 0 there: nothing to search
         return _grouped(base, k, delta / k, delta)
+    eps_of = _record_epsilons(record, delta, k, base, accountant)
     # the largest delta_1 that holds gives the smallest eps: bisect log delta_1 (the product falls with it)
     hi, lo = math.log(delta / k), math.log(delta / k) - SPAN
     good = None

@@ -223,3 +223,16 @@ def test_the_group_accountant_answers_a_user_level_query_and_can_beat_pure_prv_f
     assert group.epsilon < default.epsilon
     cal = calibrate_sigma(mech, 3.0, 1e-6, "group")
     assert cal.result.epsilon <= 3.0
+
+
+def test_the_python_api_takes_the_unit_as_the_cli_does():
+    from dpaudit import calibrate, epsilon as api_epsilon, max_steps as api_max_steps
+
+    spent = api_epsilon(sigma=1.0, delta=1e-6, p=0.01, steps=1000, unit="user", records_per_user=4)
+    assert spent.epsilon == epsilon(Mechanism("gaussian", 1.0, 0.01, 1000, unit=els(4)), 1e-6).epsilon
+    assert spent.unit == "user (ELS, k = 4)"
+    plan = calibrate(eps=8.0, delta=1e-6, p=0.01, steps=1000, unit="user", records_per_user=4)
+    assert plan.epsilon <= 8.0 and plan.result.mechanism.unit == els(4)
+    assert api_max_steps(1.0, 8.0, delta=1e-6, p=0.01, unit="user", records_per_user=4).steps < 1000
+    with pytest.raises(DPAuditError, match="records-per-user"):
+        api_epsilon(sigma=1.0, p=0.01, steps=10, unit="user")
