@@ -83,7 +83,7 @@ class TrainConfig:
     stop_on_divergence: bool = False     # stop (else warn once) when the loss rises well above its start
     noise: str | None = None             # correlated noise (accounting/matrix/strategy.py): bandmf,b=B; None: independent
     unit: str = "example"                # the privacy unit: example, or user (accounting/unit.py; the data's
-    records_per_user: int | None = None  # user column says whose each record is, capped at k = this: data/users.py)
+    records_per_user: int | None = None  # user column says whose each record is, capped at k = this: core/users.py)
     user_sampling: str | None = None     # user level: els (records sampled; the only one trained here) or uls
     # resolved from the fields above by __post_init__ (never given; dataclasses.replace resolves them again):
     bug: Any = field(default=None, init=False, repr=False, compare=False)       # the planted bug (training/bugs.py)

@@ -51,11 +51,8 @@ class Gaussian(Noise):
         from dpaudit.accounting import vectorised_loss
 
         if mech.group > 1:  # ELS (accounting/unit.py): sensitivity j C with probability Binomial(j; k, p)
-            from scipy.stats import binom
-
             k = mech.group
-            return vectorised_loss.MixtureLoss(mech.sigma, list(range(k + 1)),
-                                              binom.pmf(range(k + 1), k, mech.sampling_rate).tolist(),
+            return vectorised_loss.MixtureLoss(mech.sigma, list(range(k + 1)), binomial_weights(k, mech.sampling_rate),
                                               pessimistic_estimate=pessimistic,
                                               log_mass_truncation_bound=log_mass_truncation, adjacency_type=adjacency)
         return vectorised_loss.GaussianLoss(mech.sigma, sensitivity=1.0, pessimistic_estimate=pessimistic,
@@ -92,17 +89,30 @@ def _gdp_mu(eps: float, delta: float) -> float | None:
     return hi
 
 
+def binomial_weights(k: int, p: float) -> list[float]:
+    """P(J = j) for J ~ Binomial(k, p), j = 0..k (in plain floats: the closed forms stay free of numpy)."""
+    if p >= 1.0:
+        return [0.0] * k + [1.0]
+    return [math.exp(_log_binomial(j, k, p)) for j in range(k + 1)]
+
+
+def _log_binomial(j: int, k: int, p: float) -> float:
+    return math.lgamma(k + 1) - math.lgamma(j + 1) - math.lgamma(k - j + 1) + j * math.log(p) + (k - j) * math.log1p(-p)
+
+
 def _mixture_chi_square(sigma: float, k: int, p: float) -> float:
     """chi^2 of one ELS step, E_Q[(P/Q)^2] - 1 with P = sum_j w_j N(j, sigma^2), Q = N(0, sigma^2), w = Binomial(k, p):
-    sum_{j,l} w_j w_l e^{j l / sigma^2} - 1 (at k = 1: p^2 (e^{1/sigma^2} - 1), the CLT's own term)."""
-    from scipy.special import logsumexp
-    from scipy.stats import binom
-    import numpy as np
+    sum_{j,l} w_j w_l e^{j l / sigma^2} - 1 = sum_j w_j (1 - p + p e^{j / sigma^2})^k - 1 (the inner sum is the
+    binomial's moment generating function; at k = 1: p^2 (e^{1/sigma^2} - 1), the CLT's own term)."""
+    logs = [_log_binomial(j, k, p) + k * _log_1p_expm1(j / sigma ** 2, p) for j in range(k + 1)]
+    top = max(logs)
+    total = top + math.log(sum(math.exp(x - top) for x in logs))
+    return math.expm1(min(700.0, total))
 
-    j = np.arange(k + 1)
-    log_w = binom.logpmf(j, k, p)
-    terms = log_w[:, None] + log_w[None, :] + np.outer(j, j) / sigma ** 2
-    return float(np.expm1(min(700.0, logsumexp(terms))))
+
+def _log_1p_expm1(t: float, p: float) -> float:
+    """log(1 - p + p e^t) for t >= 0, without overflow."""
+    return t + math.log(p + (1 - p) * math.exp(-t)) if t > 30 else math.log1p(p * math.expm1(t))
 
 
 def _sigma_for_chi_square(target: float, k: int, p: float) -> float | None:
