@@ -54,8 +54,9 @@ class Accountant:
     # the correlated-noise families it accounts (matrix/strategy.py); (): independent noise only
     strategies: tuple[str, ...] = ()
     # the noises whose user-level ELS step (k > 1 records of a user, Binomial(k, p) of them a step; unit.py) it
-    # accounts; (): one record a step only (a ULS user is one record a step: every accountant covers it)
-    users: tuple[str, ...] = ()
+    # accounts (None: every noise); (): one record a step only (a ULS user is one record a step: every accountant
+    # covers it)
+    users: tuple[str, ...] | None = ()
 
     def covers(self, sampling: str) -> bool:
         """Whether it accounts ``sampling``: listed here, or among the sampler record's own accountants."""
@@ -87,8 +88,9 @@ class Accountant:
                     f"accounted by {', '.join(others)}")
         if self.strategies and not families:
             return f"{self.name} accounts correlated noise (--noise {'/'.join(self.strategies)}); this run has none"
-        if mech.group > 1 and any(m.kind not in self.users for m in mech.phases):
-            others = [n for n, a in ACCOUNTANTS.items() if {m.kind for m in mech.phases} <= set(a.users)]
+        if mech.group > 1 and self.users is not None and any(m.kind not in self.users for m in mech.phases):
+            others = [n for n, a in ACCOUNTANTS.items()
+                      if a.users is None or {m.kind for m in mech.phases} <= set(a.users)]
             return (f"{self.name} accounts one record a step, not a user-level ELS step of k = {mech.group} records"
                     + (f" (accounted by {', '.join(others)})" if others else
                        f"; no accountant here builds that step for {mech.kind} noise"))
@@ -195,7 +197,7 @@ ACCOUNTANTS: dict[str, Accountant] = {
         Accountant("group", None, False,
                    "user level by group privacy: the record-level default accountant's bound at delta_1, times k "
                    "(delta_1 (1 + ... + e^((k-1) eps_1)) <= delta); k = 1: the record-level bound", "dpaudit.accounting.user_level:group_epsilon",
-                   phases=True, users=("gaussian", "laplace", "discrete-gaussian")),
+                   phases=True, users=None),
         Accountant("shuffle", None, False,
                    "shuffled epochs without amplification: each example in at most one batch an epoch, zero-out",
                    "dpaudit.accounting.shuffle:epsilon", samplings=(), phases=True),
