@@ -206,8 +206,9 @@ ACCOUNTANTS: dict[str, Accountant] = {
 
 
 def _unit_of(result, mech: Event):
-    """``result`` saying its privacy unit: a user-level answer names the user as the neighbour's unit."""
-    if not mech.unit.user_level:
+    """``result`` saying its privacy unit: a user-level answer names the user as the neighbour's unit (unless its
+    accountant named it: group privacy)."""
+    if not mech.unit.user_level or result.unit != "example":
         return result
     return replace(result, unit=mech.unit.short(),
                    relation=f"one user's records ({mech.unit.algorithm}, k = {mech.unit.records}); {result.relation}")

@@ -24,7 +24,6 @@ from dpaudit.accounting.mechanism import Mechanism, Phases, with_unit
 from dpaudit.accounting.pld import composed_pld, converged_grid
 from dpaudit.accounting.registry import default_accountant, epsilon
 from dpaudit.accounting.result import EpsilonResult
-from dpaudit.accounting.search import SIGMA, Unreachable, solve
 from dpaudit.accounting.unit import EXAMPLE, Unit
 from dpaudit.core.errors import DPAuditError
 from dpaudit.core.validate import check_delta
@@ -117,54 +116,23 @@ class Row:
                 **({"result": self.result.to_json()} if self.result is not None else {})}
 
 
-def _uls(mech: Event, k: int) -> Event:
-    return with_unit(mech, Unit("user", k, "user"))
-
-
-def _els(mech: Event, k: int) -> Event:
-    return with_unit(mech, Unit("user", k, "example"))
-
-
 def rows(mech: Event, k: int, delta: float, target: float | None = None) -> list[Row]:
-    """ELS, ULS (users at the same rate) and group privacy for ``mech`` (the records' schedule; its sigma is used
-    when ``target`` is None, else each is calibrated to eps ``target`` at ``delta``)."""
-    makers = {"ELS": (_els(mech, k), None), "ULS": (_uls(mech, k), None),
-              "group privacy": (with_unit(mech, EXAMPLE), k)}
+    """ELS, ULS (users at the same rate) and group privacy (the ``group`` accountant on the ELS event) for ``mech``
+    (the records' schedule; its sigma is used when ``target`` is None, else each is calibrated to eps ``target``
+    at ``delta``)."""
+    els, uls = with_unit(mech, Unit("user", k, "example")), with_unit(mech, Unit("user", k, "user"))
     out = []
-    for name, (event, group) in makers.items():
+    for name, event, accountant in (("ELS", els, None), ("ULS", uls, None), ("group privacy", els, "group")):
         try:
             if target is None:
-                result = group_privacy(event, group, delta) if group else epsilon(event, delta)
-                out.append(Row(name, event.sigma, result))
-            elif group:
-                sigma, result = _calibrated_group(event, group, target, delta)
-                out.append(Row(name, sigma, result))
+                out.append(Row(name, event.sigma, epsilon(event, delta, accountant)))
             else:
-                cal = calibrate_sigma(event, target, delta, default_accountant(event, delta))
+                cal = calibrate_sigma(event, target, delta, accountant or default_accountant(event, delta))
                 out.append(Row(name, cal.sigma, cal.result))
         except DPAuditError as exc:
             out.append(Row(name, None, None, str(exc)))
-    els = next((r.sigma for r in out if r.name == "ELS" and r.sigma is not None), None)
-    if els:
+    base = out[0].sigma
+    if base:
         out = [replace(r, noise_per_signal=None if r.sigma is None else
-                       r.sigma * (k if r.name == "ULS" else 1) / els) for r in out]
+                       r.sigma * (k if r.name == "ULS" else 1) / base) for r in out]
     return out
-
-
-def _calibrated_group(mech: Event, k: int, target: float, delta: float, rtol: float = 1e-3):
-    """The smallest sigma (to ``rtol``, on the safe side) whose group-privacy bound meets ``target``."""
-    cache: dict[float, EpsilonResult] = {}
-
-    def eps_at(sigma: float) -> float:
-        if sigma not in cache:
-            cache[sigma] = group_privacy(mech.with_sigma(sigma), k, delta)
-        return cache[sigma].epsilon
-
-    start = calibrate_sigma(mech, target / k, delta).sigma  # eps_1 = target / k at delta: group's sigma is above
-    try:
-        found = solve(eps_at, target, SIGMA, start, rtol=rtol)
-    except Unreachable as exc:
-        raise DPAuditError(f"group privacy cannot reach eps = {target:g}: even sigma = {SIGMA.high:g} gives "
-                           f"{exc.eps:.4g}") from None
-    return found.value, cache[found.value]
-
