@@ -264,7 +264,9 @@ def compare(
     rows = []
     for name, acc in ACCOUNTANTS.items():
         reason = acc.supports(m, d)
-        if eps is not None and name == "mc":
+        if name == "group" and m.group == 1:
+            reason = "group privacy is for --unit user (a group of one record is the record-level answer)"
+        elif eps is not None and name == "mc":
             reason = "mc is not calibrated (each evaluation resamples); compare it with --sigma"
         elif eps is not None and name == "prv" and not include_slow:
             reason = "prv calibration takes minutes at T this large; add --include-slow" if m.steps > 1000 else reason
