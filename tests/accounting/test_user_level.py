@@ -236,3 +236,22 @@ def test_the_python_api_takes_the_unit_as_the_cli_does():
     assert api_max_steps(1.0, 8.0, delta=1e-6, p=0.01, unit="user", records_per_user=4).steps < 1000
     with pytest.raises(DPAuditError, match="records-per-user"):
         api_epsilon(sigma=1.0, p=0.01, steps=10, unit="user")
+
+
+@pytest.mark.parametrize("k, p, sigma", [(4, 0.01, 0.9), (3, 0.3, 2.0)])
+def test_the_vectorised_mixture_inverse_is_dp_accountings_to_the_bit(k, p, sigma):
+    """vectorised_loss.MixtureLoss runs dp-accounting's shared bisection for every loss at once: the deltas (and so
+    the PMFs built from them) equal the library's exactly, in both directions."""
+    import numpy as np
+    from dp_accounting.pld import privacy_loss_mechanism as plm
+
+    from dpaudit.accounting.noises.gaussian import binomial_weights
+    from dpaudit.accounting.vectorised_loss import MixtureLoss
+
+    weights = binomial_weights(k, p)
+    for adjacency in (plm.AdjacencyType.REMOVE, plm.AdjacencyType.ADD):
+        ours = MixtureLoss(sigma, list(range(k + 1)), weights, adjacency_type=adjacency)
+        theirs = plm.MixtureGaussianPrivacyLoss(sigma, list(range(k + 1)), weights, adjacency_type=adjacency)
+        bounds = theirs.connect_dots_bounds()
+        eps = np.linspace(bounds.epsilon_lower, bounds.epsilon_upper, 3001)
+        assert np.array_equal(ours.get_delta_for_epsilon(eps), theirs.get_delta_for_epsilon(eps))
