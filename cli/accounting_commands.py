@@ -248,12 +248,10 @@ def compare(
     if sampling == "all":
         _compare_samplers(mech, sigma, d, p, batch_size, dataset_size, steps, epochs, phase, as_json)
         return
-    if unit != "example":
-        unit_from(unit, records_per_user)  # --unit user needs k
+    if unit_from(unit, records_per_user).user_level:  # refuses --unit user without k, and k without it
         _compare_units(mech, sigma, eps, d, p, batch_size, dataset_size, steps, epochs, sampling, phase,
                        records_per_user, as_json)
         return
-    unit_from(unit, records_per_user)  # k without --unit user is refused
     if eps is not None:
         check_epsilon(eps)
     if noise_spec:

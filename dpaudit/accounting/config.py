@@ -13,7 +13,7 @@ import yaml
 from dpaudit.accounting.mechanism import (
     Mechanism, Phases, compose_phases, phase_from, schedule, with_unit,
 )
-from dpaudit.accounting.unit import MAX_RECORDS, Unit, unit_from
+from dpaudit.accounting.unit import Unit, unit_from
 from dpaudit.accounting.matrix.strategy import parse
 from dpaudit.core.validate import check_delta, check_epsilon
 from dpaudit.accounting.noises import NOISES
@@ -251,9 +251,7 @@ def load_privacy_config(path: Path) -> PrivacyConfig:
 def _unit(data: dict) -> Unit:
     """``unit: user`` with ``records_per_user: k`` (and ``user_sampling: els | uls``): the claim is a user's."""
     kind = _name(data, "unit", ("example", "user"), "example")
-    records = _number(data, "records_per_user", int)
-    if records is not None and not 1 <= records <= MAX_RECORDS:
-        raise DPAuditError(f"config key 'records_per_user' must be in [1, {MAX_RECORDS}]")
+    records = _number(data, "records_per_user", int)  # its range: Unit's own check
     sampling = _name(data, "user_sampling", ("els", "uls"), None)
     if kind == "example" and (records is not None or sampling is not None):
         raise DPAuditError("config gives records_per_user or user_sampling without unit: user")

@@ -96,11 +96,3 @@ def cap_records(texts: list[str], users: list[str], k: int, seed: int = 0) -> Ca
         kept.update(random.Random(int.from_bytes(digest[:8], "big")).sample(idx, k))
     order = sorted(kept)
     return Capped([texts[i] for i in order], [users[i] for i in order], len(texts))
-
-
-def most_records(users: list[str]) -> int:
-    """The most records any one user holds (what a run without a cap would have to account for)."""
-    counts: dict[str, int] = defaultdict(int)
-    for user in users:
-        counts[user] += 1
-    return max(counts.values(), default=0)

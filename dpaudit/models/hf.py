@@ -125,27 +125,27 @@ def resolve_model_path(path: str | Path) -> Path:
 
 def vocab_rows(path: str | Path) -> int:
     """The token rows of the model in ``path``, from its config alone (its text model's, for a multimodal one)."""
-    transformers = require_transformers()
-    path = Path(path)
-    refuse_remote_code(path)
-    try:
-        config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
-        return int(config.get_text_config().vocab_size)
-    except Exception as exc:  # a bad config: one line naming the file, never its content
-        raise DPAuditError(f"cannot read the model config in {path}: {type(exc).__name__}") from None
+    return _from_config(path, lambda config: int(config.get_text_config().vocab_size))
 
 
 def meta_model(path: str | Path):
     """The model built from its config on the meta device: names and shapes, no weights read."""
     import torch
 
+    def build(config):
+        with torch.device("meta"):
+            return require_transformers().AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+
+    return _from_config(path, build)
+
+
+def _from_config(path: str | Path, use):
+    """``use(config)`` of the model config in ``path`` (no remote code); any failure is one line naming the file."""
     transformers = require_transformers()
     path = Path(path)
     refuse_remote_code(path)
     try:
         config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+        return use(config)
     except Exception as exc:  # a bad config: one line naming the file, never its content
         raise DPAuditError(f"cannot read the model config in {path}: {type(exc).__name__}") from None
-    return model

@@ -141,15 +141,6 @@ def preflight(model_dir: Path, cfg, examples: int, warn: bool = True,
     return step.estimate(cfg, examples, warn)
 
 
-def micro_batch_that_fits(model_dir: Path, cfg, texts: list[str], share: float = 0.7) -> int:
-    """``StepCheck.micro_batch_that_fits`` for the model in ``model_dir`` (its refusals made too)."""
-
-    step = check_model(model_dir, cfg)
-    if step is None:
-        return cfg.micro_batch
-    return step.with_texts(texts, cfg.max_length).micro_batch_that_fits(cfg, len(texts), share)
-
-
 def longest_tokens(folder: Path, texts: list[str], max_length: int) -> int:
     """The longest of ``texts`` in tokens, at most ``max_length`` (the widest batch a run can draw)."""
 

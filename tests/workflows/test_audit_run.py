@@ -112,7 +112,7 @@ def test_the_pretrained_recipe_rate_moves_a_logit_as_far_as_the_embedded_recipe_
     from dpaudit.core.atomic import save_model_folder
     from dpaudit.models.loading import load_causal_lm
     from dpaudit.training import memory
-    from dpaudit.training.preflight import micro_batch_that_fits
+    from dpaudit.training.preflight import check_model
     from dpaudit.training.runner import TrainConfig
     from dpaudit.workflows.audit_run import (
         EMBEDDED_RECIPE, PRETRAINED_RECIPE, embedded_default, prefix_hidden_norm, sgd_exposure,
@@ -128,6 +128,9 @@ def test_the_pretrained_recipe_rate_moves_a_logit_as_far_as_the_embedded_recipe_
     save_model_folder(tmp_path / "extended", lm, tok)
     cfg = TrainConfig(method="dp-sgd", target_epsilon=4.0, trainable="new-tokens", batch_size=0, optimizer="sgd")
     texts = ["a b c d e f g h"] * 1500
+
+    def micro_batch_that_fits(folder, cfg, texts):
+        return check_model(folder, cfg).with_texts(texts, cfg.max_length).micro_batch_that_fits(cfg, len(texts))
     assert micro_batch_that_fits(tmp_path / "extended", cfg, texts) == 0  # a small model fits at once
     # --max-memory is the budget where given, not the free memory
     small = dataclasses.replace(cfg, max_memory=memory.IMPORTS + 2**25)
