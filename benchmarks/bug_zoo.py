@@ -30,19 +30,21 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--out", type=Path, default=Path("/tmp/bug-zoo"))
     ap.add_argument("--records", type=int, default=4,
-                    help="user-level rows (a correct run and example-level-claim): k, and each canary user's records")
+                    help="user-level rows (correct ELS and ULS runs, example-level-claim, uls-example-clipping): k, "
+                         "and each canary user's records")
     args = ap.parse_args()
     os.environ["DPAUDIT_ALLOW_BUGS"] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    def records(bug: str) -> int:  # a user-level bug runs at the user level; so does one correct row beside it
-        return args.records if bug in ("example-level-claim", "none-users") else 1
-
-    bugs = [*args.bugs, *(["none-users"] if "example-level-claim" in args.bugs else [])]
+    # a user-level bug runs at the user level, with a correct row beside it: ELS (records sampled) or ULS (users)
+    user_rows = {"example-level-claim": "els", "none-els": "els", "uls-example-clipping": "uls", "none-uls": "uls"}
+    correct = {"example-level-claim": "none-els", "uls-example-clipping": "none-uls"}
+    bugs = [*args.bugs, *(correct[b] for b in args.bugs if b in correct)]
     jobs = [(method, eps, args.sgd_steps if method == "dp-sgd" else args.zo_steps, args.seed,
              str(args.out / f"{method}-{bug}-eps{eps:g}-B{args.batch_size}"),
-             None if bug in ("none", "none-users") else bug, args.batch_size, records(bug))
+             None if bug.startswith("none") else bug, args.batch_size,
+             args.records if bug in user_rows else 1, user_rows.get(bug, "els"))
             for method in args.methods for bug in bugs for eps in args.eps
-            if bug in ("none", "none-users") or METHODS[method].release in BUGS[bug].releases]
+            if bug.startswith("none") or METHODS[method].release in BUGS[bug].releases]
     with ProcessPoolExecutor(args.workers) as pool:
         rows = list(pool.map(cell, jobs))
     print("| method | bug | claimed eps | p | sigma | headline bound (mu) | statistic | verdict | wall s |")

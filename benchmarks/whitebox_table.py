@@ -31,9 +31,10 @@ def simulated_scores(method: str, m: int, steps: int, sigma: float, rate: float,
 
 
 def cell(args: tuple) -> dict:
-    """One white-box audit run. ``args``: (method, eps, steps, seed, out, bug, batch[, records]); records > 1: a
-    user-level run (--unit user, k = records) whose canaries are users of that many records."""
-    method, eps, steps, seed, out, bug, batch, records = (*args, 1) if len(args) == 7 else args
+    """One white-box audit run. ``args``: (method, eps, steps, seed, out, bug, batch[, records[, sampling]]);
+    records > 1: a user-level run (--unit user, k = records) whose canaries are users of that many records,
+    sampling "els" (records sampled) or "uls" (users sampled, each clipped as one)."""
+    method, eps, steps, seed, out, bug, batch, records, sampling = (*args, *(1, "els")[len(args) - 7:])
     import torch
 
     torch.set_num_threads(1)
@@ -41,7 +42,8 @@ def cell(args: tuple) -> dict:
     from dpaudit.workflows.audit_run import AuditRunSettings, run_audit, white_box_canaries
     from dpaudit.training.runner import TrainConfig
 
-    user = dict(unit="user", records_per_user=records, canary_records=records) if records > 1 else {}
+    user = dict(unit="user", records_per_user=records, canary_records=records,
+                user_sampling=sampling) if records > 1 else {}
     cfg = TrainConfig(method=method, target_epsilon=eps, secret_seed=seed, steps=steps, batch_size=batch,
                       plant_bug=bug, white_box=1, **user)
     cfg.white_box = white_box_canaries(cfg)
@@ -55,7 +57,7 @@ def cell(args: tuple) -> dict:
     return {"method": method, "eps": eps, "claimed": result.epsilon, "sigma": result.sigma, "m": cfg.white_box,
             "steps": result.steps, "bound": audit.epsilon_lower_bound, "mu": audit.headline_bound.mu,
             "violation": audit.violation, "ideal": ideal.epsilon_lower_bound if ideal else None, "seconds": wall,
-            "seed": seed, "bug": (bug or "none") + (f" (users of {records}, k = {records})" if records > 1 else ""), "statistic": summary["context"].get("statistic"), "p": result.sampling_rate,
+            "seed": seed, "bug": (bug or "none") + (f" ({sampling.upper()}, users of {records}, k = {records})" if records > 1 else ""), "statistic": summary["context"].get("statistic"), "p": result.sampling_rate,
             "all": {k: b.epsilon for k, b in audit.bounds.items()}}
 
 

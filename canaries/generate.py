@@ -21,7 +21,7 @@ from dataclasses import replace
 import numpy as np
 
 from dpaudit.canaries.hf import tokenizer_identity
-from dpaudit.canaries.manifest import MAX_CANARIES, NEW_TOKEN_PREFIX, Canary, Manifest
+from dpaudit.canaries.manifest import MAX_CANARIES, MAX_USER_RECORDS, NEW_TOKEN_PREFIX, Canary, Manifest
 from dpaudit.core.errors import DPAuditError
 
 SECRET_ALPHABET = np.array(list("abcdefghijklmnopqrstuvwxyz0123456789"))
@@ -120,10 +120,19 @@ def _check_count(m: int) -> None:
 
 
 def make_canaries(tokenizer, m: int, seed: int = 0, prefix_length: int = NEW_TOKEN_PREFIX, template: str | None = None,
-                  name_or_path: str | None = None, membership_seed: int | None = None) -> Manifest:
+                  name_or_path: str | None = None, membership_seed: int | None = None, records: int = 1,
+                  held_out: int = 0) -> Manifest:
+    """``records`` > 1 or ``held_out``: canary users, each of ``records`` records (its prefixes differ, its secret is
+    one) and ``held_out`` further prefixes kept out of the data for the user-inference score; their prefixes are
+    drawn after every canary's first, so a canary's first record is the same whatever the user's size."""
     _check_count(m)
     if template is None and prefix_length < 1:
         raise DPAuditError(f"prefix length must be >= 1, got {prefix_length}")
+    if records < 1 or held_out < 0 or records + held_out > MAX_USER_RECORDS + 1:
+        raise DPAuditError(f"a canary user holds 1 to {MAX_USER_RECORDS + 1} records and held-out records in all, "
+                           f"got {records} and {held_out}")
+    if template is not None and records + held_out > 1:
+        raise DPAuditError("canary users draw a random prefix for each record; a template is one prefix")
     secret_rng, prefix_rng = (np.random.default_rng([seed, stream]) for stream in range(2))
     secrets = _secrets(m, secret_rng, tokenizer.get_vocab())
     if template is None:
@@ -131,8 +140,11 @@ def make_canaries(tokenizer, m: int, seed: int = 0, prefix_length: int = NEW_TOK
         prefixes = [tokenizer.decode(prefix_rng.choice(pool, prefix_length).tolist()) for _ in range(m)]
     else:
         prefixes = [template] * m
+    extra = ([[tokenizer.decode(prefix_rng.choice(pool, prefix_length).tolist()) for _ in range(records + held_out - 1)]
+              for _ in range(m)] if records + held_out > 1 else [[] for _ in range(m)])
     coins = membership(m, membership_seed)
-    canaries = [Canary(i, s, p, bool(b)) for i, (s, p, b) in enumerate(zip(secrets, prefixes, coins))]
+    canaries = [Canary(i, s, p, bool(b), tuple(more[:records - 1]), tuple(more[records - 1:]))
+                for i, (s, p, b, more) in enumerate(zip(secrets, prefixes, coins, extra))]
     return Manifest(seed=seed, tokenizer=tokenizer_identity(tokenizer, name_or_path),
                     prefix_kind="template" if template is not None else "random-tokens",
                     prefix_length=None if template is not None else prefix_length, canaries=canaries)

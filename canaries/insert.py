@@ -47,10 +47,17 @@ def _csv_records(text: str, field: str, path: Path) -> tuple[list[str], list[str
     return lines[:head_end], chunks, header
 
 
+CANARY_USER = "dpaudit-canary-{}"  # the user id a canary user's records carry (``user_field``)
+
+
 def insert_canaries(manifest: Manifest, data: Path, output: Path, *, fmt: str | None = None, field: str = "text",
-                    repeats: int = 1, seed: int = 0, force: bool = False) -> InsertSummary:
+                    repeats: int = 1, seed: int = 0, force: bool = False, user_field: str | None = None) -> InsertSummary:
+    """``user_field``: the user column of a user-level dataset; each inserted record carries its canary user's id
+    there (CANARY_USER, refused where the data already uses one), so a run caps and samples it as that user."""
     data, output = Path(data), Path(output)
     fmt = detect_format(data, fmt)
+    if user_field is not None and fmt == "txt":
+        raise DPAuditError(f"{data}: a plain text file has no user column; give JSONL or CSV for --user-field")
     if repeats < 1:
         raise DPAuditError(f"--repeat must be >= 1, got {repeats}")
     if output.resolve() == data.resolve():
@@ -59,7 +66,8 @@ def insert_canaries(manifest: Manifest, data: Path, output: Path, *, fmt: str | 
     members = manifest.members
     if not members:
         raise DPAuditError("the manifest has no member canaries to insert")
-    canary_texts = [c.text for c in members for _ in range(repeats)]
+    rows = [(t, CANARY_USER.format(c.index)) for c in members for t in c.texts for _ in range(repeats)]
+    canary_texts = [t for t, _ in rows]   # a canary user: all its records
     text = read_file(data)
     rng = np.random.default_rng(seed)
     # Every original line is copied byte for byte (parsed only to validate and find the text); the
@@ -72,7 +80,10 @@ def insert_canaries(manifest: Manifest, data: Path, output: Path, *, fmt: str | 
         for n, line in enumerate(records, 1):
             if line.strip():
                 jsonl_text(line, field, data, n)
-        new = [json.dumps({field: t}, ensure_ascii=False) + end for t in canary_texts]
+                if user_field is not None and _canary_id(json.loads(line).get(user_field)):
+                    raise DPAuditError(f"{data}:{n}: a record's user id is a canary user's ({CANARY_USER.format('N')})")
+        new = [json.dumps({field: t, **({user_field: u} if user_field else {})}, ensure_ascii=False) + end
+               for t, u in rows]
     elif fmt == "txt":
         if any(ch in t for t in canary_texts for ch in "\r\n"):
             raise DPAuditError("a canary spans several lines and cannot go into a one-example-per-line file")
@@ -80,9 +91,15 @@ def insert_canaries(manifest: Manifest, data: Path, output: Path, *, fmt: str | 
         new = [t + end for t in canary_texts]
     else:
         header, records, columns = _csv_records(text, field, data)
+        if user_field is not None:
+            if user_field not in columns:
+                raise DPAuditError(f"{data}: no column {user_field!r} to say whose each record is (--user-field)")
+            at = columns.index(user_field)
+            if any(_canary_id(row[at]) for row in csv.reader(records) if len(row) > at):
+                raise DPAuditError(f"{data}: a record's user id is a canary user's ({CANARY_USER.format('N')})")
         buf = io.StringIO()
         writer = csv.DictWriter(buf, fieldnames=columns, restval="", lineterminator="\n")
-        writer.writerows({field: t} for t in canary_texts)
+        writer.writerows({field: t, **({user_field: u} if user_field else {})} for t, u in rows)
         new = [line + end for line in buf.getvalue().rstrip("\n").split("\n")] if canary_texts else []
         if any("\n" in t for t in canary_texts):
             raise DPAuditError("a canary spans several lines; CSV insertion keeps one line per canary")
@@ -90,6 +107,10 @@ def insert_canaries(manifest: Manifest, data: Path, output: Path, *, fmt: str | 
     body = "\n".join(header + _shuffled(records + new, rng)) + "\n"
     atomic_write_text(output, body)
     return InsertSummary(output=output, original_examples=n, inserted=len(canary_texts), repeats=repeats)
+
+
+def _canary_id(value) -> bool:
+    return isinstance(value, str) and value.startswith(CANARY_USER.format(""))
 
 
 def _shuffled(items: list, rng: np.random.Generator) -> list:

@@ -25,16 +25,29 @@ NEW_TOKEN_PREFIX = 1  # random tokens before a new-token secret: a longer prefix
 KINDS = ("new-token", "existing")  # a new vocabulary token (the model is extended), or a span of the model's own
 
 
+MAX_USER_RECORDS = 64  # prefixes of a canary user (records trained plus held out): a user inference needs a few
+
+
 @dataclass(frozen=True)
 class Canary:
     index: int
     secret: str     # the new vocabulary token ("new-token"), or a span of existing tokens, as text ("existing")
     prefix: str     # text that precedes it
     member: bool
+    # A canary user (user-level audits): its other records' prefixes, each followed by the same secret (a member's
+    # records are all inserted), and held-out prefixes never inserted, which the user-inference score reads
+    # (Kandpal et al. 2023: the likelihood ratio of a user's unseen records). Empty: a canary of one record.
+    others: tuple[str, ...] = ()
+    held_out: tuple[str, ...] = ()
 
     @property
     def text(self) -> str:
         return self.prefix + self.secret
+
+    @property
+    def texts(self) -> list[str]:
+        """The records a member adds to the training data: its text, then its other records'."""
+        return [self.text, *(p + self.secret for p in self.others)]
 
 
 @dataclass(frozen=True)
@@ -87,7 +100,8 @@ def load_manifest(path: Path) -> Manifest:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise DPAuditError(f"{path} is not a dpaudit canary manifest (expected format {FORMAT!r})")
     try:
-        canaries = [Canary(int(c["index"]), str(c["secret"]), str(c["prefix"]), bool(c["member"]))
+        canaries = [Canary(int(c["index"]), str(c["secret"]), str(c["prefix"]), bool(c["member"]),
+                           _prefixes(c.get("others", ())), _prefixes(c.get("held_out", ())))
                     for c in data["canaries"]]
         manifest = Manifest(
             seed=int(data["seed"]), tokenizer=TokenizerIdentity(**data["tokenizer"]),
@@ -103,6 +117,15 @@ def load_manifest(path: Path) -> Manifest:
     if len(canaries) > MAX_CANARIES:
         raise DPAuditError(f"canary manifest {path} holds {len(canaries)} canaries; dpaudit takes at most "
                            f"{MAX_CANARIES}")
+    if len({(len(c.others), len(c.held_out)) for c in canaries}) != 1:
+        raise DPAuditError(f"canary manifest {path}: its canary users hold different numbers of records")
     if len(set(manifest.secrets)) != len(canaries):
         raise DPAuditError(f"canary manifest {path} repeats a secret token")
     return manifest
+
+
+def _prefixes(value) -> tuple[str, ...]:
+    """A canary user's prefixes as the manifest lists them, within MAX_USER_RECORDS."""
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_USER_RECORDS:
+        raise ValueError(f"a canary user's prefixes are a list of at most {MAX_USER_RECORDS}")
+    return tuple(str(p) for p in value)

@@ -183,9 +183,11 @@ def audit_checkpoint(
     alpha: AlphaOpt = 0.05,
     guesses: GuessesOpt = None,
     score: Annotated[Optional[str], typer.Option(
-        "--score", help="neg-loss (-loss of the secret), or loss-vs-base (needs --base: the loss drop from the "
-                        "base model). Default: loss-vs-base with --base, or for the model of an `audit run` that "
-                        "trained new-token rows only (against its extended model); otherwise neg-loss.")] = None,
+        "--score", help="neg-loss (-loss of the secret), loss-vs-base (needs --base: the loss drop from the "
+                        "base model), or user-inference (canary users with held-out records, needs --base: the "
+                        "mean loss drop on each user's records never trained, Kandpal et al. 2023). Default: "
+                        "loss-vs-base with --base, or for the model of an `audit run` that trained new-token rows "
+                        "only (against its extended model); otherwise neg-loss.")] = None,
     base: Annotated[Optional[Path], typer.Option(
         "--base", help="The model before training (the extended model), for --score loss-vs-base.")] = None,
     headline: HeadlineOpt = "auto",
@@ -211,7 +213,11 @@ def audit_checkpoint(
     if repeat < 1:
         raise DPAuditError(f"--repeat must be >= 1, got {repeat}")
 
-    claimed_eps, delta, group = group_claim(claimed_eps, delta, repeat)
+    # what a member adds: its copies, times a canary user's records (read from the manifest); a user-level claim
+    # of k records a user covers a canary user of up to k
+    records = repeat * (1 + len(manifest.canaries[0].others))
+    covered = context.get("privacy unit") == "user" and records <= (context.get("records per user") or 0)
+    claimed_eps, delta, group = group_claim(claimed_eps, delta, 1 if covered else records)
     if group:
         context["claim audited"] = group
     if score is None and base is not None:
@@ -220,10 +226,11 @@ def audit_checkpoint(
         score, base, why = run_score(model)
         if why:
             context["score chosen"] = why
-    if score not in ("neg-loss", "loss-vs-base"):
-        raise DPAuditError(f"a checkpoint is scored with neg-loss or loss-vs-base, not {score!r}")
-    if (score == "loss-vs-base") != (base is not None):
-        raise DPAuditError("--score loss-vs-base needs --base (and --base is only for loss-vs-base)")
+    if score not in ("neg-loss", "loss-vs-base", "user-inference"):
+        raise DPAuditError(f"a checkpoint is scored with neg-loss, loss-vs-base or user-inference, not {score!r}")
+    if (score != "neg-loss") != (base is not None):
+        raise DPAuditError(f"--score {score} {'needs' if base is None else 'takes no'} --base (the model before "
+                           "training, for loss-vs-base and user-inference)")
     if report is not None:
         prepare_folder(report, force)  # fail before the slow part
     scores, members = score_checkpoint(model, manifest, score=score, base=base, batch_size=batch_size,

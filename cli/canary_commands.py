@@ -35,6 +35,12 @@ def make(
         "the secret's row out of the clipped norm)."))] = NEW_TOKEN_PREFIX,
     template: Annotated[Optional[str], typer.Option(
         "--template", help="Use this text as every canary's prefix instead of random tokens.")] = None,
+    records: Annotated[int, typer.Option(
+        "--records", help="Canary users of this many records (distinct random prefixes, one secret), for a "
+                          "user-level audit: at most the run's --records-per-user.")] = 1,
+    held_out: Annotated[int, typer.Option(
+        "--held-out", help="Held-out records of each canary user, never inserted: the user-inference score "
+                           "(audit checkpoint --score user-inference) reads them.")] = 0,
     threads: ThreadsOpt = None,
     force: ForceOpt = False,
     as_json: JsonOpt = False,
@@ -44,7 +50,8 @@ def make(
     set_threads(threads)  # a GGUF tokenizer is converted (with its model) on first use
     refuse_overlap(output, {"tokenizer": tokenizer})
     guard_new_file(output, force)
-    manifest = make_canaries(load_tokenizer(tokenizer), m, seed, prefix_length, template, name_or_path=str(tokenizer))
+    manifest = make_canaries(load_tokenizer(tokenizer), m, seed, prefix_length, template, name_or_path=str(tokenizer),
+                             records=records, held_out=held_out)
     manifest.save(output)
     summary = {"command": "canaries make", "manifest": str(output), "m": m, "members": len(manifest.members),
                "seed": seed, "tokenizer": manifest.tokenizer.name_or_path, "example": manifest.canaries[0].text}
@@ -62,6 +69,9 @@ def insert(
     field: Annotated[str, typer.Option("--field", help="JSONL field or CSV column with the text.")] = "text",
     repeat: Annotated[int, typer.Option("--repeat", "-r", help="Copies of each member canary.")] = 1,
     seed: Annotated[int, typer.Option("--seed", help="Shuffle seed.")] = 0,
+    user_field: Annotated[Optional[str], typer.Option(
+        "--user-field", help="A user-level dataset's user column: each canary record carries its canary user's id "
+                             "there (dpaudit-canary-N), so `train --unit user` caps and samples it as that user.")] = None,
     force: ForceOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
@@ -69,7 +79,7 @@ def insert(
 
     refuse_overlap(output, {"canary manifest": canaries, "dataset": data})
     s = insert_canaries(load_manifest(canaries), data, output, fmt=fmt, field=field, repeats=repeat, seed=seed,
-                        force=force)
+                        force=force, user_field=user_field)
     summary = {"command": "canaries insert", "output": str(s.output), "original_examples": s.original_examples,
                "inserted": s.inserted, "repeats": s.repeats}
     emit(summary, as_json, f"wrote {s.output}: {s.original_examples} examples + {s.inserted} canary copies "

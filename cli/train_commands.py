@@ -33,7 +33,7 @@ from dpaudit.training.distributed import launch_rank
 from dpaudit.training.methods import METHODS
 from dpaudit.training.runner import TrainConfig, check_inputs as run_checks, train
 from dpaudit.workflows.audit_run import (
-    AuditRunSettings, black_box_recipe, resolve_recipe, run_audit, white_box_canaries,
+    USER_HELD_OUT, AuditRunSettings, black_box_recipe, resolve_recipe, run_audit, white_box_canaries,
 )
 from dpaudit.workflows.replay import default_tolerance, max_weight_difference, replay_run
 
@@ -199,7 +199,8 @@ def train_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Fine-tune a local causal LM with DP-ZO or DP-SGD (sigma calibrated to --eps) or a non-private baseline. With
-    --unit user the claim is a user's (ELS: records sampled and clipped as usual, accounted per user)."""
+    --unit user the claim is a user's (ELS: records sampled and clipped as usual, accounted per user; ULS: users
+    sampled, each user's mean gradient clipped as one)."""
 
     if resume:  # the run folder knows how it was started: only the flags that change need repeating
         given = _resumed_flags(out, dict(method=method, eps=eps, sigma=sigma, delta=delta, mech=mech, clip=clip,
@@ -220,7 +221,7 @@ def train_cmd(
                       records_per_user=records_per_user, user_sampling=user_sampling)
     refuse_overlap(out, {"model": model, "dataset": data}, folder_output=True)
     set_threads(threads)
-    texts = _user_texts(data, data_format, field, user_field, cfg, as_json)
+    texts, users = _user_texts(data, data_format, field, user_field, cfg, as_json)
     if check_inputs:
         _check_inputs(model, out, texts, resume)
 
@@ -228,7 +229,7 @@ def train_cmd(
         emit({"command": "train", "inputs": "usable", "examples": len(texts)}, as_json,
              f"inputs usable: {len(texts)} examples, model {model}, run folder {out}")
         return
-    result = train(model, texts, out, cfg, resume=resume, show_progress=not as_json)
+    result = train(model, texts, out, cfg, resume=resume, show_progress=not as_json, users=users)
     if launch_rank() != 0:  # under torchrun rank 0 answers: one --json document, not one a rank
         return
     privacy = (f"eps <= {fmt(result.epsilon)} at delta = {result.delta:g} (sigma {fmt(result.sigma)}, "
@@ -237,16 +238,17 @@ def train_cmd(
          f"trained {result.steps} steps of {method} in {result.seconds:.1f} s; {privacy}; model: {result.model_dir}")
 
 
-def _user_texts(data: Path, data_format, field: str, user_field: str, cfg, as_json: bool) -> list[str]:
-    """The training texts; for a user-level run, each user's records capped at k (core/users.py), said."""
+def _user_texts(data: Path, data_format, field: str, user_field: str, cfg, as_json: bool):
+    """(texts, users): the training texts and, for a user-level run, whose each is, each user's records capped at
+    k (core/users.py), said; users None at the example level."""
     fmt = detect_format(data, data_format)
     if not cfg.privacy_unit.user_level:
-        return read_texts(data, fmt, field)
+        return read_texts(data, fmt, field), None
     capped = cap_records(*read_user_texts(data, fmt, field, user_field), cfg.privacy_unit.records, cfg.seed)
     if not as_json:
         console.print(f"user level: {capped.user_count} users; {capped.dropped} of {capped.read} records dropped by "
                       f"the cap of {cfg.privacy_unit.records} a user", highlight=False)
-    return capped.texts
+    return capped.texts, capped.users
 
 
 def _check_inputs(model: Path, out: Path, texts: list[str], resume: bool) -> None:
@@ -320,13 +322,18 @@ def audit_run(
     stop_on_divergence: DivergenceOpt = False,
     noise: TrainNoiseOpt = None,
     threads: ThreadsOpt = None,
-    repeat: Annotated[int, typer.Option("--repeat", "-r", help="Copies of each member canary.")] = 1,
+    repeat: Annotated[int, typer.Option("--repeat", "-r", help="Copies of each member canary; with --held-out (the "
+                                                               "default under --unit user), records of each canary user.")] = 1,
     prefix_length: Annotated[Optional[int], typer.Option(
         "--prefix-length", help="Random tokens before each canary's secret (default 1: a longer prefix is more loss "
                                 "to learn, whose gradient crowds the secret's row out of the clipped norm).")] = None,
     unsafe_disable_noise: Annotated[bool, typer.Option(
         "--unsafe-disable-noise", hidden=True, help="Testing only: claim eps but add no noise.")] = False,
-    unit: UnitOpt = "example", records_per_user: RecordsOpt = None,
+    unit: UnitOpt = "example", records_per_user: RecordsOpt = None, user_sampling: UserSamplingOpt = None,
+    held_out: Annotated[Optional[int], typer.Option(
+        "--held-out", help="Black box: canary users, each of --repeat records (distinct prefixes, one secret) and this "
+                           "many held-out records never trained, scored by user inference (Kandpal et al. 2023) "
+                           "beside the per-record score, each at alpha/2. Default 4 with --unit user, else 0.")] = None,
     canary_records: Annotated[int, typer.Option(
         "--canary-records", help="--white-box: records of each canary, a canary user (each record sampled and "
                                  "clipped as an example; at most --records-per-user for a user-level claim). Against "
@@ -349,7 +356,10 @@ def audit_run(
                       unsafe_disable_noise=unsafe_disable_noise,
                       plant_bug=plant_bug, per_sample_grads=per_sample_grads, micro_batch=micro_batch,
                       max_memory=max_memory, shard=shard, stop_on_divergence=stop_on_divergence, model=model,
-                      noise=noise, unit=unit, records_per_user=records_per_user)
+                      noise=noise, unit=unit, records_per_user=records_per_user, user_sampling=user_sampling)
+    if cfg.uls and not white_box:
+        raise DPAuditError("audit run audits a ULS run with --white-box (its canary users join the sampled users); "
+                           "black-box canaries are records, sampled at the example level")
     if cfg.privacy_unit.user_level and data is not None:
         raise DPAuditError("audit run --unit user trains on the synthetic data (one record a user) and its canary "
                            "users; for your own data's users, train with `dpaudit train --unit user` and audit the "
@@ -357,6 +367,11 @@ def audit_run(
     if cfg.privacy_unit.user_level and repeat > cfg.privacy_unit.records:
         raise DPAuditError(f"--repeat {repeat} makes canary users of {repeat} records, over --records-per-user "
                            f"{cfg.privacy_unit.records}: the user-level claim does not cover them")
+    if held_out is None:
+        held_out = USER_HELD_OUT if cfg.privacy_unit.user_level and not white_box else 0
+    if held_out and white_box:
+        raise DPAuditError("--held-out is for black-box canary users; a white-box canary user's records are "
+                           "--canary-records")
     if white_box:
         cfg = dataclasses.replace(cfg, white_box=canaries or white_box_canaries(cfg), canary_records=canary_records)
     elif canary_records != 1:
@@ -368,7 +383,8 @@ def audit_run(
     refuse_overlap(out, {"model": model, "dataset": data}, folder_output=True)
     if prefix_length is not None and not 1 <= prefix_length <= 64:
         raise DPAuditError(f"--prefix-length must be in [1, 64], got {prefix_length}")
-    settings = AuditRunSettings(canaries=canaries or 1000, repeats=repeat, examples=recipe.examples, seed=seed,
+    settings = AuditRunSettings(canaries=canaries or 1000, repeats=repeat, held_out=held_out,
+                                examples=recipe.examples, seed=seed,
                                 prefix_length=prefix_length or NEW_TOKEN_PREFIX, logit_step=recipe.logit_step,
                                 logit_noise=recipe.logit_noise, phi_from_model=recipe.phi_from_model)
     audit, result, summary = run_audit(out, cfg, settings, model=model, data=data, data_format=data_format,

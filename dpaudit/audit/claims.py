@@ -72,7 +72,9 @@ def run_claims(path: Path) -> dict | None:
             return {"source": str(folder), "method": cfg.method, "delta": cfg.delta,
                     "epsilon": ledger.claimed_epsilon if ledger is not None else None,
                     "sigma": record.sigma, "sampling rate p": record.sampling_rate, "steps": cfg.steps,
-                    "mechanism": cfg.mechanism, "white_box": bool(cfg.white_box)}
+                    "mechanism": cfg.mechanism, "white_box": bool(cfg.white_box),
+                    **({"privacy unit": "user", "records per user": cfg.records_per_user}
+                       if cfg.unit == "user" else {})}
         probe = _record(folder, probe=True)
         if probe is not None:
             return {"source": str(folder), "delta": probe.delta, "epsilon": probe.claimed_epsilon,

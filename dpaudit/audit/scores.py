@@ -23,6 +23,8 @@ SCORES = {s.name: s for s in (
     Score("neg-loss", "-loss of the secret token given its prefix (black box)"),
     Score("loss-vs-base", "loss of the secret on the base model minus on the audited model (black box, "
                           "difficulty-calibrated)"),
+    Score("user-inference", "mean over a canary user's held-out records (never trained) of the secret's loss on the "
+                            "base model minus on the audited model: user inference, Kandpal et al. 2023 (black box)"),
     Score("white-box-dp-sgd", "sum over steps of each released noisy gradient's alignment with the canary's "
                               "signed gradient direction, in units of C (white box)", True, True),
     Score("white-box-dp-zo", "correlation of the released DP-ZO scalars with the canary's sign pattern, in units "

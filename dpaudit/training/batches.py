@@ -53,6 +53,31 @@ def cyclic_source(bands: int, groups: np.ndarray | None = None):
     return source
 
 
+def user_source(owners: np.ndarray):
+    """ULS batches (accounting/unit.py): each user joins a step independently with probability ``rate``, bringing
+    all its (capped) records; ``owners`` [N] is each record's user index. The step's record indices come grouped by
+    user, so a chunk of whole users can be cut from them (data.split_users). With q = B / N, a step holds B records
+    in expectation, as under record sampling, and the accountant's rate is q: a user is accounted as an example."""
+
+    owners = np.asarray(owners)
+    order = np.argsort(owners, kind="stable")
+    users, starts = np.unique(owners[order], return_index=True)
+    bounds = np.append(starts, owners.size)
+
+    def source(n: int, batch_size: int, secret: int, rng: np.random.Generator):
+        if n != owners.size:
+            raise ValueError(f"{owners.size} owners for {n} records")
+        rate = batch_size / n
+
+        def draw(step: int) -> np.ndarray:
+            chosen = np.flatnonzero(rng.random(users.size) < rate)
+            return np.concatenate([order[bounds[u]:bounds[u + 1]] for u in chosen]) if chosen.size else order[:0]
+
+        return draw
+
+    return source
+
+
 def fixed_order_source(n: int, batch_size: int, secret: int, rng: np.random.Generator):
     """Epochs in one fixed order, for BLT's ``order=fixed`` (accounting/matrix/strategy.py: participation): a
     permutation of the N examples drawn once from the run's allocation secret (kept across resumes: a new order

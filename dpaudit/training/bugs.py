@@ -29,6 +29,7 @@ class Bug:
     public_noise: bool = False     # noise drawn from the public per-step seed (the log reveals it)
     remove_only: bool = False      # sigma calibrated on the remove direction alone
     example_level: bool = False    # a user-level run accounted (calibrated and claimed) one record at a time
+    per_user: bool = False         # a ULS run that clips each record, not each user's gradient as one
 
 
 BUGS = {b.name: b for b in (
@@ -41,6 +42,8 @@ BUGS = {b.name: b for b in (
     Bug("remove-only", "sigma calibrated with the remove direction only (add/remove max ignored)", remove_only=True),
     Bug("example-level-claim", "a user-level run (--unit user, k records a user) accounted at the example level: its "
         "eps quoted as if it covered users", example_level=True),
+    Bug("uls-example-clipping", "a ULS run (users sampled, accounted as one clipped unit each) that clips each record "
+        "instead of each user's gradient: a user of k records moves the sum by up to k C", per_user=True),
 )}
 NO_BUG = Bug("none", "no planted bug")
 
@@ -60,6 +63,14 @@ class RealisedBatch:
         return max(1, self.realised_batch or 0)
 
 
+class ExampleClipping:
+    """ULS with each record clipped on its own (``clips_per_user`` of both trainers): a user's records add up to
+    k C, where the accountant counts C."""
+
+    def clips_per_user(self) -> bool:
+        return False
+
+
 class PublicNoise:
     """The noise drawn from the step's public seed, which the (seed, scalar) log reveals."""
 
@@ -72,7 +83,8 @@ def seams(bug: Bug | None) -> tuple[type, ...]:
     if bug is None:
         return ()
     return tuple(mixin for flag, mixin in ((bug.skip_clipping, NoClipping), (bug.actual_batch, RealisedBatch),
-                                           (bug.public_noise, PublicNoise)) if flag)
+                                           (bug.public_noise, PublicNoise), (bug.per_user, ExampleClipping))
+                 if flag)
 
 
 def planted(cls: type, bug: Bug | None) -> type:

@@ -68,6 +68,33 @@ def split(batch: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.Ten
     return [{k: v[i:i + size] for k, v in batch.items()} for i in range(0, n, size)] or [batch]
 
 
+def split_users(batch: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.Tensor]]:
+    """The batch in consecutive chunks of whole users (``batch["user"]``, each user's rows adjacent), at most
+    ``size`` rows a chunk unless one user alone holds more (0: one chunk): a user clipped as one must have all its
+    rows in one chunk, or each part would be clipped on its own."""
+    n = batch["input_ids"].shape[0]
+    if not size or n <= size:
+        return [batch]
+    users = batch["user"].tolist()
+    ends = [i for i in range(1, n) if users[i] != users[i - 1]] + [n]   # where each user's rows end
+    cuts = [0]
+    for before, end in zip([0] + ends, ends):   # a user's rows: before..end
+        if end - cuts[-1] > size and before > cuts[-1]:
+            cuts.append(before)                  # the chunk so far is full: this user starts the next
+    cuts.append(n)
+    return [{k: v[a:b] for k, v in batch.items()} for a, b in zip(cuts, cuts[1:])]
+
+
+def user_means(values: torch.Tensor, users: torch.Tensor) -> torch.Tensor:
+    """The mean of ``values`` [n, ...] over each user's rows (``users`` [n]), one row a user present, in the order
+    of ``torch.unique``."""
+    _, inverse = torch.unique(users, return_inverse=True)
+    count = int(inverse.max()) + 1 if inverse.numel() else 0
+    sums = values.new_zeros((count, *values.shape[1:])).index_add_(0, inverse.to(values.device), values)
+    rows = torch.bincount(inverse, minlength=count).to(values.device, values.dtype)
+    return sums / rows.view(-1, *([1] * (values.dim() - 1)))
+
+
 def padded_chunks(batch: dict[str, torch.Tensor], size: int, passes: int) -> list[tuple[dict, bool]]:
     """(chunk, real) pairs: the batch's chunks of at most ``size`` examples, then placeholder chunks (one
     example, no target token, its result ignored) up to ``passes`` in all. Ranks of a sharded model

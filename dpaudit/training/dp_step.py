@@ -3,6 +3,7 @@
 front of an Opacus optimizer class that splits those calls into the seams an audit and a planted bug need:
 
     clip_norm()          the norm each example is clipped at (Opacus' max_grad_norm)
+    clips_per_user()     ULS: each user's records averaged into one gradient before clipping (user_level_samples)
     join_clipped_sum()   what joins the clipped sum before the noise: the white-box canaries (``probe``)
     noise_std()          sigma x C
     draw_noise(ts, s)    N(0, s^2) added to the tensors in place (tensor i from index i of the step's position-
@@ -34,9 +35,15 @@ class DPStep(ProbeSeams):
     noise_key: int = 0           # the step's noise stream (streams.step_key), set per step
     realised_batch: int | None = None  # the step's realised batch size, set per step (read by RealisedBatch)
 
+    per_user: bool = False       # ULS: each user's rows are one unit, clipped as one (set by the trainer)
+
     # -- the seams ---------------------------------------------------------------------------------------
     def clip_norm(self) -> float:
         return self.max_grad_norm
+
+    def clips_per_user(self) -> bool:
+        """ULS: the per-example gradients of a user's records are averaged into one before clipping."""
+        return self.per_user
 
     def join_clipped_sum(self) -> None:
         if self.probe is not None:  # canaries join once: rank 0's sum, as its noise does

@@ -50,7 +50,7 @@ class TrainerSetup:
     params: list
     run_dir: Any
     rate: float              # the Poisson sampling rate p
-    batch_size: int          # the expected batch size
+    batch_size: float        # the expected batch size: records, or under ULS users (the noisy sum's divisor)
     noise_sigma: float       # the noise multiplier actually added (0 when noise is disabled)
     secret: int              # the run's secret seed (noise keys)
     start: int               # first step of this (re)start
@@ -101,7 +101,8 @@ def _dp_zo(s: TrainerSetup) -> Trainer:
         run_folder.truncate_log(log_path, s.start)
     return planted(ZOTrainer, cfg.bug)(s.model, s.params, zo, run_seed=cfg.seed, expected_batch=s.batch_size,
                                        private=cfg.private, rng=s.rng, log_path=log_path if s.main else None,
-                                       canaries=s.canaries, clip=cfg.clip, all_sum=s.world.sum, sharding=s.sharding)
+                                       canaries=s.canaries, clip=cfg.clip, all_sum=s.world.sum, sharding=s.sharding,
+                                       per_user=cfg.uls)
 
 
 def _dp_sgd(s: TrainerSetup) -> Trainer:
@@ -115,7 +116,7 @@ def _dp_sgd(s: TrainerSetup) -> Trainer:
                              noise_seed=step_key(*attempt_seed(s.secret, s.start, s.released)),
                              optimizer=cfg.optimizer, world_size=s.world.size, probe=probe, bug=cfg.bug,
                              per_sample_grads=cfg.per_sample_grads, micro_batch=cfg.micro_batch,
-                             sharding=s.sharding, **_noise_filter(s))
+                             sharding=s.sharding, per_user=cfg.uls and cfg.private, **_noise_filter(s))
 
 
 def _noise_filter(s: TrainerSetup) -> dict:

@@ -84,7 +84,8 @@ class TrainConfig:
     noise: str | None = None             # correlated noise (accounting/matrix/strategy.py): bandmf,b=B; None: independent
     unit: str = "example"                # the privacy unit: example, or user (accounting/unit.py; the data's
     records_per_user: int | None = None  # user column says whose each record is, capped at k = this: core/users.py)
-    user_sampling: str | None = None     # user level: els (records sampled; the only one trained here) or uls
+    user_sampling: str | None = None     # user level: els (records sampled, each clipped) or uls (users sampled,
+    #                                      each user's mean gradient clipped as one; DP-SGD then materialises)
     # resolved from the fields above by __post_init__ (never given; dataclasses.replace resolves them again):
     bug: Any = field(default=None, init=False, repr=False, compare=False)       # the planted bug (training/bugs.py)
     strategy: Any = field(default=None, init=False, repr=False, compare=False)  # ``noise`` parsed, or None
@@ -120,11 +121,15 @@ class TrainConfig:
 
         self.bug = planted_bug(self.plant_bug, record, METHODS)
         self.privacy_unit = unit_from(self.unit, self.records_per_user, self.user_sampling)
-        if self.privacy_unit.algorithm == "ULS":
-            raise DPAuditError("the bundled trainers run user-level DP by example-level sampling (--user-sampling "
-                               "els: records sampled, each clipped, accounted per user); ULS (users sampled, each "
-                               "user's gradient clipped as one) is accounted by the accounting commands, not trained "
-                               "here")
+        if self.uls:   # users sampled, each user's mean gradient (DP-ZO: mean difference) clipped as one
+            why = ("Poisson batches (--sampling poisson: each user joins a step with probability q = B / N)"
+                   if self.sampling != "poisson" else "independent noise (not --noise)" if self.noise else None)
+            if why:
+                raise DPAuditError(f"ULS training (--user-sampling uls) needs {why}")
+            if record.per_example_gradients:   # each record's gradient is needed to form a user's (ghost norms are
+                self.per_sample_grads = "materialise"  # a record's); recorded in the run's settings
+        if self.bug.per_user and not self.uls:
+            raise DPAuditError(f"bug {self.plant_bug} plants in a ULS run (--unit user --user-sampling uls)")
         if self.privacy_unit.user_level and not self.private:
             raise DPAuditError("--unit user is a privacy claim: give --eps or --sigma")
         if self.white_box and not self.private:
@@ -162,6 +167,11 @@ class TrainConfig:
     @property
     def private(self) -> bool:
         return self.sigma is not None or math.isfinite(self.target_epsilon)
+
+    @property
+    def uls(self) -> bool:
+        """User-level sampling: users Poisson-sampled, each clipped as one (the trainers' ``clips_per_user``)."""
+        return self.privacy_unit.algorithm == "ULS"
 
 
 def _correlated(cfg: "TrainConfig", strategy, record):
@@ -232,10 +242,10 @@ def _save_checkpoint(run_dir: Path, model, tokenizer, state: run_record.Checkpoi
 
 
 def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *, resume: bool = False,
-          show_progress: bool = True, step: StepCheck | None = None) -> TrainResult:
+          show_progress: bool = True, step: StepCheck | None = None, users: list[str] | None = None) -> TrainResult:
     """Train into ``run_dir``, holding its lock (rank 0 of a distributed run) so no second run writes there.
     ``step``: the caller's pre-flight check of this model and these texts (``preflight.check_model``), not made
-    again."""
+    again. ``users``: whose each text is (a ULS run samples them; capped at k by core/users.cap_records)."""
 
     main_process = launch_rank() == 0
     run_dir = Path(run_dir)
@@ -243,7 +253,7 @@ def train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *,
     estimate = preflight(model_dir, cfg, len(texts), texts=texts, step=step) if main_process else None
     with folder_lock(run_dir) if main_process else nullcontext():
         return _train(model_dir, texts, run_dir, cfg, resume=resume, show_progress=show_progress,
-                      estimate=estimate)
+                      estimate=estimate, users=users)
 
 
 def check_run_folder(run_dir: Path, resume: bool) -> None:
@@ -279,6 +289,7 @@ class _Run:
     rng: Any
     sharded: bool
     secret: int = 0                   # balls-in-bins batches are drawn from it by epoch (_allocation_secret)
+    owners: Any = None                # ULS: each example's user index (member canary users after the data's)
 
     @property
     def n(self) -> int:  # member canaries are examples too
@@ -286,7 +297,7 @@ class _Run:
 
 
 def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *, resume: bool,
-           show_progress: bool, estimate: int | None = None) -> TrainResult:
+           show_progress: bool, estimate: int | None = None, users: list[str] | None = None) -> TrainResult:
     """Open the run folder (resume policy: resume.py), assemble the run, run its steps, finish it."""
 
     world = setup_world()
@@ -294,7 +305,7 @@ def _train(model_dir: Path, texts: list[str], run_dir: Path, cfg: TrainConfig, *
     opening = open_run(run_dir, model_dir, cfg, resume, world)
     if len(texts) < 2:
         raise DPAuditError("the training set needs at least 2 examples")
-    run = _assemble(opening, texts, run_dir, cfg, world, estimate)
+    run = _assemble(opening, texts, run_dir, cfg, world, estimate, users)
     began = time.perf_counter()
     last_loss, watch = _loop(run, show_progress)
     result = _finish(run, last_loss, watch, time.perf_counter() - began)
@@ -317,9 +328,14 @@ def _load_model(model_dir, cfg: TrainConfig, world, sharded: bool):
     return model, tokenizer, rows, Sharding(world.size, world.sum)
 
 
-def _assemble(opening, texts: list[str], run_dir: Path, cfg: TrainConfig, world, estimate: int | None) -> _Run:
+def _assemble(opening, texts: list[str], run_dir: Path, cfg: TrainConfig, world, estimate: int | None,
+              users: list[str] | None = None) -> _Run:
     """Model, data, canaries, the privacy plan and its ledger, the run's description, and the trainer."""
 
+    if cfg.uls and (users is None or len(users) != len(texts)):
+        raise DPAuditError("a ULS run samples users: give each record's user (train --user-field)")
+    if cfg.uls and world.size > 1:
+        raise DPAuditError("ULS training runs in one process (several ranks would clip parts of one user apart)")
     sharded = cfg.shard and world.size > 1
     model, tokenizer, rows, sharding = _load_model(opening.model_dir, cfg, world, sharded)
     params = trainable_parameters(model)
@@ -334,6 +350,9 @@ def _assemble(opening, texts: list[str], run_dir: Path, cfg: TrainConfig, world,
             canaries.place(sum(p.numel() for p in params))
     n = len(data) + (len(canaries.member_records) if canaries else 0)
     batch_size = batch_of(cfg, n)
+    owners = _owners(users, canaries) if cfg.uls else None
+    # the noisy sum's divisor: the expected records a step, or under ULS the expected users (q times the users)
+    units = batch_size if owners is None else batch_size / n * (int(owners.max()) + 1)
     plan, ledger, discarded = _privacy(opening, texts, run_dir, cfg, world, n, batch_size / n)
     stream = _direction_stream(run_dir, opening.start, params[0].device)
     if world.is_main:  # only rank 0 writes: ledger, log, checkpoints, model
@@ -348,7 +367,7 @@ def _assemble(opening, texts: list[str], run_dir: Path, cfg: TrainConfig, world,
             canaries.save(run_dir)
     rng = np.random.default_rng(attempt_seed(secret, opening.start, opening.released_before))
     trainer = METHODS[cfg.method].build(TrainerSetup(
-        cfg=cfg, model=model, params=params, run_dir=run_dir, rate=batch_size / n, batch_size=batch_size,
+        cfg=cfg, model=model, params=params, run_dir=run_dir, rate=batch_size / n, batch_size=units,
         noise_sigma=0.0 if cfg.unsafe_disable_noise else plan.noise_sigma(cfg.bug), secret=int(secret),
         start=opening.start, main=world.is_main, canaries=canaries, world=world, sharding=sharding, rng=rng,
         stream=stream, released=opening.released_before, strategy=plan.mechanism.strategy if plan.private else None))
@@ -356,7 +375,18 @@ def _assemble(opening, texts: list[str], run_dir: Path, cfg: TrainConfig, world,
     allocation = _allocation_secret(opening, run_dir, cfg, world, int(secret), max(1, n // batch_size))
     return _Run(run_dir=run_dir, cfg=cfg, world=world, start=opening.start, model=model, tokenizer=tokenizer,
                 data=data, n_real=len(data), canaries=canaries, rate=batch_size / n, plan=plan, ledger=ledger,
-                discarded=discarded, trainer=trainer, rng=rng, sharded=sharded, secret=allocation)
+                discarded=discarded, trainer=trainer, rng=rng, sharded=sharded, secret=allocation, owners=owners)
+
+
+def _owners(users: list[str], canaries) -> np.ndarray:
+    """Each example's user index: the data's users in order of appearance, then one user a member canary (its
+    ``records`` records, member_records' order)."""
+    index: dict[str, int] = {}
+    own = np.array([index.setdefault(u, len(index)) for u in users], dtype=np.int64)
+    if canaries is None:
+        return own
+    extra = len(index) + np.repeat(np.arange(canaries.member_ids.size), canaries.records)
+    return np.concatenate([own, extra])
 
 
 def _direction_stream(run_dir: Path, start: int, device) -> str:
@@ -517,7 +547,8 @@ def _loop(run: _Run, show_progress: bool):
     bandmf = cfg.strategy is not None and cfg.strategy.family == "bandmf"
     groups = None if not bandmf else np.concatenate(
         [np.arange(run.n_real), canaries.member_ids if canaries else np.zeros(0, int)]) % cfg.strategy.bands
-    drawer = batch_sources.cyclic_source(cfg.strategy.bands, groups) if bandmf else source(cfg.sampling).draw
+    drawer = (batch_sources.cyclic_source(cfg.strategy.bands, groups) if bandmf
+              else batch_sources.user_source(run.owners) if run.owners is not None else source(cfg.sampling).draw)
     draw = drawer(run.n, cfg.batch_size or run.n, run.secret, run.rng) if cfg.private else None
     last_loss, interrupted_at, watch = None, run.start, DivergenceWatch()
     label = f"{cfg.method}{'' if cfg.private else ' (non-private)'}"
@@ -529,6 +560,8 @@ def _loop(run: _Run, show_progress: bool):
                 sampled = canaries.member_records[idx[idx >= run.n_real] - run.n_real] if canaries else idx[:0]
                 mine = world.shard(real)
                 batch = {k: v.to(world.device) for k, v in run.data.batch(mine).items()}
+                if run.owners is not None:   # ULS: whose each row is (the trainers clip each user as one)
+                    batch["user"] = torch.as_tensor(run.owners[real], device=world.device)
                 if world.is_main:  # written ahead: the step is spent before anything it releases is written
                     ledger.record(step + 1 + run.discarded, steps_in_model=step)
                 interrupted_at = step

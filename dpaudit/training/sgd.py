@@ -18,17 +18,22 @@ clipping in ghost.py, per-example gradients of each layer kind in per_example.py
 
 Micro-batches (``micro_batch``): one logical Poisson batch is processed in chunks whose clipped
 sums add up before the single noise draw, so accounting, noise and update are those of one batch.
+
+ULS (``per_user``; accounting/unit.py): the batch holds every record of each sampled user, users whole in each
+chunk (data.split_users); each user's per-example gradients are averaged into one row (data.user_means), which
+Opacus then clips to C like an example's. The materialised route only: ghost norms are a record's.
 """
 
 from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import torch
 from opacus import optimizers as dp
 
 from dpaudit.core.errors import DPAuditError
-from dpaudit.training.data import padded_chunks, per_example_loss, split
+from dpaudit.training.data import padded_chunks, per_example_loss, split, split_users, user_means
 from dpaudit.training.heap import release_freed
 from dpaudit.training.per_example import materialising_module, supported_for_dp_sgd
 from dpaudit.training.streams import step_key
@@ -86,7 +91,7 @@ class FirstOrderTrainer:
     def __init__(self, model, params, *, lr: float, private: bool, clip: float = 1.0, sigma: float = 0.0,
                  expected_batch_size: int = 1, noise_seed: int = 0, optimizer: str = "adamw",
                  world_size: int = 1, probe=None, bug=None, per_sample_grads: str = "ghost",
-                 micro_batch: int = 0, sharding=None, noise_coefs=None, noise_blt=None) -> None:
+                 micro_batch: int = 0, sharding=None, noise_coefs=None, noise_blt=None, per_user: bool = False) -> None:
         if per_sample_grads not in PER_SAMPLE_GRADS:
             raise ValueError(f"unknown per-sample-grads mode {per_sample_grads!r}; use ghost or materialise")
         self.private, self.params = private, params
@@ -103,6 +108,10 @@ class FirstOrderTrainer:
         self.base_optimizer = base
         if private:
             self.optimizer = self._dp_optimizer(base, clip, sigma, expected_batch_size, probe, bug)
+            if per_user:   # ULS: each user's records' gradients averaged, then clipped as one (materialised)
+                if self.ghost or sharding is not None:
+                    raise ValueError("per-user clipping needs materialised per-example gradients in one process")
+                self.optimizer.per_user = True
             self.model = self._per_example_module(model)
         else:
             self.model, self.optimizer = model, base
@@ -163,7 +172,13 @@ class FirstOrderTrainer:
             losses.mean().backward()  # Opacus' loss_reduction="mean" matches this
         return losses.detach()
 
+    @property
+    def clips_per_user(self) -> bool:
+        return self.private and self.optimizer.clips_per_user()
+
     def _chunks(self, batch, global_batch_size) -> list[tuple[dict, bool]]:
+        if self.clips_per_user:   # a user's rows in one chunk, or each part would be clipped on its own
+            return [(chunk, True) for chunk in split_users(batch, self.micro_batch)]
         if self.sharding is not None:
             return padded_chunks(batch, self.micro_batch,
                                  self.sharding.passes(global_batch_size or 0, self.micro_batch))
@@ -196,6 +211,9 @@ class FirstOrderTrainer:
                 chunk_losses = self._clipped_backward(chunk, real)
                 if real:
                     losses.append(chunk_losses)
+                if self.clips_per_user:   # one row a user: the mean of its records' gradients, clipped next
+                    for p in self.params:
+                        p.grad_sample = user_means(p.grad_sample, chunk["user"])
                 if not self.ghost and k < len(chunks) - 1:
                     # materialise: clip this chunk into p.summed_grad now and free its per-example
                     # gradients; the last chunk is clipped by optimizer.step() as usual.
@@ -226,8 +244,8 @@ class FirstOrderTrainer:
 
     def run_step(self, step: int, batch, n_sampled: int, sampled_canaries) -> float:
         self.step_index = step
-        if self.probe is not None:
-            self.probe.begin(step, sampled_canaries)
+        if self.probe is not None:   # ULS: a canary user's records join as one clipped canary
+            self.probe.begin(step, np.unique(sampled_canaries) if self.clips_per_user else sampled_canaries)
         return self.step(batch, n_sampled)
 
     def close(self) -> None:

@@ -19,7 +19,7 @@ import json
 import numpy as np
 import torch
 
-from dpaudit.training.data import padded_chunks, per_example_loss
+from dpaudit.training.data import padded_chunks, per_example_loss, user_means
 from dpaudit.training.directions import DEFAULT_DIRECTION, DIRECTIONS, STREAM_KIND
 from dpaudit.training.frozen_trunk import loss_function
 from dpaudit.training.shard import local_slices
@@ -144,14 +144,15 @@ def apply_update(params, seed: int, scalar: float, lr: float, scale: float, stre
 
 def zo_step(model, params, batch, seed: int, settings: ZOSettings, denominator: float,
             rng: np.random.Generator, all_sum=lambda x: x, canary_diffs: torch.Tensor | None = None,
-            shard_sum=None, passes: int = 0, loss_fn=None) -> tuple[float, float]:
+            shard_sum=None, passes: int = 0, loss_fn=None, users: torch.Tensor | None = None) -> tuple[float, float]:
     """One step; returns (s, mean loss around theta on this process's examples: NaN if it had none).
 
     ``all_sum`` adds the clipped sums of all data-parallel ranks (a few bytes); every rank draws the
     same noise from the same generator, so every rank applies the same update. ``canary_diffs`` are
     the loss differences of the sampled white-box canaries (the same on every rank, so added once),
     clipped like every example's. Sharded weights (``shard_sum`` adds over the ranks, ``passes`` forwards
-    each way on every rank): each rank perturbs and updates its own shard with its slice of z.
+    each way on every rank): each rank perturbs and updates its own shard with its slice of z. ``users`` (ULS):
+    each row's user; a user's differences are averaged into one before clipping.
     """
     stream = settings.stream
     scale = direction_scale(params, seed, settings.direction, stream, shard_sum or (lambda x: x))
@@ -162,7 +163,8 @@ def zo_step(model, params, batch, seed: int, settings: ZOSettings, denominator: 
         plus, minus = perturbed_losses(model, params, batch, seed, settings.phi, scale, settings.micro_batch,
                                        stream, passes, settings.direction, loss_fn)
         restore = settings.phi * scale
-    total = all_sum(clipped_sum(plus - minus, settings.example_clip))
+    diffs = plus - minus if users is None or not plus.numel() else user_means(plus - minus, users)
+    total = all_sum(clipped_sum(diffs, settings.example_clip))
     if canary_diffs is not None:
         total += clipped_sum(canary_diffs, settings.example_clip)
     s = privatize(total, settings, denominator, rng)
@@ -184,7 +186,7 @@ class ZOTrainer:
 
     def __init__(self, model, params, settings: ZOSettings, *, run_seed: int, expected_batch: int, private: bool,
                  rng: np.random.Generator, log_path=None, canaries=None, clip: float = 1.0,
-                 all_sum=lambda x: x, sharding=None):
+                 all_sum=lambda x: x, sharding=None, per_user: bool = False):
         self.model, self.params, self.settings = model, params, settings
         self.settings = replace(settings, clip_examples=self.clip_norm() == settings.clip)
         # Dropout off (as MeZO does): the two forwards of a step must evaluate one function, or their
@@ -197,11 +199,16 @@ class ZOTrainer:
         self.run_seed, self.expected_batch, self.private = run_seed, expected_batch, private
         self.rng, self.canaries, self.clip, self.all_sum = rng, canaries, clip, all_sum
         self.realised_batch = 0
+        self.per_user = per_user   # ULS (the runner's user_source batches carry each row's user)
         self.log = open(log_path, "a", encoding="utf-8") if log_path is not None else None
 
     # -- the seams ---------------------------------------------------------------------------------------
     def clip_norm(self) -> float | None:
         return self.settings.clip
+
+    def clips_per_user(self) -> bool:
+        """ULS: a user's loss differences averaged into one, clipped to [-C, C] as one."""
+        return self.per_user
 
     def divisor(self) -> float:
         return self.expected_batch if self.private else max(1, self.realised_batch)
@@ -218,6 +225,9 @@ class ZOTrainer:
         seed = public_seed(self.run_seed, step)
         self.realised_batch = n_sampled
         diffs = None
+        per_user = self.clips_per_user()
+        if per_user:   # a canary user's records join as one clipped difference
+            sampled_canaries = np.unique(sampled_canaries)
         if len(sampled_canaries):
             c = self.canaries
             diffs = torch.as_tensor(c.gain * self.clip * c.signs(step)[sampled_canaries])
@@ -226,7 +236,7 @@ class ZOTrainer:
                                self.noise_rng(seed), self.all_sum, canary_diffs=diffs,
                                shard_sum=self.sharding.sum if sharded else None,
                                passes=self.sharding.passes(n_sampled, self.settings.micro_batch) if sharded else 0,
-                               loss_fn=self.loss_fn)
+                               loss_fn=self.loss_fn, users=batch.get("user") if per_user else None)
         self.on_release(step, seed, scalar)
         return loss
 

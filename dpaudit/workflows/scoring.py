@@ -26,16 +26,29 @@ def secret_losses(model, tokenizer, manifest: Manifest, batch_size: int = 32, sh
     return _loss_of_tails(model, tokenizer, rows, batch_size, show_progress, description)
 
 
-def _new_token_rows(tokenizer, manifest: Manifest) -> list[tuple[list[int], list[int]]]:
-    """(the ids before the secret token, [its id]) per canary."""
+def _new_token_rows(tokenizer, manifest: Manifest, held_out: bool = False) -> list[tuple[list[int], list[int]]]:
+    """(the ids before the secret token, [its id]) per canary; ``held_out``: per held-out record of each canary
+    user, canary by canary."""
     rows = []
     for c, sid in zip(manifest.canaries, tokenizer.convert_tokens_to_ids(manifest.secrets)):
-        ids = tokenizer(c.text, add_special_tokens=False)["input_ids"]
-        where = [i for i, t in enumerate(ids) if t == sid]
-        if not where or where[-1] == 0:
-            raise DPAuditError(f"canary {c.index}: its secret is not a separate token after a prefix")
-        rows.append((ids[:where[-1]], [sid]))
+        for text in ([p + c.secret for p in c.held_out] if held_out else [c.text]):
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            where = [i for i, t in enumerate(ids) if t == sid]
+            if not where or where[-1] == 0:
+                raise DPAuditError(f"canary {c.index}: its secret is not a separate token after a prefix")
+            rows.append((ids[:where[-1]], [sid]))
     return rows
+
+
+def held_out_losses(model, tokenizer, manifest: Manifest, batch_size: int = 32, show_progress: bool = True) -> np.ndarray:
+    """[m, h]: the secret's loss after each of a canary user's h held-out prefixes (records never trained)."""
+    h = len(manifest.canaries[0].held_out)
+    if manifest.kind != "new-token" or not h:
+        raise DPAuditError("the user-inference score needs new-token canary users with held-out records "
+                           "(audit run --unit user, or --held-out)")
+    rows = _new_token_rows(tokenizer, manifest, held_out=True)
+    return _loss_of_tails(model, tokenizer, rows, batch_size, show_progress,
+                          "scoring held-out records").reshape(len(manifest.canaries), h)
 
 
 def _span_rows(tokenizer, manifest: Manifest, contexts) -> list[tuple[list[int], list[int]]]:
@@ -84,7 +97,10 @@ def score_checkpoint(model_dir, manifest: Manifest, *, score: str = "neg-loss", 
                      **kwargs) -> tuple[np.ndarray, np.ndarray]:
     """(scores, members), higher = member: score "neg-loss" is -loss of the secret on the model; "loss-vs-base"
     is its loss on ``base`` (the model before training) minus on the model, which removes how hard each
-    canary's prefix makes its secret to begin with. Each tokenizer is checked against the manifest."""
+    canary's prefix makes its secret to begin with; "user-inference" (canary users) is the mean over each user's
+    held-out records, never trained, of that difference: the user-inference statistic of Kandpal et al. (2023),
+    the likelihood ratio of a user's other records under the model against a reference (``base``). Each tokenizer
+    is checked against the manifest."""
 
     def losses(where) -> np.ndarray:
         lm, tok = load_causal_lm(where)
@@ -92,11 +108,18 @@ def score_checkpoint(model_dir, manifest: Manifest, *, score: str = "neg-loss", 
         return secret_losses(lm, tok, manifest, **kwargs)
 
     members = np.array([c.member for c in manifest.canaries])
+    if score == "user-inference":   # Kandpal et al. 2023: a user's unseen records, model against reference
+        def held(where) -> np.ndarray:
+            lm, tok = load_causal_lm(where)
+            check_tokenizer_matches(tok, manifest, str(where))
+            return held_out_losses(lm, tok, manifest, **kwargs)
+
+        return (held(base) - held(model_dir)).mean(axis=1), members
     if score == "neg-loss":
         return -losses(model_dir), members
     if score == "loss-vs-base":
         return losses(base) - losses(model_dir), members
-    raise DPAuditError(f"unknown checkpoint score {score!r}; use neg-loss or loss-vs-base")
+    raise DPAuditError(f"unknown checkpoint score {score!r}; use neg-loss, loss-vs-base or user-inference")
 
 
 def score_for(trainable: str | None) -> str:

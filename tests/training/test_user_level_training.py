@@ -62,7 +62,7 @@ def test_a_user_level_run_is_accounted_per_user_and_says_so(tiny_model_dir, tmp_
     assert again.returncode == 2 and "records_per_user" in again.stderr
 
 
-@pytest.mark.parametrize("case", ["no user column", "plain text", "uls", "no k", "example run with k"])
+@pytest.mark.parametrize("case", ["no user column", "plain text", "no k", "example run with k"])
 def test_a_user_level_run_the_data_or_flags_cannot_make_is_refused_in_one_line(tiny_model_dir, tmp_path, case):
     data = _users_file(tmp_path, 6, 3, field="owner" if case == "no user column" else "user")
     if case == "plain text":
@@ -70,7 +70,6 @@ def test_a_user_level_run_the_data_or_flags_cannot_make_is_refused_in_one_line(t
         data.write_text("".join(f"note {i}\n" for i in range(20)))
     flags = {"no user column": ("--unit", "user", "--records-per-user", "2"),
              "plain text": ("--unit", "user", "--records-per-user", "2"),
-             "uls": ("--unit", "user", "--records-per-user", "2", "--user-sampling", "uls"),
              "no k": ("--unit", "user"),
              "example run with k": ("--records-per-user", "2")}[case]
     out = dpaudit("train", "--model", tiny_model_dir, "-d", data, "-o", tmp_path / "run", "--sigma", "1", "-B", "4",
