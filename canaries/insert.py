@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from dpaudit.core.atomic import atomic_write_text, guard_new_file
-from dpaudit.canaries.manifest import Manifest
+from dpaudit.canaries.manifest import CANARY_USER, Manifest
 from dpaudit.core.errors import DPAuditError
 from dpaudit.core.texts import detect_format, jsonl_text, physical_lines, read_file
 
@@ -45,9 +45,6 @@ def _csv_records(text: str, field: str, path: Path) -> tuple[list[str], list[str
     except csv.Error as exc:
         raise DPAuditError(f"{path}: not valid CSV ({exc})") from None
     return lines[:head_end], chunks, header
-
-
-CANARY_USER = "dpaudit-canary-{}"  # the user id a canary user's records carry (``user_field``)
 
 
 def insert_canaries(manifest: Manifest, data: Path, output: Path, *, fmt: str | None = None, field: str = "text",

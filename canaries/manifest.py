@@ -25,6 +25,7 @@ NEW_TOKEN_PREFIX = 1  # random tokens before a new-token secret: a longer prefix
 KINDS = ("new-token", "existing")  # a new vocabulary token (the model is extended), or a span of the model's own
 
 
+CANARY_USER = "dpaudit-canary-{}"  # the user id a canary user's records carry in a user-level dataset's user column
 MAX_USER_RECORDS = 64  # prefixes of a canary user (records trained plus held out): a user inference needs a few
 
 

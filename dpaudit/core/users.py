@@ -59,18 +59,18 @@ def read_user_texts(path: Path, fmt: str, field: str, user_field: str) -> tuple[
             if not isinstance(row, dict) or not isinstance(row.get(field), str):
                 raise DPAuditError(f"{path}:{n}: no text field {field!r} (choose it with --field)")
             texts.append(row[field])
-            users.append(_user_id(row.get(user_field), user_field, f"{path}:{n}"))
+            users.append(user_id(row.get(user_field), user_field, f"{path}:{n}"))
         return texts, users
     reader = csv_reader(text, field, path)
     if user_field not in (reader.fieldnames or []):
         raise DPAuditError(f"{path}: no column {user_field!r} to say whose each record is; choose it with --user-field")
     for n, row in enumerate(reader, 2):
         texts.append(row[field])
-        users.append(_user_id(row[user_field], user_field, f"{path}:{n}"))
+        users.append(user_id(row[user_field], user_field, f"{path}:{n}"))
     return texts, users
 
 
-def _user_id(value, field: str, where: str) -> str:
+def user_id(value, field: str, where: str) -> str:
     if isinstance(value, bool) or not isinstance(value, (str, int)) or str(value).strip() == "":
         raise DPAuditError(f"{where}: no user id in {field!r} (every record of a user-level run needs its owner)")
     value = str(value)
@@ -79,14 +79,12 @@ def _user_id(value, field: str, where: str) -> str:
     return value
 
 
-def cap_records(texts: list[str], users: list[str], k: int, seed: int = 0) -> Capped:
-    """At most ``k`` records a user: those over k keep k of theirs at random (a generator seeded by ``seed`` and
-    the user's id alone), in file order."""
-    if len(texts) != len(users):
-        raise DPAuditError("one user id a record is needed")
+def capped_indices(users: list, k: int, seed: int = 0) -> list[int]:
+    """The positions kept by the cap of ``k`` records a user, in order: those over k keep k of theirs at random (a
+    generator seeded by ``seed`` and the user's id alone)."""
     rows = defaultdict(list)
     for i, user in enumerate(users):
-        rows[user].append(i)
+        rows[str(user)].append(i)
     kept = set()
     for user, idx in rows.items():
         if len(idx) <= k:
@@ -94,5 +92,12 @@ def cap_records(texts: list[str], users: list[str], k: int, seed: int = 0) -> Ca
             continue
         digest = hashlib.sha256(f"{seed}\0{user}".encode()).digest()
         kept.update(random.Random(int.from_bytes(digest[:8], "big")).sample(idx, k))
-    order = sorted(kept)
+    return sorted(kept)
+
+
+def cap_records(texts: list[str], users: list[str], k: int, seed: int = 0) -> Capped:
+    """At most ``k`` records a user (``capped_indices``), in file order."""
+    if len(texts) != len(users):
+        raise DPAuditError("one user id a record is needed")
+    order = capped_indices(users, k, seed)
     return Capped([texts[i] for i in order], [users[i] for i in order], len(texts))

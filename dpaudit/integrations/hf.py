@@ -49,7 +49,7 @@ from dpaudit.audit.power import power_note
 from dpaudit.audit.report import decided_by, write_report
 from dpaudit.audit.roc import summarise
 from dpaudit.canaries.generate import make_canaries, make_existing_canaries, redraw_membership, split_secret
-from dpaudit.canaries.manifest import KINDS, load_manifest
+from dpaudit.canaries.manifest import CANARY_USER, KINDS, load_manifest
 from dpaudit.core.atomic import atomic_write_json, atomic_write_text
 from dpaudit.core.lock import MARKER, mark, remove_folder
 from dpaudit.core.run_record import read_probe
@@ -104,6 +104,9 @@ class _Settings:
     dataset_rows: int
     white_box_m: int = 0     # the white-box probe's gradient canaries (a DP optimizer seen), 0: none
     on_violation: str = "stop"  # the white-box probe's looks as the run trains (WhiteBoxProbe.watch); "off": none
+    user_column: str | None = None       # a user-level dataset: each canary's copies carry one canary user's id there
+    records_per_user: int | None = None  # the claim's k (a user-level claim): a canary of at most k copies is one
+    #                                      user it covers, held to the claim itself, not to group privacy
 
 
 class DPAuditCallback(TrainerCallback):
@@ -129,7 +132,8 @@ class DPAuditCallback(TrainerCallback):
                 secret_length: int = SECRET_LENGTH, controls: int = CONTROLS_DEFAULT,
                 canary_budget: float = CANARY_BUDGET, preflight: str = "refuse",
                 reference=None, regurgitation: bool = False, alpha: float = 0.05, seed: int = 0,
-                secret_seed: int | None = None, white_box_m: int = WHITE_BOX_M, on_violation: str = "stop"):
+                secret_seed: int | None = None, white_box_m: int = WHITE_BOX_M, on_violation: str = "stop",
+                user_column: str | None = None, records_per_user: int | None = None):
         """(callback, the dataset with the member canaries inserted). ``out`` holds the manifest (0600) and,
         after training, the report; preparing again into the same ``out`` (a resumed Trainer) keeps the same
         canaries and membership. ``repeats``: how many times a member is inserted, an int or exposure tiers (canary
@@ -142,7 +146,10 @@ class DPAuditCallback(TrainerCallback):
         ``white_box_m``: the gradient canaries of the white-box probe put on a DP optimizer (they cost no rows: 4
         bytes each a step of transcript; 0: no white-box probe). ``on_violation``: the probe audits as the run
         trains (at steps 16, 32, 64, ..., alpha held over every look: ``WhiteBoxProbe.watch``) and, at the first
-        look that reads VIOLATION, writes its report and "stop"s the Trainer, "warn"s, or "raise"s; "off": no looks."""
+        look that reads VIOLATION, writes its report and "stop"s the Trainer, "warn"s, or "raise"s; "off": no looks.
+        ``user_column`` (a user-level run: ``opacus_trainer(user_column=...)``): each member's copies are one canary
+        user, whose id (dpaudit-canary-N) they carry in that column; ``records_per_user``: the claim's k, so a tier
+        of at most k copies is held to the user-level claim itself."""
 
         repeats = _tiers(repeats)
         _check_arguments(m, kind, secret_length, canary_budget, preflight, claimed_eps, delta, alpha)
@@ -188,19 +195,27 @@ class DPAuditCallback(TrainerCallback):
                 control.save(out / CONTROLS)
         new_rows = [canary_row(c, row_format, text_field, columns, rows) for c, k in zip(manifest.canaries, copies)
                     if c.member for _ in range(k)]
+        if user_column is not None:   # a member's copies: one canary user
+            owners = [CANARY_USER.format(c.index) for c, k in zip(manifest.canaries, copies) if c.member
+                      for _ in range(k)]
+            if any(isinstance(r, dict) and str(r.get(user_column, "")).startswith(CANARY_USER.format(""))
+                   for r in rows):
+                raise DPAuditError(f"a row's {user_column!r} is a canary user's id ({CANARY_USER.format('N')})")
+            new_rows = [{**row, user_column: owner} for row, owner in zip(new_rows, owners)]
         order = np.random.default_rng([seed, 7]).permutation(len(rows) + len(new_rows))
         both = rows + new_rows
         settings = _Settings(m=m, kind=kind, row_format=row_format, text_field=text_field, repeats=repeats,
                              claimed_eps=claimed_eps, delta=delta, alpha=alpha, preflight=preflight,
                              reference=str(reference) if reference is not None else None,
                              regurgitation=regurgitation, inserted_rows=len(new_rows), dataset_rows=len(rows),
-                             white_box_m=white_box_m, on_violation=on_violation)
+                             white_box_m=white_box_m, on_violation=on_violation, user_column=user_column,
+                             records_per_user=records_per_user)
 
         atomic_write_json(out / SETTINGS, dict(settings.__dict__))
         audit = cls(out, manifest, settings, tokenizer)
         audit.controls = control
         audit.secret_seed = secret_seed   # the white-box probe's membership too (never written: tests only)
-        audit.power_notes = _power_notes(copies, repeats, claimed_eps, delta, alpha)
+        audit.power_notes = _power_notes(copies, repeats, claimed_eps, delta, alpha, records_per_user)
         for line in audit.power_notes.values():
             print(f"dpaudit: warning: {line}")
         return audit, rebuild([both[i] for i in order])
@@ -364,10 +379,10 @@ def _fmt(x) -> str:
 
 
 # -- canaries ---------------------------------------------------------------------------------------------
-def _power_notes(copies, repeats, claimed, delta, alpha) -> dict:
+def _power_notes(copies, repeats, claimed, delta, alpha, records_per_user=None) -> dict:
     """Per tier that tests a claim (group privacy for k copies): a line when its canaries cannot refute it."""
 
-    held = {k: held_claim(claimed, delta, k, copies.count(k)) for k in repeats}
+    held = {k: held_claim(claimed, delta, group_of(k, records_per_user), copies.count(k)) for k in repeats}
     tested = [k for k in repeats if held[k][0] is not None]
     notes = {}
     for k in tested:
@@ -375,6 +390,12 @@ def _power_notes(copies, repeats, claimed, delta, alpha) -> dict:
         if note:
             notes[f"audit power, tier {k}x (before training)"] = note
     return notes
+
+
+def group_of(copies: int, records_per_user: int | None) -> int:
+    """The group a canary of ``copies`` copies is held to: 1 where a user-level claim of k >= copies records a
+    user covers it as one user, else the copies (group privacy of an example-level claim)."""
+    return 1 if records_per_user is not None and copies <= records_per_user else copies
 
 
 def _tiers(repeats) -> list[int]:
@@ -516,7 +537,7 @@ def audit_tiers(scores, members, score: str, settings: _Settings, claimed: float
     tiers = []
     for k, pick in zip(ks, picks):
         n, inside = int(pick.sum()), members[pick]
-        eps, delta, line = held_claim(claimed, settings.delta, k, n)
+        eps, delta, line = held_claim(claimed, settings.delta, group_of(k, settings.records_per_user), n)
         if not inside.any() or inside.all():
             eps, delta, line = None, settings.delta, f"{n} canaries, all {'members' if inside.all() else 'non-members'}"
         tiers.append(Tier(k, eps, delta, line or f"held to the claim: eps {claimed}, delta {settings.delta:g}"))

@@ -23,6 +23,7 @@ prv-accountant < 0.2), so it is written here, small, on Opacus' own parts and dp
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 import json
 import warnings
@@ -31,9 +32,13 @@ import torch
 import torch.nn.functional as F
 from opacus.accountants import PRVAccountant, RDPAccountant
 from opacus.data_loader import DPDataLoader
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
+from dpaudit.accounting.unit import unit_from
 from dpaudit.core.errors import DPAuditError
+from dpaudit.core.users import capped_indices, user_id
+from dpaudit.integrations.opacus_accountant import DpauditAccountant
+from dpaudit.training.data import user_means
 from dpaudit.core.atomic import atomic_write_json
 from dpaudit.core.run_record import accountant_ledger_json, read_accountant_history
 from dpaudit.training.sgd import dp_optimizer_class, per_example_module
@@ -44,21 +49,42 @@ MODES = ("ghost", "hooks")
 # resumed run (trainer.train(resume_from_checkpoint=...)) counts every step every earlier attempt released, those
 # after its checkpoint included, and the claim read from the accountant covers each of them.
 LEDGER = "dpaudit_accountant.json"
+USER_KEY = "dpaudit_user"   # a ULS row's user index, on its way to the batch (UserRows, _with_users)
 
 
 def opacus_trainer(trainer_class=None, *, noise_multiplier: float, max_grad_norm: float = 1.0,
-                   grad_sample_mode: str = "ghost", accountant: str = "prv", noise_seed: int | None = None,
-                   **trainer_kwargs):
+                   grad_sample_mode: str = "ghost", accountant: str | None = None, noise_seed: int | None = None,
+                   user_column: str | None = None, records_per_user: int | None = None, user_sampling: str = "els",
+                   cap_seed: int = 0, **trainer_kwargs):
     """An instance of ``trainer_class`` (default ``transformers.Trainer``) that trains with DP-SGD. ``noise_seed``:
-    reproducible noise, for tests and benchmarks only (default: fresh OS entropy, the only private choice)."""
+    reproducible noise, for tests and benchmarks only (default: fresh OS entropy, the only private choice).
+
+    User-level DP (accounting/unit.py): ``user_column`` names the column of ``train_dataset`` that says whose each
+    row is; each user's rows are capped at ``records_per_user`` = k (core/users.capped_indices: k of a user's rows
+    chosen by ``cap_seed`` and the user's id alone), the column is dropped before the collator, and the run is
+    ``user_sampling`` "els" (rows Poisson-sampled and clipped as usual, accounted per user by dpaudit's PLD of the
+    Binomial(k, p) mixture) or "uls" (users Poisson-sampled at q = B / N with all their rows, each user's mean
+    per-example gradient clipped as one: grad_sample_mode "hooks", which this then takes). ``accountant``: prv
+    (Opacus', the default for examples), rdp, or dpaudit-pld (the default, and the only one for ELS, at the user
+    level)."""
     from transformers import Trainer
 
     if grad_sample_mode not in MODES:
         raise DPAuditError(f"grad_sample_mode must be ghost or hooks, got {grad_sample_mode!r}")
     if not (noise_multiplier >= 0 and max_grad_norm > 0):
         raise DPAuditError("noise_multiplier must be >= 0 and max_grad_norm > 0")
-    if accountant not in ("prv", "rdp"):
-        raise DPAuditError(f"accountant must be prv or rdp, got {accountant!r}")
+    unit = unit_from("user" if user_column else None, records_per_user, user_sampling if user_column else None)
+    accountant = accountant or ("dpaudit-pld" if unit.user_level else "prv")
+    if accountant not in ("prv", "rdp", "dpaudit-pld"):
+        raise DPAuditError(f"accountant must be prv, rdp or dpaudit-pld, got {accountant!r}")
+    if unit.algorithm == "ELS" and accountant != "dpaudit-pld":
+        raise DPAuditError(f"ELS (rows sampled, a user's k rows in a step Binomial(k, p)) is accounted by dpaudit-pld, "
+                           f"not Opacus' {accountant} (which counts one row)")
+    if unit.algorithm == "ULS":
+        grad_sample_mode = "hooks"   # a user's gradient is the mean of its rows' (ghost norms are a row's)
+    if user_column is not None:
+        trainer_kwargs["train_dataset"] = UserRows(trainer_kwargs.get("train_dataset"), user_column, unit.records,
+                                                   cap_seed)
     base = trainer_class or Trainer
     cls = type(f"DP{base.__name__}", (OpacusTrainerMixin, base), {})
     args = trainer_kwargs.get("args")
@@ -69,8 +95,61 @@ def opacus_trainer(trainer_class=None, *, noise_multiplier: float, max_grad_norm
         args.max_grad_norm = 0.0  # the DP optimizer clips each example; clipping the noisy sum again is not DP's
     trainer = cls(**trainer_kwargs)
     trainer.dp_settings = dict(noise_multiplier=float(noise_multiplier), max_grad_norm=float(max_grad_norm),
-                               mode=grad_sample_mode, accountant=accountant, noise_seed=noise_seed)
+                               mode=grad_sample_mode, accountant=accountant, noise_seed=noise_seed, unit=unit)
     return trainer
+
+
+class UserRows(Dataset):
+    """A user-level training set: the rows of ``rows`` kept by the cap of k a user, without the user column (a
+    collator pads tensors); ``owners`` is each kept row's user index. Under ULS each row carries its user's index in
+    USER_KEY, which the collate wrapper turns into the batch's ``dpaudit_user`` tensor."""
+
+    def __init__(self, rows, column: str, k: int, seed: int) -> None:
+        if rows is None or not hasattr(rows, "__len__"):
+            raise DPAuditError("a user-level run needs a sized train_dataset with the user column")
+        users = []
+        for i in range(len(rows)):
+            row = rows[i]
+            if not isinstance(row, Mapping) or column not in row:
+                raise DPAuditError(f"row {i} of the train_dataset has no user column {column!r} (every row of a "
+                                   "user-level run needs its owner)")
+            users.append(user_id(row[column], column, f"row {i}"))
+        self.rows, self.column, self.with_owner = rows, column, False
+        self.kept = capped_indices(users, k, seed)
+        index: dict[str, int] = {}
+        self.owners = torch.tensor([index.setdefault(users[i], len(index)) for i in self.kept])
+        self.users, self.read = len(index), len(users)
+
+    def __len__(self) -> int:
+        return len(self.kept)
+
+    def __getitem__(self, i: int):
+        row = {k: v for k, v in self.rows[self.kept[i]].items() if k != self.column}
+        if self.with_owner:
+            row[USER_KEY] = int(self.owners[i])
+        return row
+
+
+class UserPoissonBatches:
+    """ULS batches: each user joins a step with probability ``sample_rate`` = q, independently, with all its rows
+    (training/batches.user_source, here as a DataLoader batch sampler; ``sample_rate`` is what the probe's rate check
+    reads). ``len``: 1 / q steps an epoch, as Opacus' Poisson sampler counts them."""
+
+    def __init__(self, owners: torch.Tensor, sample_rate: float, generator=None) -> None:
+        self.sample_rate, self.generator = float(sample_rate), generator
+        self.order = torch.argsort(owners, stable=True)
+        counts = torch.bincount(owners)
+        self.bounds = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+        self.steps = max(1, int(1 / self.sample_rate))
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self):
+        users = len(self.bounds) - 1
+        for _ in range(self.steps):
+            chosen = torch.nonzero(torch.rand(users, generator=self.generator) < self.sample_rate).flatten().tolist()
+            yield [int(i) for u in chosen for i in self.order[self.bounds[u]:self.bounds[u + 1]]]
 
 
 class OpacusTrainerMixin:
@@ -127,6 +206,12 @@ class OpacusTrainerMixin:
     def get_train_dataloader(self):
         plain = super().get_train_dataloader()
         collate = _empty_safe(plain.collate_fn)
+        if self.dp_settings["unit"].algorithm == "ULS":   # users sampled, each with all its rows
+            rows = self.train_dataset
+            rows.with_owner = True
+            self.sample_rate = self.args.per_device_train_batch_size / len(rows)
+            sampler = UserPoissonBatches(rows.owners, self.sample_rate, _secret_generator(self.dp_settings))
+            return DataLoader(rows, batch_sampler=sampler, collate_fn=_with_users(collate))
         loader = DataLoader(plain.dataset, batch_size=self.args.per_device_train_batch_size, collate_fn=collate)
         dp = DPDataLoader.from_data_loader(loader, distributed=False)
         dp.collate_fn = collate  # Opacus' empty-batch collate returns a list; ours marks the batch empty
@@ -143,12 +228,17 @@ class OpacusTrainerMixin:
         self.per_example_module = per_example_module(self.model, ghost, settings["max_grad_norm"])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Opacus warns about secure_mode; the noise is drawn by dp_step
+            rate = getattr(self, "sample_rate", None) or self.args.per_device_train_batch_size / len(self.train_dataset)
+            # the noisy sum's divisor: the expected rows a step, or under ULS the expected users (q x users)
+            units = (self.args.per_device_train_batch_size if settings["unit"].algorithm != "ULS"
+                     else rate * self.train_dataset.users)
             self.dp_optimizer = dp_optimizer_class(ghost)(
                 base, noise_multiplier=settings["noise_multiplier"], max_grad_norm=settings["max_grad_norm"],
-                expected_batch_size=self.args.per_device_train_batch_size)
+                expected_batch_size=units)
+            self.dp_optimizer.per_user = settings["unit"].algorithm == "ULS"
 
-        self.accountant = PRVAccountant() if settings["accountant"] == "prv" else RDPAccountant()
-        rate = getattr(self, "sample_rate", None) or self.args.per_device_train_batch_size / len(self.train_dataset)
+        self.accountant = {"prv": PRVAccountant, "rdp": RDPAccountant}.get(settings["accountant"], None)
+        self.accountant = self.accountant() if self.accountant else DpauditAccountant(settings["unit"])
         self.sample_rate_accounted = float(rate)
         self.dp_optimizer.attach_step_hook(self.accountant.get_optimizer_hook_fn(sample_rate=rate))
         if self.dpaudit_resuming:
@@ -179,6 +269,7 @@ class OpacusTrainerMixin:
                 else:
                     p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
             return torch.zeros((), device=self.args.device)
+        users = inputs.pop("dpaudit_user", None)
         inputs = self._prepare_inputs(inputs)
         losses = per_example_losses(self.per_example_module, inputs)
         if self.dp_settings["mode"] == "ghost":
@@ -186,6 +277,9 @@ class OpacusTrainerMixin:
             self.per_example_module.clipped_backward(losses, coef)  # the clipped sum, straight into p.grad
         else:
             losses.mean().backward()  # Opacus' loss_reduction="mean"
+            if self.dp_optimizer.clips_per_user():   # ULS: one row a user, the mean of its rows' gradients
+                for p in params:
+                    p.grad_sample = user_means(p.grad_sample, users.to(p.device))
         return losses.detach().mean()
 
 
@@ -200,6 +294,27 @@ def per_example_losses(model, inputs):
     target = labels[:, 1:]
     tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none").view(target.shape)
     return tok.sum(1) / (target != -100).sum(1).clamp(min=1)
+
+
+def _with_users(collate):
+    """The collate of a ULS loader: each row's user index (USER_KEY) taken out before ``collate`` and returned as the
+    batch's ``dpaudit_user`` tensor."""
+    def wrapped(rows):
+        users = [row.pop(USER_KEY) for row in rows]
+        batch = collate(rows)
+        if rows:
+            batch["dpaudit_user"] = torch.tensor(users)
+        return batch
+
+    return wrapped
+
+
+def _secret_generator(settings: dict):
+    """The ULS sampler's generator: from the noise seed where one is given (tests), else fresh OS entropy."""
+    generator = torch.Generator()
+    seed = settings.get("noise_seed")
+    generator.manual_seed(int(seed) + 1 if seed is not None else int.from_bytes(os.urandom(8), "little"))
+    return generator
 
 
 def _empty_safe(collate):

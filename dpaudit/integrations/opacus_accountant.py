@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import replace
 
 from opacus.accountants.accountant import IAccountant
 from opacus.accountants.registry import register_accountant
@@ -30,15 +31,19 @@ from opacus.accountants.registry import register_accountant
 from dpaudit.accounting import Mechanism, pld
 from dpaudit.accounting.mechanism import MAX_PHASES, compose_phases
 from dpaudit.accounting.registry import epsilon as account
+from dpaudit.accounting.unit import EXAMPLE, Unit
 
 MECHANISM = "dpaudit-pld"
 REUSE = 1.1  # a laddered resolution serves sigmas within this factor
 
 
 class DpauditAccountant(IAccountant):
-    """Opacus ``IAccountant`` backed by dpaudit's add/remove PLD accounting."""
+    """Opacus ``IAccountant`` backed by dpaudit's add/remove PLD accounting. ``unit``: whose privacy (accounting/
+    unit.py; default one example): a user-level unit accounts each step for a user's k records (ELS: the Binomial
+    mixture; ULS: the history's rate is the users')."""
 
-    def __init__(self) -> None:
+    def __init__(self, unit: Unit = EXAMPLE) -> None:
+        self.unit = unit
         self.history: list[tuple[float, float, int]] = []
         self._resolution: dict = {}  # (p, T, delta) -> {sigma: converged grid / step loss range}, from ladders
 
@@ -52,7 +57,7 @@ class DpauditAccountant(IAccountant):
     def get_epsilon(self, delta: float, **kwargs) -> float:
         if not self.history:
             return 0.0
-        event = compose_phases(_at_most_max_phases(self.history))
+        event = compose_phases([replace(m, unit=self.unit) for m in _at_most_max_phases(self.history)])
         if not isinstance(event, Mechanism) or delta < pld.MIN_DELTA:
             return account(event, delta, "pld").epsilon
         laddered = self._resolution.setdefault((event.sampling_rate, event.steps, delta), {})

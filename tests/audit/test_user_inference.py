@@ -9,8 +9,8 @@ import pytest
 
 from cli_helpers import assert_one_line_error, dpaudit
 from dpaudit.canaries.generate import make_canaries
-from dpaudit.canaries.insert import CANARY_USER, insert_canaries
-from dpaudit.canaries.manifest import load_manifest
+from dpaudit.canaries.insert import insert_canaries
+from dpaudit.canaries.manifest import CANARY_USER, load_manifest
 from dpaudit.core.errors import DPAuditError
 
 

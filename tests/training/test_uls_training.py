@@ -147,3 +147,45 @@ def test_the_uls_bug_plants_only_in_a_uls_run(tiny_model_dir, tmp_path, monkeypa
                   "--plant-bug", "uls-example-clipping")
     assert_one_line_error(out)
     assert "plants in a ULS run" in out.stderr
+
+
+def test_a_killed_uls_run_resumes_as_uls_and_a_resume_without_its_users_is_refused(tiny_model_dir, tmp_path,
+                                                                                   monkeypatch):
+    import dataclasses
+
+    from dpaudit.core import run_record
+    from dpaudit.core.errors import DPAuditError, Interrupted
+    from dpaudit.training import batches
+    from dpaudit.training.runner import TrainConfig, train
+
+    texts = [f"Member {u} wrote note {j} about maps in Oslo." for u in range(12) for j in range(3)]
+    users = [f"id{u}" for u in range(12) for _ in range(3)]
+    cfg = TrainConfig(method="dp-sgd", sigma=1.5, batch_size=6, steps=6, save_every=2, unit="user",
+                      records_per_user=3, user_sampling="uls", secret_seed=1)
+    real = batches.user_source
+
+    def killed_at_3(owners):
+        make = real(owners)
+
+        def source(*a):
+            draw = make(*a)
+
+            def at(step):
+                if step == 3:
+                    raise KeyboardInterrupt
+                return draw(step)
+            return at
+        return source
+
+    monkeypatch.setattr(batches, "user_source", killed_at_3)
+    run = tmp_path / "run"
+    with pytest.raises(Interrupted):
+        train(tiny_model_dir, texts, run, cfg, show_progress=False, users=users)
+    monkeypatch.setattr(batches, "user_source", real)
+    with pytest.raises(DPAuditError, match="each record's user"):
+        train(tiny_model_dir, texts, run, dataclasses.replace(cfg, allow_overspend=True), resume=True,
+              show_progress=False)
+    result = train(tiny_model_dir, texts, run, dataclasses.replace(cfg, allow_overspend=True), resume=True,
+                   show_progress=False, users=users)
+    assert result.steps == 6 and "ULS" in result.relation
+    assert run_record.read_ledger(run).value("privacy_unit") == "user (ULS, k = 3)"
