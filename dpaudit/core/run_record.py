@@ -94,7 +94,7 @@ class RunRecord:
     sigma: float | None = None           # the noise multiplier the run used (None: non-private)
     sampling_rate: float | None = None   # p, over ``examples`` (member white-box canaries included)
     examples: int | None = None
-    expected_batch_size: float | None = None
+    expected_batch_size: float | None = None  # what the noisy sum is divided by: B, or under ULS q x users
     direction_device: str = "cpu"        # DP-ZO: the kind of device whose generator drew the directions
     direction_stream: str = "sequential"  # DP-ZO: how the directions were drawn (training/streams.py)
     lora_new_token_rows: tuple[int, ...] = ()

@@ -3,7 +3,7 @@
 front of an Opacus optimizer class that splits those calls into the seams an audit and a planted bug need:
 
     clip_norm()          the norm each example is clipped at (Opacus' max_grad_norm)
-    clips_per_user()     ULS: each user's records averaged into one gradient before clipping (user_level_samples)
+    clips_per_user()     ULS: each user's records averaged into one gradient before clipping (sgd.py)
     join_clipped_sum()   what joins the clipped sum before the noise: the white-box canaries (``probe``)
     noise_std()          sigma x C
     draw_noise(ts, s)    N(0, s^2) added to the tensors in place (tensor i from index i of the step's position-

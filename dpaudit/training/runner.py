@@ -360,7 +360,7 @@ def _assemble(opening, texts: list[str], run_dir: Path, cfg: TrainConfig, world,
         # streams differ), so a replay must draw them on the same kind of device.
         run_record.write(run_dir, run_record.RunRecord(
             settings=settings_of(cfg), base_model=str(opening.base_model), sigma=plan.sigma,
-            sampling_rate=batch_size / n, examples=n, expected_batch_size=batch_size,
+            sampling_rate=batch_size / n, examples=n, expected_batch_size=units,   # the noisy sum's divisor
             direction_device=params[0].device.type, lora_new_token_rows=tuple(rows), direction_stream=stream,
             sharded=sharded, estimated_peak_bytes=estimate, release=METHODS[cfg.method].release))
         if canaries is not None:

@@ -124,6 +124,9 @@ def test_a_uls_run_trains_and_is_accounted_as_users_at_rate_q(tiny_model_dir, tm
     expected = epsilon(Mechanism("gaussian", 1.5, 6 / 36, 4, unit=Unit("user", 3, "user")), 1e-5).epsilon
     assert result["epsilon"] == pytest.approx(expected, rel=1e-9) and "ULS" in result["relation"]
     assert run_record.read_ledger(tmp_path / "run").value("privacy_unit") == "user (ULS, k = 3)"
+    # the noisy sum is divided by the expected users a step (q x 12 users), and the record says so: the white-box
+    # audit of a DP-ZO log multiplies the scalars back by it
+    assert run_record.read(tmp_path / "run").expected_batch_size == pytest.approx(6 / 36 * 12)
     if method == "dp-sgd":   # per-user clipping needs each record's gradient
         assert run_record.read(tmp_path / "run").settings.per_sample_grads == "materialise"
 
