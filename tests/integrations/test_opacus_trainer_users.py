@@ -68,7 +68,8 @@ def test_els_under_an_accountant_that_counts_one_row_and_rows_without_owners_are
         UserRows([{"input_ids": [1, 2]}], "owner", 2, 0)
 
 
-def test_the_callback_inserts_canary_users_and_holds_them_to_the_user_level_claim(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("sampling", ["els", "uls"])
+def test_the_callback_inserts_canary_users_and_holds_them_to_the_user_level_claim(tiny_model_dir, tmp_path, sampling):
     from transformers import DataCollatorForLanguageModeling, TrainingArguments
 
     from dpaudit.canaries.manifest import CANARY_USER
@@ -90,7 +91,11 @@ def test_the_callback_inserts_canary_users_and_holds_them_to_the_user_level_clai
                              seed=0, logging_steps=1000)
     trainer = opacus_trainer(model=model, args=args, train_dataset=tokenised, callbacks=[audit],
                              data_collator=DataCollatorForLanguageModeling(tok, mlm=False), noise_multiplier=1.0,
-                             max_grad_norm=1.0, noise_seed=3, user_column="owner", records_per_user=3)
+                             max_grad_norm=1.0, noise_seed=3, user_column="owner", records_per_user=3,
+                             user_sampling=sampling)
     trainer.train()
+    # the white-box probe (its canaries at the loader's rate: ULS's users' q) read the user-level claim too
+    assert audit.white_box is not None and audit.white_box.claimed_epsilon == pytest.approx(
+        trainer.accountant.get_epsilon(1e-5))
     # canary users of 2 copies under a claim of 3 records a user: held to the claim itself, not group privacy
     assert [t.held_eps for t in audit.tiers] == [pytest.approx(trainer.accountant.get_epsilon(1e-5))]
