@@ -78,6 +78,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("/tmp/whitebox-table"))
     ap.add_argument("--records", type=int, default=1,
                     help="> 1: user-level runs (--unit user, k = this) whose canaries are users of this many records")
+    ap.add_argument("--user-sampling", choices=["els", "uls"], default="els", help="with --records: the runs' sampling")
+    ap.add_argument("--batch-size", "-B", type=int, default=0, help="0: full batches (p = 1), the white-box default")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     jobs = []
@@ -85,8 +87,8 @@ def main() -> None:
         steps = args.sgd_steps if method == "dp-sgd" else args.zo_steps
         for eps in args.eps:
             for seed in (range(1, args.seeds + 1) if args.seeds else [1]):
-                jobs.append((method, eps, steps, seed, str(args.out / f"{method}-eps{eps:g}-s{seed}"), None, 0,
-                             args.records))
+                jobs.append((method, eps, steps, seed, str(args.out / f"{method}-eps{eps:g}-s{seed}"), None,
+                             args.batch_size, args.records, args.user_sampling))
     with ProcessPoolExecutor(args.workers) as pool:
         rows = list(pool.map(cell, jobs))
     if args.seeds:
