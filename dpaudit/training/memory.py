@@ -99,8 +99,10 @@ def examples_that_fit(budget: int, **kwargs) -> int:
     return low
 
 
-def largest_batch(expected: int) -> int:
-    """A Poisson batch of expected size B exceeds B + 4 sqrt(B) + 4 with probability below ~1e-4."""
-    return int(expected + 4 * math.sqrt(expected) + 4)
+def largest_batch(expected: int, records: int = 1) -> int:
+    """A Poisson batch of expected size B exceeds B + 4 sqrt(B) + 4 with probability below ~1e-4. ``records``: units
+    of up to that many records each sampled whole (ULS users of at most k): the records' variance is then at most
+    k B (q sum s_u^2 <= k q sum s_u), so B + 4 sqrt(k B) + 4 k."""
+    return int(expected + 4 * math.sqrt(records * expected) + 4 * records)
 
 

@@ -70,8 +70,10 @@ class StepCheck:
         run: ``train`` says it, callers checking early don't)."""
 
         settings, tokens, shards = self.settings(cfg)
-        share = math.ceil(memory.largest_batch(cfg.batch_size or examples) / shards)  # this rank's
-        at_once = min(cfg.micro_batch, share) if cfg.micro_batch else share
+        # ULS samples users of up to k records whole, and a micro batch never splits one (data.split_users)
+        whole = cfg.privacy_unit.records if cfg.uls else 1
+        share = math.ceil(memory.largest_batch(cfg.batch_size or examples, whole) / shards)  # this rank's
+        at_once = min(max(cfg.micro_batch, whole), share) if cfg.micro_batch else share
         estimate = memory.process_peak_bytes(examples=at_once, **settings)
         if cfg.max_memory and estimate > cfg.max_memory:
             fits = memory.examples_that_fit(cfg.max_memory, **settings)

@@ -192,3 +192,14 @@ def test_a_killed_uls_run_resumes_as_uls_and_a_resume_without_its_users_is_refus
                    show_progress=False, users=users)
     assert result.steps == 6 and "ULS" in result.relation
     assert run_record.read_ledger(run).value("privacy_unit") == "user (ULS, k = 3)"
+
+
+def test_the_memory_estimate_takes_whole_users():
+    from dpaudit.training.memory import largest_batch
+
+    # users of up to k records sampled whole: the batch's spread grows with k, and a micro batch holds a whole user
+    assert largest_batch(64, 16) > largest_batch(64, 4) > largest_batch(64) == int(64 + 4 * 8 + 4)
+    rng = np.random.default_rng(0)
+    owners = np.repeat(np.arange(250), 16)   # 250 users of 16 records, B = 64: q = 1/62.5
+    draw = user_source(owners)(owners.size, 64, 0, rng)
+    assert max(len(draw(t)) for t in range(2000)) <= largest_batch(64, 16)
