@@ -49,7 +49,7 @@ MODES = ("ghost", "hooks")
 # resumed run (trainer.train(resume_from_checkpoint=...)) counts every step every earlier attempt released, those
 # after its checkpoint included, and the claim read from the accountant covers each of them.
 LEDGER = "dpaudit_accountant.json"
-USER_KEY = "dpaudit_user"   # a ULS row's user index, on its way to the batch (UserRows, _with_users)
+USER_KEY = "dpaudit_user"   # a ULS row's user index, and the batch's tensor of them (UserRows, _with_users)
 
 
 def opacus_trainer(trainer_class=None, *, noise_multiplier: float, max_grad_norm: float = 1.0,
@@ -102,7 +102,7 @@ def opacus_trainer(trainer_class=None, *, noise_multiplier: float, max_grad_norm
 class UserRows(Dataset):
     """A user-level training set: the rows of ``rows`` kept by the cap of k a user, without the user column (a
     collator pads tensors); ``owners`` is each kept row's user index. Under ULS each row carries its user's index in
-    USER_KEY, which the collate wrapper turns into the batch's ``dpaudit_user`` tensor."""
+    USER_KEY, which the collate wrapper turns into the batch's tensor under the same key."""
 
     def __init__(self, rows, column: str, k: int, seed: int) -> None:
         if rows is None or not hasattr(rows, "__len__"):
@@ -237,8 +237,9 @@ class OpacusTrainerMixin:
                 expected_batch_size=units)
             self.dp_optimizer.per_user = settings["unit"].algorithm == "ULS"
 
-        self.accountant = {"prv": PRVAccountant, "rdp": RDPAccountant}.get(settings["accountant"], None)
-        self.accountant = self.accountant() if self.accountant else DpauditAccountant(settings["unit"])
+        opacus_kinds = {"prv": PRVAccountant, "rdp": RDPAccountant}
+        self.accountant = (opacus_kinds[settings["accountant"]]() if settings["accountant"] in opacus_kinds
+                           else DpauditAccountant(settings["unit"]))
         self.sample_rate_accounted = float(rate)
         self.dp_optimizer.attach_step_hook(self.accountant.get_optimizer_hook_fn(sample_rate=rate))
         if self.dpaudit_resuming:
@@ -269,7 +270,7 @@ class OpacusTrainerMixin:
                 else:
                     p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
             return torch.zeros((), device=self.args.device)
-        users = inputs.pop("dpaudit_user", None)
+        users = inputs.pop(USER_KEY, None)
         inputs = self._prepare_inputs(inputs)
         losses = per_example_losses(self.per_example_module, inputs)
         if self.dp_settings["mode"] == "ghost":
@@ -297,13 +298,13 @@ def per_example_losses(model, inputs):
 
 
 def _with_users(collate):
-    """The collate of a ULS loader: each row's user index (USER_KEY) taken out before ``collate`` and returned as the
-    batch's ``dpaudit_user`` tensor."""
+    """The collate of a ULS loader: each row's user index (USER_KEY) taken out before ``collate`` and put back as the
+    batch's tensor under USER_KEY."""
     def wrapped(rows):
         users = [row.pop(USER_KEY) for row in rows]
         batch = collate(rows)
         if rows:
-            batch["dpaudit_user"] = torch.tensor(users)
+            batch[USER_KEY] = torch.tensor(users)
         return batch
 
     return wrapped
