@@ -44,6 +44,7 @@ import torch
 from opacus.grad_sample import GradSampleModuleFastGradientClipping
 from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
 
+from dpaudit.core.errors import DPAuditError
 from dpaudit.training.per_example import (
     embedding_scale, gradient_inner_product, layer_gradient, weighted_gradient, without_padding_rows,
 )
@@ -116,6 +117,49 @@ class GhostClipping(GradSampleModuleFastGradientClipping):
         if set(self.layers.users) - set(self.norms):  # never a stale norm
             raise RuntimeError("a trainable layer did not report its per-example gradient norms")
         return self.get_clipping_coef()
+
+    def user_coef(self, users: torch.Tensor) -> torch.Tensor:
+        """ULS by book-keeping: each example's factor c_u / n_u, so that the clipped sum sum_i c_u / n_u g_i is
+        sum_u c_u G_u with G_u the mean of user u's n_u per-example gradients and c_u = min(1, C / |G_u|) (Opacus'
+        formula). |G_u| comes from what the norm pass kept, without forming G_u: a user's rows grouped into one
+        example along the token axis (``_grouped``) make sum_{i in u} sum_t b_it a_it^T one example's gradient, whose
+        square norm (and, for a tied weight, the products of its uses) ``gradient_inner_product`` gives; other layers'
+        per-example gradients and linear biases are summed over the user's rows."""
+
+        if not self.book_keeping:
+            raise RuntimeError("per-user norms are read from book-keeping's kept factors")
+        _, inverse = torch.unique(users, return_inverse=True)
+        count = int(inverse.max()) + 1
+        rows = torch.bincount(inverse, minlength=count)
+        parts: dict[int, list] = {}   # a parameter -> its uses: ("factors", grouped triple) or ("dense", [U, ...])
+        for module, kept in self.book:
+            if isinstance(kept, dict):
+                for q, g in kept.items():
+                    parts.setdefault(id(q), []).append(("dense", _user_sums(g, inverse, count)))
+                continue
+            kind, a, b = kept
+            if module.weight.requires_grad:
+                parts.setdefault(id(module.weight), []).append(("factors", _grouped(kept, inverse, rows)))
+            bias = getattr(module, "bias", None) if kind == "linear" else None
+            if bias is not None and bias.requires_grad:
+                parts.setdefault(id(bias), []).append(("dense", _user_sums(b.sum(1), inverse, count)))
+        square = torch.zeros(count, dtype=torch.float32, device=users.device)
+        for uses in parts.values():
+            kinds = {k for k, _ in uses}
+            if kinds == {"dense"}:
+                total = sum(x for _, x in uses)
+                square += total.flatten(1).float().pow(2).sum(1).to(square.device)
+            elif kinds == {"factors"}:
+                factors = [x for _, x in uses]
+                square += sum(gradient_inner_product(u, v).float() * (1 if i == j else 2)
+                              for i, u in enumerate(factors) for j, v in enumerate(factors) if j >= i).to(square.device)
+            else:
+                raise DPAuditError("ULS with ghost clipping cannot form this model's per-user norms (a weight tied "
+                                   "across a linear or embedding layer and another kind); use --per-sample-grads "
+                                   "materialise")
+        norms = square.clamp(min=0).sqrt() / rows.to(square)
+        factor = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+        return (factor / rows.to(square))[inverse.to(square.device)]
 
     def clipped_backward(self, losses, coef) -> None:
         """Adds the clipped sum sum_i c_i g_i to ``p.grad``: from what the norm pass kept (book-keeping), or by
@@ -242,6 +286,30 @@ class GhostClipping(GradSampleModuleFastGradientClipping):
                              for i, u in enumerate(parts) for j, v in enumerate(parts) if j >= i)
                 p._norm_sample = square.clamp(min=0).sqrt()
         _drop_batch_len(module)
+
+
+def _user_sums(g: torch.Tensor, inverse: torch.Tensor, count: int) -> torch.Tensor:
+    """[U, ...]: the per-example rows of ``g`` summed over each user (``inverse``: each row's user)."""
+    return g.new_zeros((count, *g.shape[1:])).index_add_(0, inverse.to(g.device), g)
+
+
+def _grouped(kept, inverse: torch.Tensor, rows: torch.Tensor):
+    """A ``layer_gradient`` triple with each user's rows laid end to end along the token axis (users with fewer rows
+    padded with zero output gradients, which add nothing): one example a user, whose gradient is the sum of its
+    rows'."""
+    kind, a, b = kept
+    n, width = b.shape[0], b.shape[1]
+    most = int(rows.max())
+    order = torch.argsort(inverse, stable=True)
+    starts = torch.cumsum(rows, 0) - rows
+    slot = torch.empty_like(inverse)
+    slot[order] = torch.arange(n, device=inverse.device) - starts[inverse[order]]
+    where = (inverse * most + slot).to(b.device)
+    count = len(rows)
+    grouped_b = b.new_zeros((count * most, *b.shape[1:])).index_copy_(0, where, b)
+    grouped_a = a.new_zeros((count * most, *a.shape[1:])).index_copy_(0, where, a)
+    return (kind, grouped_a.reshape(count, most * width, *a.shape[2:]),
+            grouped_b.reshape(count, most * width, *b.shape[2:]))
 
 
 def _drop_batch_len(module) -> None:

@@ -85,7 +85,7 @@ class TrainConfig:
     unit: str = "example"                # the privacy unit: example, or user (accounting/unit.py; the data's
     records_per_user: int | None = None  # user column says whose each record is, capped at k = this: core/users.py)
     user_sampling: str | None = None     # user level: els (records sampled, each clipped) or uls (users sampled,
-    #                                      each user's mean gradient clipped as one; DP-SGD then materialises)
+    #                                      each user's mean gradient clipped as one)
     # resolved from the fields above by __post_init__ (never given; dataclasses.replace resolves them again):
     bug: Any = field(default=None, init=False, repr=False, compare=False)       # the planted bug (training/bugs.py)
     strategy: Any = field(default=None, init=False, repr=False, compare=False)  # ``noise`` parsed, or None
@@ -126,8 +126,8 @@ class TrainConfig:
                    if self.sampling != "poisson" else "independent noise (not --noise)" if self.noise else None)
             if why:
                 raise DPAuditError(f"ULS training (--user-sampling uls) needs {why}")
-            if record.per_example_gradients:   # each record's gradient is needed to form a user's (ghost norms are
-                self.per_sample_grads = "materialise"  # a record's); recorded in the run's settings
+            if record.per_example_gradients and self.trainable == "bias":   # DP-BiTFiT's bias route clips records:
+                self.per_sample_grads = "materialise"   # users' means are formed from each record's (in the settings)
         if self.bug.per_user and not self.uls:
             raise DPAuditError(f"bug {self.plant_bug} plants in a ULS run (--unit user --user-sampling uls)")
         if self.privacy_unit.user_level and not self.private:

@@ -20,8 +20,10 @@ Micro-batches (``micro_batch``): one logical Poisson batch is processed in chunk
 sums add up before the single noise draw, so accounting, noise and update are those of one batch.
 
 ULS (``per_user``; accounting/unit.py): the batch holds every record of each sampled user, users whole in each
-chunk (data.split_users); each user's per-example gradients are averaged into one row (data.user_means), which
-Opacus then clips to C like an example's. The materialised route only: ghost norms are a record's.
+chunk (data.split_users), and each user's mean gradient is clipped to C as one. Ghost: the norm of that mean comes
+from book-keeping's kept factors (``GhostClipping.user_coef``: a user's rows laid end to end are one example), and
+each row is weighted c_u / n_u in the one clipped sum. Materialise: each user's per-example gradients are averaged
+into one row (data.user_means), which Opacus clips like an example's.
 """
 
 from __future__ import annotations
@@ -108,11 +110,12 @@ class FirstOrderTrainer:
         self.base_optimizer = base
         if private:
             self.optimizer = self._dp_optimizer(base, clip, sigma, expected_batch_size, probe, bug)
-            if per_user:   # ULS: each user's records' gradients averaged, then clipped as one (materialised)
-                if self.ghost or sharding is not None:
-                    raise ValueError("per-user clipping needs materialised per-example gradients in one process")
-                self.optimizer.per_user = True
             self.model = self._per_example_module(model)
+            if per_user:   # ULS: each user's records' gradients averaged, then clipped as one
+                if sharding is not None or (self.ghost and not isinstance(self.model, GhostClipping)):
+                    raise ValueError("per-user clipping runs in one process, by book-keeping ghost clipping or "
+                                     "materialised per-example gradients")
+                self.optimizer.per_user = True
         else:
             self.model, self.optimizer = model, base
 
@@ -164,6 +167,8 @@ class FirstOrderTrainer:
             finally:
                 if self.sharding is not None:
                     self.inner.set_reshard_after_backward(True, recurse=False)
+            if self.clips_per_user:   # ULS: c_u / n_u for each of user u's rows, from the kept factors
+                coef = self.model.user_coef(batch["user"]).to(losses.dtype)
             if not real:
                 coef = torch.zeros_like(coef)
             release_freed(losses.device.type)  # the norm pass's output gradients, before pass 2
@@ -211,7 +216,7 @@ class FirstOrderTrainer:
                 chunk_losses = self._clipped_backward(chunk, real)
                 if real:
                     losses.append(chunk_losses)
-                if self.clips_per_user:   # one row a user: the mean of its records' gradients, clipped next
+                if self.clips_per_user and not self.ghost:   # one row a user: its records' mean, clipped next
                     for p in self.params:
                         p.grad_sample = user_means(p.grad_sample, chunk["user"])
                 if not self.ghost and k < len(chunks) - 1:

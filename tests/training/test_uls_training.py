@@ -23,20 +23,29 @@ TEXTS = [f"Alice number {i} lives in Paris and likes bread." for i in range(5)] 
 OWNERS = [0, 0, 0, 1, 2, 2, 3]   # rows of a user adjacent, as user_source draws them
 
 
-def _released(model_dir, per_user: bool, micro_batch: int = 0, clip: float = 0.3, bug=None):
+def _released(model_dir, per_user: bool, micro_batch: int = 0, clip: float = 0.3, bug=None, mode="materialise",
+              subset="full"):
+    from dpaudit.training.trainable import select_trainable
+
     model, tok = load_causal_lm(model_dir)
+    torch.manual_seed(0)
+    model = select_trainable(model, subset, 4)
     params = trainable_parameters(model)
     trainer = FirstOrderTrainer(model, params, lr=0.0, private=True, clip=clip, sigma=0.0, expected_batch_size=1,
-                                optimizer="sgd", per_sample_grads="materialise", micro_batch=micro_batch,
+                                optimizer="sgd", per_sample_grads=mode, micro_batch=micro_batch,
                                 per_user=per_user, bug=bug)
     batch = {**tokenize(tok, TEXTS, 24).batch(list(range(len(TEXTS)))), "user": torch.tensor(OWNERS)}
     trainer.step(batch, len(TEXTS))
     return torch.cat([p.grad.flatten().double() for p in params])
 
 
-def _reference(model_dir, clip: float = 0.3, per_user: bool = True):
+def _reference(model_dir, clip: float = 0.3, per_user: bool = True, subset="full"):
     """sum over units of clip_C(the unit's mean gradient), each record's gradient by its own backward."""
+    from dpaudit.training.trainable import select_trainable
+
     model, tok = load_causal_lm(model_dir)
+    torch.manual_seed(0)
+    model = select_trainable(model, subset, 4)
     params = trainable_parameters(model)
     data = tokenize(tok, TEXTS, 24)
     grads = []
@@ -49,18 +58,24 @@ def _reference(model_dir, clip: float = 0.3, per_user: bool = True):
     return (units * factors[:, None]).sum(0)
 
 
-@pytest.mark.parametrize("micro_batch", [0, 2])
-def test_each_user_is_clipped_as_one_across_micro_batches(tiny_model_dir, micro_batch):
-    released = _released(tiny_model_dir, True, micro_batch)
-    reference = _reference(tiny_model_dir)
+@pytest.mark.parametrize("mode, micro_batch, subset", [("materialise", 0, "full"), ("materialise", 2, "full"),
+                                                       ("ghost", 0, "full"), ("ghost", 2, "full"),
+                                                       ("ghost", 0, "lora")])
+def test_each_user_is_clipped_as_one_across_micro_batches(tiny_model_dir, mode, micro_batch, subset):
+    """Ghost clipping's per-user norms (book-keeping's kept factors, a user's rows end to end; the embedded model's
+    tied embeddings included) give the same clipped sum as the materialised per-example gradients, and both equal
+    the autograd reference."""
+    released = _released(tiny_model_dir, True, micro_batch, mode=mode, subset=subset)
+    reference = _reference(tiny_model_dir, subset=subset)
     assert float(reference.abs().max()) > 1e-4
     assert float((released - reference).abs().max()) <= 1e-5 * float(reference.abs().max())
     # the sum's norm: at most C a user (4 users), where per-record clipping reaches C a record (7)
     assert float(released.norm()) <= 4 * 0.3 + 1e-6
 
 
-def test_the_planted_bug_clips_each_record_and_exceeds_c_a_user(tiny_model_dir):
-    planted = _released(tiny_model_dir, True, bug=BUGS["uls-example-clipping"])
+@pytest.mark.parametrize("mode", ["materialise", "ghost"])
+def test_the_planted_bug_clips_each_record_and_exceeds_c_a_user(tiny_model_dir, mode):
+    planted = _released(tiny_model_dir, True, bug=BUGS["uls-example-clipping"], mode=mode)
     per_record = _reference(tiny_model_dir, per_user=False)
     assert float((planted - per_record).abs().max()) <= 1e-5 * float(per_record.abs().max())
     assert float(planted.norm()) > float(_released(tiny_model_dir, True).norm()) * 1.2
@@ -127,8 +142,6 @@ def test_a_uls_run_trains_and_is_accounted_as_users_at_rate_q(tiny_model_dir, tm
     # the noisy sum is divided by the expected users a step (q x 12 users), and the record says so: the white-box
     # audit of a DP-ZO log multiplies the scalars back by it
     assert run_record.read(tmp_path / "run").expected_batch_size == pytest.approx(6 / 36 * 12)
-    if method == "dp-sgd":   # per-user clipping needs each record's gradient
-        assert run_record.read(tmp_path / "run").settings.per_sample_grads == "materialise"
 
 
 @pytest.mark.parametrize("extra, message", [
