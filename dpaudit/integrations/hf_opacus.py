@@ -41,6 +41,7 @@ from dpaudit.integrations.opacus_accountant import DpauditAccountant
 from dpaudit.training.data import user_means
 from dpaudit.core.atomic import atomic_write_json
 from dpaudit.core.run_record import accountant_ledger_json, read_accountant_history
+from dpaudit.training.bias_clipping import bias_only
 from dpaudit.training.sgd import dp_optimizer_class, per_example_module
 from dpaudit.training.streams import step_key
 
@@ -64,7 +65,7 @@ def opacus_trainer(trainer_class=None, *, noise_multiplier: float, max_grad_norm
     chosen by ``cap_seed`` and the user's id alone), the column is dropped before the collator, and the run is
     ``user_sampling`` "els" (rows Poisson-sampled and clipped as usual, accounted per user by dpaudit's PLD of the
     Binomial(k, p) mixture) or "uls" (users Poisson-sampled at q = B / N with all their rows, each user's mean
-    per-example gradient clipped as one: grad_sample_mode "hooks", which this then takes). ``accountant``: prv
+    per-example gradient clipped as one: under ghost its norm from book-keeping, training/ghost.py). ``accountant``: prv
     (Opacus', the default for examples), rdp, or dpaudit-pld (the default, and the only one for ELS, at the user
     level)."""
     from transformers import Trainer
@@ -80,8 +81,6 @@ def opacus_trainer(trainer_class=None, *, noise_multiplier: float, max_grad_norm
     if unit.algorithm == "ELS" and accountant != "dpaudit-pld":
         raise DPAuditError(f"ELS (rows sampled, a user's k rows in a step Binomial(k, p)) is accounted by dpaudit-pld, "
                            f"not Opacus' {accountant} (which counts one row)")
-    if unit.algorithm == "ULS":
-        grad_sample_mode = "hooks"   # a user's gradient is the mean of its rows' (ghost norms are a row's)
     if user_column is not None:
         trainer_kwargs["train_dataset"] = UserRows(trainer_kwargs.get("train_dataset"), user_column, unit.records,
                                                    cap_seed)
@@ -225,6 +224,9 @@ class OpacusTrainerMixin:
             return self.optimizer
         settings = self.dp_settings
         ghost = settings["mode"] == "ghost"
+        if ghost and settings["unit"].algorithm == "ULS" and bias_only(self.model):
+            ghost = False   # DP-BiTFiT's bias route clips rows: a user's mean is formed from each row's gradient
+            settings["mode"] = "hooks"
         self.per_example_module = per_example_module(self.model, ghost, settings["max_grad_norm"])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Opacus warns about secure_mode; the noise is drawn by dp_step
@@ -275,6 +277,8 @@ class OpacusTrainerMixin:
         losses = per_example_losses(self.per_example_module, inputs)
         if self.dp_settings["mode"] == "ghost":
             coef = self.per_example_module.norm_pass(losses.sum(), params).to(losses.dtype)
+            if self.dp_optimizer.clips_per_user():   # ULS: c_u / n_u for each of user u's rows (ghost.user_coef)
+                coef = self.per_example_module.user_coef(users.to(losses.device)).to(losses.dtype)
             self.per_example_module.clipped_backward(losses, coef)  # the clipped sum, straight into p.grad
         else:
             losses.mean().backward()  # Opacus' loss_reduction="mean"

@@ -43,7 +43,7 @@ def test_a_user_level_trainer_caps_users_and_accounts_them(tiny_model_dir, tmp_p
                                                                       else "user")), 1e-5).epsilon
     assert trainer.accountant.get_epsilon(1e-5) == pytest.approx(expected, rel=1e-6)
     if sampling == "uls":
-        assert trainer.dp_optimizer.clips_per_user() and trainer.dp_settings["mode"] == "hooks"
+        assert trainer.dp_optimizer.clips_per_user() and trainer.dp_settings["mode"] == "ghost"
         assert trainer.dp_optimizer.expected_batch_size == pytest.approx(rate * 30)
 
 
@@ -99,3 +99,22 @@ def test_the_callback_inserts_canary_users_and_holds_them_to_the_user_level_clai
         trainer.accountant.get_epsilon(1e-5))
     # canary users of 2 copies under a claim of 3 records a user: held to the claim itself, not group privacy
     assert [t.held_eps for t in audit.tiers] == [pytest.approx(trainer.accountant.get_epsilon(1e-5))]
+
+
+def test_uls_in_the_trainer_clips_the_same_users_by_ghost_and_by_hooks(tiny_model_dir, tmp_path, monkeypatch):
+    from dpaudit.training.dp_step import DPStep
+
+    released = []
+    monkeypatch.setattr(DPStep, "on_release", lambda self, reduced=False: released.append(
+        torch.cat([p.grad.flatten().double() for p in self.params])))
+
+    def first_release(mode):
+        trainer = _trainer(tiny_model_dir, tmp_path / mode, user_sampling="uls", grad_sample_mode=mode)
+        trainer.dp_settings["noise_multiplier"] = 0.0
+        trainer.args.max_steps = 1
+        trainer.train()
+        return released.pop()
+
+    ghost, hooks = first_release("ghost"), first_release("hooks")
+    assert float(hooks.abs().max()) > 1e-5   # the same users drawn (the sampler's seed), a real gradient
+    assert float((ghost - hooks).abs().max()) <= 1e-5 * float(hooks.abs().max())
