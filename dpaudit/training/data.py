@@ -85,14 +85,18 @@ def split_users(batch: dict[str, torch.Tensor], size: int) -> list[dict[str, tor
     return [{k: v[a:b] for k, v in batch.items()} for a, b in zip(cuts, cuts[1:])]
 
 
+def user_sums(values: torch.Tensor, inverse: torch.Tensor, count: int) -> torch.Tensor:
+    """[count, ...]: the rows of ``values`` [n, ...] summed over each user (``inverse`` [n]: each row's user index)."""
+    return values.new_zeros((count, *values.shape[1:])).index_add_(0, inverse.to(values.device), values)
+
+
 def user_means(values: torch.Tensor, users: torch.Tensor) -> torch.Tensor:
     """The mean of ``values`` [n, ...] over each user's rows (``users`` [n]), one row a user present, in the order
     of ``torch.unique``."""
     _, inverse = torch.unique(users, return_inverse=True)
     count = int(inverse.max()) + 1 if inverse.numel() else 0
-    sums = values.new_zeros((count, *values.shape[1:])).index_add_(0, inverse.to(values.device), values)
     rows = torch.bincount(inverse, minlength=count).to(values.device, values.dtype)
-    return sums / rows.view(-1, *([1] * (values.dim() - 1)))
+    return user_sums(values, inverse, count) / rows.view(-1, *([1] * (values.dim() - 1)))
 
 
 def padded_chunks(batch: dict[str, torch.Tensor], size: int, passes: int) -> list[tuple[dict, bool]]:

@@ -45,6 +45,7 @@ from opacus.grad_sample import GradSampleModuleFastGradientClipping
 from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
 
 from dpaudit.core.errors import DPAuditError
+from dpaudit.training.data import user_sums
 from dpaudit.training.per_example import (
     embedding_scale, gradient_inner_product, layer_gradient, weighted_gradient, without_padding_rows,
 )
@@ -135,14 +136,14 @@ class GhostClipping(GradSampleModuleFastGradientClipping):
         for module, kept in self.book:
             if isinstance(kept, dict):
                 for q, g in kept.items():
-                    parts.setdefault(id(q), []).append(("dense", _user_sums(g, inverse, count)))
+                    parts.setdefault(id(q), []).append(("dense", user_sums(g, inverse, count)))
                 continue
             kind, a, b = kept
             if module.weight.requires_grad:
                 parts.setdefault(id(module.weight), []).append(("factors", _grouped(kept, inverse, rows)))
             bias = getattr(module, "bias", None) if kind == "linear" else None
             if bias is not None and bias.requires_grad:
-                parts.setdefault(id(bias), []).append(("dense", _user_sums(b.sum(1), inverse, count)))
+                parts.setdefault(id(bias), []).append(("dense", user_sums(b.sum(1), inverse, count)))
         square = torch.zeros(count, dtype=torch.float32, device=users.device)
         for uses in parts.values():
             kinds = {k for k, _ in uses}
@@ -286,11 +287,6 @@ class GhostClipping(GradSampleModuleFastGradientClipping):
                              for i, u in enumerate(parts) for j, v in enumerate(parts) if j >= i)
                 p._norm_sample = square.clamp(min=0).sqrt()
         _drop_batch_len(module)
-
-
-def _user_sums(g: torch.Tensor, inverse: torch.Tensor, count: int) -> torch.Tensor:
-    """[U, ...]: the per-example rows of ``g`` summed over each user (``inverse``: each row's user)."""
-    return g.new_zeros((count, *g.shape[1:])).index_add_(0, inverse.to(g.device), g)
 
 
 def _grouped(kept, inverse: torch.Tensor, rows: torch.Tensor):
