@@ -122,8 +122,10 @@ class TrainConfig:
         self.bug = planted_bug(self.plant_bug, record, METHODS)
         self.privacy_unit = unit_from(self.unit, self.records_per_user, self.user_sampling)
         if self.uls:   # users sampled, each user's mean gradient (DP-ZO: mean difference) clipped as one
+            drawn = source(self.sampling)   # an unknown sampler is refused below
             why = ("Poisson batches (--sampling poisson: each user joins a step with probability q = B / N)"
-                   if self.sampling != "poisson" else "independent noise (not --noise)" if self.noise else None)
+                   if drawn is not None and drawn.pattern != "independent"
+                   else "independent noise (not --noise)" if self.noise else None)
             if why:
                 raise DPAuditError(f"ULS training (--user-sampling uls) needs {why}")
             if record.per_example_gradients and self.trainable == "bias":   # DP-BiTFiT's bias route clips records:
