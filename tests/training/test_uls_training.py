@@ -24,10 +24,10 @@ OWNERS = [0, 0, 0, 1, 2, 2, 3]   # rows of a user adjacent, as user_source draws
 
 
 def _released(model_dir, per_user: bool, micro_batch: int = 0, clip: float = 0.3, bug=None, mode="materialise",
-              subset="full"):
+              subset="full", bf16: bool = False):
     from dpaudit.training.trainable import select_trainable
 
-    model, tok = load_causal_lm(model_dir)
+    model, tok = load_causal_lm(model_dir, dtype=torch.bfloat16 if bf16 else None)
     torch.manual_seed(0)
     model = select_trainable(model, subset, 4)
     params = trainable_parameters(model)
@@ -71,6 +71,14 @@ def test_each_user_is_clipped_as_one_across_micro_batches(tiny_model_dir, mode, 
     assert float((released - reference).abs().max()) <= 1e-5 * float(reference.abs().max())
     # the sum's norm: at most C a user (4 users), where per-record clipping reaches C a record (7)
     assert float(released.norm()) <= 4 * 0.3 + 1e-6
+
+
+def test_bf16_per_user_ghost_clipping_is_close_to_materialised(tiny_model_dir):
+    ghost = _released(tiny_model_dir, True, mode="ghost", bf16=True)
+    materialised = _released(tiny_model_dir, True, mode="materialise", bf16=True)
+    scale = float(materialised.abs().max())
+    assert scale > 1e-4
+    assert float((ghost - materialised).abs().max()) <= 2e-2 * scale  # bf16 rounding, not a different sum
 
 
 @pytest.mark.parametrize("mode", ["materialise", "ghost"])
