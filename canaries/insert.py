@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from dpaudit.core.atomic import atomic_write_text, guard_new_file
-from dpaudit.canaries.manifest import CANARY_USER, Manifest
+from dpaudit.canaries.manifest import CANARY_USER, Manifest, is_canary_user
 from dpaudit.core.errors import DPAuditError
 from dpaudit.core.texts import detect_format, jsonl_text, physical_lines, read_file
 
@@ -77,7 +77,7 @@ def insert_canaries(manifest: Manifest, data: Path, output: Path, *, fmt: str | 
         for n, line in enumerate(records, 1):
             if line.strip():
                 jsonl_text(line, field, data, n)
-                if user_field is not None and _canary_id(json.loads(line).get(user_field)):
+                if user_field is not None and is_canary_user(json.loads(line).get(user_field)):
                     raise DPAuditError(f"{data}:{n}: a record's user id is a canary user's ({CANARY_USER.format('N')})")
         new = [json.dumps({field: t, **({user_field: u} if user_field else {})}, ensure_ascii=False) + end
                for t, u in rows]
@@ -92,7 +92,7 @@ def insert_canaries(manifest: Manifest, data: Path, output: Path, *, fmt: str | 
             if user_field not in columns:
                 raise DPAuditError(f"{data}: no column {user_field!r} to say whose each record is (--user-field)")
             at = columns.index(user_field)
-            if any(_canary_id(row[at]) for row in csv.reader(records) if len(row) > at):
+            if any(is_canary_user(row[at]) for row in csv.reader(records) if len(row) > at):
                 raise DPAuditError(f"{data}: a record's user id is a canary user's ({CANARY_USER.format('N')})")
         buf = io.StringIO()
         writer = csv.DictWriter(buf, fieldnames=columns, restval="", lineterminator="\n")
@@ -104,10 +104,6 @@ def insert_canaries(manifest: Manifest, data: Path, output: Path, *, fmt: str | 
     body = "\n".join(header + _shuffled(records + new, rng)) + "\n"
     atomic_write_text(output, body)
     return InsertSummary(output=output, original_examples=n, inserted=len(canary_texts), repeats=repeats)
-
-
-def _canary_id(value) -> bool:
-    return isinstance(value, str) and value.startswith(CANARY_USER.format(""))
 
 
 def _shuffled(items: list, rng: np.random.Generator) -> list:

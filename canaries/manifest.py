@@ -130,3 +130,8 @@ def _prefixes(value) -> tuple[str, ...]:
     if not isinstance(value, (list, tuple)) or len(value) > MAX_USER_RECORDS:
         raise ValueError(f"a canary user's prefixes are a list of at most {MAX_USER_RECORDS}")
     return tuple(str(p) for p in value)
+
+
+def is_canary_user(value) -> bool:
+    """Whether a user column's value is a canary user's id (CANARY_USER): real data must not hold one."""
+    return isinstance(value, str) and value.startswith(CANARY_USER.format(""))

@@ -49,7 +49,7 @@ from dpaudit.audit.power import power_note
 from dpaudit.audit.report import decided_by, write_report
 from dpaudit.audit.roc import summarise
 from dpaudit.canaries.generate import make_canaries, make_existing_canaries, redraw_membership, split_secret
-from dpaudit.canaries.manifest import CANARY_USER, KINDS, load_manifest
+from dpaudit.canaries.manifest import CANARY_USER, KINDS, is_canary_user, load_manifest
 from dpaudit.core.atomic import atomic_write_json, atomic_write_text
 from dpaudit.core.lock import MARKER, mark, remove_folder
 from dpaudit.core.run_record import read_probe
@@ -198,8 +198,7 @@ class DPAuditCallback(TrainerCallback):
         if user_column is not None:   # a member's copies: one canary user
             owners = [CANARY_USER.format(c.index) for c, k in zip(manifest.canaries, copies) if c.member
                       for _ in range(k)]
-            if any(isinstance(r, dict) and str(r.get(user_column, "")).startswith(CANARY_USER.format(""))
-                   for r in rows):
+            if any(isinstance(r, dict) and is_canary_user(r.get(user_column)) for r in rows):
                 raise DPAuditError(f"a row's {user_column!r} is a canary user's id ({CANARY_USER.format('N')})")
             new_rows = [{**row, user_column: owner} for row, owner in zip(new_rows, owners)]
         order = np.random.default_rng([seed, 7]).permutation(len(rows) + len(new_rows))
