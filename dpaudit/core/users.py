@@ -101,3 +101,9 @@ def cap_records(texts: list[str], users: list[str], k: int, seed: int = 0) -> Ca
         raise DPAuditError("one user id a record is needed")
     order = capped_indices(users, k, seed)
     return Capped([texts[i] for i in order], [users[i] for i in order], len(texts))
+
+
+def user_indices(users: list) -> tuple[list[int], int]:
+    """(each record's user index, the number of users): users numbered in order of first appearance."""
+    index: dict[str, int] = {}
+    return [index.setdefault(str(u), len(index)) for u in users], len(index)

@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from dpaudit.accounting.unit import unit_from
 from dpaudit.core.errors import DPAuditError
-from dpaudit.core.users import capped_indices, user_id
+from dpaudit.core.users import capped_indices, user_id, user_indices
 from dpaudit.integrations.opacus_accountant import DpauditAccountant
 from dpaudit.training.data import user_means
 from dpaudit.core.atomic import atomic_write_json
@@ -115,9 +115,8 @@ class UserRows(Dataset):
             users.append(user_id(row[column], column, f"row {i}"))
         self.rows, self.column, self.with_owner = rows, column, False
         self.kept = capped_indices(users, k, seed)
-        index: dict[str, int] = {}
-        self.owners = torch.tensor([index.setdefault(users[i], len(index)) for i in self.kept])
-        self.users, self.read = len(index), len(users)
+        owners, self.users = user_indices([users[i] for i in self.kept])
+        self.owners, self.read = torch.tensor(owners), len(users)
 
     def __len__(self) -> int:
         return len(self.kept)

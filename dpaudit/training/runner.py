@@ -30,6 +30,7 @@ from dpaudit.accounting.matrix.strategy import parse
 from dpaudit.accounting.noises import NOISES
 from dpaudit.accounting.result import json_float
 from dpaudit.accounting.unit import unit_from
+from dpaudit.core.users import user_indices
 from dpaudit.audit.whitebox_canaries import WhiteBoxCanaries
 from dpaudit.core.lock import folder_lock
 from dpaudit.core.threads import adapt as adapt_threads
@@ -383,11 +384,11 @@ def _assemble(opening, texts: list[str], run_dir: Path, cfg: TrainConfig, world,
 def _owners(users: list[str], canaries) -> np.ndarray:
     """Each example's user index: the data's users in order of appearance, then one user a member canary (its
     ``records`` records, member_records' order)."""
-    index: dict[str, int] = {}
-    own = np.array([index.setdefault(u, len(index)) for u in users], dtype=np.int64)
+    indices, count = user_indices(users)
+    own = np.array(indices, dtype=np.int64)
     if canaries is None:
         return own
-    extra = len(index) + np.repeat(np.arange(canaries.member_ids.size), canaries.records)
+    extra = count + np.repeat(np.arange(canaries.member_ids.size), canaries.records)
     return np.concatenate([own, extra])
 
 

@@ -102,19 +102,14 @@ def score_checkpoint(model_dir, manifest: Manifest, *, score: str = "neg-loss", 
     the likelihood ratio of a user's other records under the model against a reference (``base``). Each tokenizer
     is checked against the manifest."""
 
-    def losses(where) -> np.ndarray:
+    def losses(where, of=secret_losses) -> np.ndarray:
         lm, tok = load_causal_lm(where)
         check_tokenizer_matches(tok, manifest, str(where))
-        return secret_losses(lm, tok, manifest, **kwargs)
+        return of(lm, tok, manifest, **kwargs)
 
     members = np.array([c.member for c in manifest.canaries])
     if score == "user-inference":   # Kandpal et al. 2023: a user's unseen records, model against reference
-        def held(where) -> np.ndarray:
-            lm, tok = load_causal_lm(where)
-            check_tokenizer_matches(tok, manifest, str(where))
-            return held_out_losses(lm, tok, manifest, **kwargs)
-
-        return (held(base) - held(model_dir)).mean(axis=1), members
+        return (losses(base, held_out_losses) - losses(model_dir, held_out_losses)).mean(axis=1), members
     if score == "neg-loss":
         return -losses(model_dir), members
     if score == "loss-vs-base":
