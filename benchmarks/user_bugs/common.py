@@ -100,6 +100,7 @@ def report(args, script: str, result, seconds: float, extra: dict | None = None)
     print(json.dumps({"script": script, "probe": getattr(args, "probe", "optimizer") + (
                           "+batches" if getattr(args, "batches", False) else ""), "bug": args.bug, "eps": args.eps, "seed": args.seed,
                       "bound": result.epsilon_lower_bound, "claimed": result.claimed_epsilon,
+                      "headline": result.headline,
                       "violation": result.violation, "verdict": result.verdict, "seconds": round(seconds, 1),
                       **(watched(args) if getattr(args, "watch", False) else {}), **(extra or {})}))
 

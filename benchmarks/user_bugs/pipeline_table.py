@@ -56,17 +56,20 @@ def main() -> None:
         if r["bug"] != "none":
             verdict = r.get("error", "")[:80] or r["verdict"].split(":")[0] + (
                 " (sampler)" if "not sampled as accounted" in r["verdict"] else "")
-            print(f"| {BUGS[r['bug']]} | {r['probe']} | {r.get('bound', float('nan')):.3g} | {verdict} |")
+            print(f"| {BUGS[r['bug']]} | {r['probe']} | {r.get('bound', float('nan')):.3g} | {verdict} "
+                  f"({r.get('headline', '?')}) |")
     print()
-    print("| probe (no bug) | seeds | false alarms (VIOLATION) | median bound | largest bound | probe share of wall time |")
-    print("|---|---|---|---|---|---|")
+    print("| probe (no bug) | seeds | false alarms (VIOLATION) | median bound | largest bound | probe share of wall time "
+          "| read through the run's family |")
+    print("|---|---|---|---|---|---|---|")
     for p in args.null_probes:
         good = [r for r in rows if r["bug"] == "none" and r["probe"] == p and "error" not in r]
         if good:
             bounds = sorted(r["bound"] for r in good)
             share = [r["probe_s"] / r["seconds"] for r in good if "probe_s" in r]
+            family = sum(r.get("headline") == "gaussian-run" for r in good)
             print(f"| {p} | {len(good)} | {sum(r['violation'] for r in good)} | {bounds[len(bounds) // 2]:.3g} | "
-                  f"{bounds[-1]:.3g} | {f'{max(share):.1%} at most' if share else '-'} |")
+                  f"{bounds[-1]:.3g} | {f'{max(share):.1%} at most' if share else '-'} | {family} |")
     errors = [r for r in rows if "error" in r]
     if errors:
         print(f"\n{len(errors)} runs failed, e.g. {errors[0]['error']}")

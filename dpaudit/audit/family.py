@@ -33,6 +33,15 @@ log(1 - p + p e^{(x - 1/2) / s_h^2}): the Neyman-Pearson statistic of each step,
 ratio of a canary's transcript under M_{s_h}. s_h is read from the transcript blind to membership (the robust
 scale of all entries), the same for every canary, so the scores stay exchangeable.
 
+Steps read in noise units (a PipelineProbe: each step's row movements standardised across the canaries, the pull
+of a member in units of C unknown, since the learning rate and the optimizer scale it). Divide x_t by the step's
+noise scale s C: z_t = b_t / s + xi_t, the same family with the member's pull 1 / s in units of the noise. A fixed h
+of z (the sum, the sum clipped to +-c, the likelihood ratio at a fixed pull a_h) then has exact moments under each
+member, as above, and the same test applies. A member's pull below 1 / s (a clipped gradient only partly on its
+canary's row) is a member of the family with a larger s: on the safe side again. Valid where each step's reading is
+that step's release alone (memoryless: the probe checks the steps' correlation, audit/whitebox.py) and the noise
+scale is read well (m entries a step; the validity test simulates it, tests/audit/test_family.py).
+
 Assumptions, said in every answer: the canaries Poisson-sampled at p (the probes sample them so; the bundled
 white-box runs are Poisson only), Gaussian noise, each member's step contribution at most C (its clipped size),
 and scores Gaussian enough for the noncentral t (sums over many steps: the validity tests simulate p = 1, 0.1,
@@ -68,9 +77,12 @@ class ScoreModel:
     step: Callable[[np.ndarray], np.ndarray]
     scale: float              # s_h: the score's reference scale (the likelihood ratio's s; the linear score's spread)
     words: str                # what the score is, for the report
+    units: str = "C"          # "C": x = b + s xi; "noise": each step standardised by its noise, z = b / s + xi
 
     def describe(self) -> str:
-        return f"Poisson-subsampled Gaussian at p = {self.rate:.4g}, T = {self.steps} (the run's), score: {self.words}"
+        read = "" if self.units == "C" else ", each step in units of its noise"
+        return (f"Poisson-subsampled Gaussian at p = {self.rate:.4g}, T = {self.steps} (the run's){read}, "
+                f"score: {self.words}")
 
 
 def linear(rate: float, steps: int, scale: float) -> ScoreModel:
@@ -91,12 +103,42 @@ def likelihood_ratio(rate: float, steps: int, scale: float) -> ScoreModel:
                       f"the family's log-likelihood ratio at s = {scale:.4g}")
 
 
+def standardised_linear(rate: float, steps: int) -> ScoreModel:
+    """The sum of steps standardised by their noise (noise units): the same shift as ``linear``, scale-free."""
+    return ScoreModel(float(rate), int(steps), lambda z: np.asarray(z, float), 1.0,
+                      "the sum of the standardised steps", "noise")
+
+
+def standardised_clipped(rate: float, steps: int, cut: float) -> ScoreModel:
+    """The sum of standardised steps, each clipped to +-cut noise units."""
+    return ScoreModel(float(rate), int(steps), lambda z: np.clip(np.asarray(z, float), -cut, cut), 1.0,
+                      f"the sum of the standardised steps clipped to +-{cut:g}", "noise")
+
+
+def pull_likelihood_ratio_step(z, rate: float, pull: float) -> np.ndarray:
+    """log(1 - p + p exp(a z - a^2 / 2)): a step's log-likelihood ratio, in noise units, at the pull a."""
+    u = pull * np.asarray(z, float) - 0.5 * pull * pull
+    if rate >= 1.0:
+        return u
+    return np.logaddexp(math.log1p(-rate), math.log(rate) + u)
+
+
+def standardised_likelihood_ratio(rate: float, steps: int, pull: float) -> ScoreModel:
+    """The family's log-likelihood ratio of standardised steps at a fixed pull a (a member at s = 1 / a)."""
+    return ScoreModel(float(rate), int(steps), lambda z: pull_likelihood_ratio_step(z, rate, pull), 1.0 / pull,
+                      f"the family's log-likelihood ratio at a pull of {pull:.4g} noise sd", "noise")
+
+
 def standardised_shift(model: ScoreModel, sigma, n1: int, n0: int) -> np.ndarray:
     """g(s) for each s in ``sigma``: the exact standardised mean shift of the model's score under M_s."""
     s = np.atleast_1d(np.asarray(sigma, float))[:, None]
     p = model.rate
-    out = model.step(s * _NODES)
-    inside = model.step(1.0 + s * _NODES)
+    if model.units == "noise":  # z = b / s + xi
+        out = np.broadcast_to(model.step(_NODES), (s.shape[0], _NODES.size))
+        inside = model.step(1.0 / s + _NODES)
+    else:                       # x = b + s xi
+        out = model.step(s * _NODES)
+        inside = model.step(1.0 + s * _NODES)
     e_out = out @ _WEIGHTS
     e_in1 = inside @ _WEIGHTS
     v_out = np.maximum((out - e_out[:, None]) ** 2 @ _WEIGHTS, 0.0)

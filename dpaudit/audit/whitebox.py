@@ -15,6 +15,7 @@ Gaussian audit applies.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 import json
 
@@ -23,6 +24,7 @@ import numpy as np
 from dpaudit.core import limits as budget, run_folder, run_record
 from dpaudit.core.errors import DPAuditError, PrivacyViolation
 from dpaudit.core.run_record import ProbeRecord, RunRecord
+from dpaudit.accounting.calibrate import calibrate_sigma
 from dpaudit.accounting.matrix.strategy import banded_coefs, parse
 from dpaudit.accounting.mechanism import Mechanism
 from dpaudit.accounting.noises import noise
@@ -112,14 +114,29 @@ def _alignment_scores(releases: np.ndarray, canaries, clip: float, rate: float |
     return ({**stats, LIKELIHOOD: llr} if likely else stats), scale
 
 
-def _pipeline_scores(moves: np.ndarray) -> dict[str, np.ndarray]:
+PIPELINE = "row movement"
+PIPELINE_ROBUST = "row movement, outlying steps clipped"
+PIPELINE_LIKELIHOOD = "row movement, likelihood ratio"
+# The largest lag-1 correlation of the standardised steps at which they are read as independent releases (the run's
+# family, family.py): momentum or Adam's first moment gives beta (0.9 by default); plain SGD gives 0, within
+# 1 / sqrt(m T) (0.003 at m 500, T 200). Validity is tested at this correlation (tests/audit/test_family.py).
+INDEPENDENT = 0.05
+PULL = 1.0  # the likelihood ratio's pull, in noise units: PULL / sigma, sigma the claim's at the run's p and T
+
+
+def _pipeline_scores(moves: np.ndarray, rate: float | None = None, pull: float | None = None
+                     ) -> tuple[dict[str, np.ndarray], float]:
     """A pipeline probe's scores: each step's row movements standardised across the m canaries (minus their
     median, over 1.4826 x their median absolute deviation: the noise's scale that step, whatever the learning
-    rate or optimizer made of it), summed over the steps; and the same with every standardised entry clipped to
-    +-ROBUST_CUT. Functions of the released rows that treat every canary alike, blind to membership."""
+    rate or optimizer made of it), summed over the steps; the same with every standardised entry clipped to
+    +-ROBUST_CUT; given the rate and a pull, the sum of each standardised step's likelihood ratio at that pull
+    (family.standardised_likelihood_ratio). Functions of the released rows that treat every canary alike, blind to
+    membership. Also returns the lag-1 correlation of the standardised steps (each canary's mean removed): near 0
+    where each step's movement is that step's release alone, near beta under momentum."""
     m = moves.shape[1]
     block = max(1, BLOCK_VALUES // m)
-    raw, robust = np.zeros(m), np.zeros(m)
+    raw, robust, llr = np.zeros(m), np.zeros(m), np.zeros(m)
+    cross, squares, first, last, previous = np.zeros(m), np.zeros(m), None, None, None
     for start in range(0, moves.shape[0], block):
         part = np.asarray(moves[start:start + block], float)
         centre = np.median(part, axis=1, keepdims=True)
@@ -127,7 +144,75 @@ def _pipeline_scores(moves: np.ndarray) -> dict[str, np.ndarray]:
         z = np.divide(part - centre, scale, out=np.zeros_like(part), where=scale > 0)  # a still step says nothing
         raw += z.sum(0)
         robust += np.clip(z, -ROBUST_CUT, ROBUST_CUT).sum(0)
-    return {"row movement": raw, "row movement, outlying steps clipped": robust}
+        if rate is not None and pull is not None:
+            llr += family.pull_likelihood_ratio_step(z, rate, pull).sum(0)
+        joined = z if previous is None else np.vstack([previous, z])
+        cross += (joined[1:] * joined[:-1]).sum(0)
+        squares += (z * z).sum(0)
+        first = z[0] if first is None else first
+        previous = last = z[-1:]
+    stats = {PIPELINE: raw, PIPELINE_ROBUST: robust}
+    if rate is not None and pull is not None:
+        stats[PIPELINE_LIKELIHOOD] = llr
+    return stats, _lag_one(raw, cross, squares, first, last[0], moves.shape[0])
+
+
+def _lag_one(sums, cross, squares, first, last, steps: int) -> float:
+    """The pooled lag-1 correlation of the standardised steps, each canary's own mean removed (a member's mean pull
+    is not a correlation of its steps), from the running sums of one pass, plus 1 / T: removing the mean biases the
+    estimate of independent steps to -1 / T (0.025 at T = 40)."""
+    if steps < 3:
+        return 0.0
+    mean = sums / steps
+    lagged = cross - mean * (2 * sums - first - last) + (steps - 1) * mean ** 2
+    spread = squares - steps * mean ** 2
+    total = float(spread.sum())
+    return float(lagged.sum()) / total + 1.0 / steps if total > 0 else 0.0
+
+
+@lru_cache(maxsize=64)
+def claim_pull(claimed_epsilon, delta: float, rate: float, steps: int) -> float | None:
+    """The likelihood ratio's pull for a pipeline transcript: PULL / sigma, sigma the claim's at the run's p and T
+    (public: the claim and the schedule), or None without a claim (delta > 0) or at p = 1."""
+    if claimed_epsilon is None or not delta > 0 or rate >= 1:
+        return None
+    return PULL / calibrate_sigma(Mechanism("gaussian", 1.0, rate, steps), float(claimed_epsilon), delta,
+                                  rtol=0.02).sigma
+
+
+def pipeline_models(rate: float, steps: int, pull: float | None) -> dict:
+    """{statistic: family.ScoreModel} of a pipeline transcript's statistics, in noise units (family.py)."""
+    models = {PIPELINE: family.standardised_linear(rate, steps),
+              PIPELINE_ROBUST: family.standardised_clipped(rate, steps, ROBUST_CUT)}
+    if pull is not None:
+        models[PIPELINE_LIKELIHOOD] = family.standardised_likelihood_ratio(rate, steps, pull)
+    return models
+
+
+def _pipeline_family(rows, sampler, stats: dict, facts: dict, mechanism, claimed_epsilon, delta: float):
+    """(stats, {statistic: family.ScoreModel}, facts) for a PipelineProbe's transcript: read through the run's
+    family (the standardised steps, family.py) where it is the run's: its member canaries' sampler audit passed
+    at the rate the run is accounted with, Gaussian noise, and steps that are independent releases (lag-1
+    correlation at most INDEPENDENT: a memoryless optimizer, such as SGD without momentum). Then the likelihood
+    ratio at the claim's sigma joins the statistics. Otherwise today's Gaussian reading, and the facts say why."""
+    why, correlation = None, facts["steps' lag-1 correlation"]
+    if sampler is None:
+        why = "the batches were not logged and tested (observe(batch=) and the sample rate)"
+    elif not sampler.poisson_accounting_valid:
+        why = "the canaries' sampler audit failed"
+    elif (mechanism or "gaussian") != "gaussian":
+        why = f"{mechanism} noise"
+    elif abs(correlation) > INDEPENDENT:
+        why = (f"its steps are correlated (lag 1: {correlation:.3f} > {INDEPENDENT}: momentum or "
+               "Adam, so a step's movement is not that step's release)")
+    if why is not None:
+        return stats, {}, {**facts, "run's family": f"not read through it: {why}; the Gaussian reading"}
+    rate, steps = float(sampler.sample_rate), int(facts["steps"])
+    pull = claim_pull(claimed_epsilon, delta, rate, steps)
+    if pull is not None:
+        stats = _pipeline_scores(rows, rate, pull)[0]
+    return stats, pipeline_models(rate, steps, pull), {**facts, "run's family": f"Poisson-subsampled Gaussian at p = {rate:.4g} (the sampler "
+                                                    f"audit's), T = {steps}, steps standardised by their noise"}
 
 
 def _robust_cut(values: np.ndarray) -> tuple[float, float]:
@@ -193,7 +278,8 @@ def transcript_scores(run_dir: Path, meta: Released | None = None
     scale = None
     if release == "pipeline-rows":  # a PipelineProbe: each step's movement of the canaries' own rows
         rows = _transcript_rows(run_dir, canaries.m)
-        steps, stats, name = len(rows), _pipeline_scores(rows), "white-box-pipeline"
+        (stats, correlation), name = _pipeline_scores(rows), "white-box-pipeline"
+        steps = len(rows)
     elif release == "scalar-sums":  # a probe of scalar releases: one noisy sum a step
         sums = np.fromfile(run_dir / TRANSCRIPT, dtype="<f4").astype(float) if (run_dir / TRANSCRIPT).is_file() \
             else np.zeros(0)
@@ -231,6 +317,8 @@ def transcript_scores(run_dir: Path, meta: Released | None = None
     if steps == 0:
         raise DPAuditError(f"{run_dir} has no released steps to audit")
     facts = {"steps": steps, "white-box canaries": canaries.m}
+    if release == "pipeline-rows":
+        facts["steps' lag-1 correlation"] = round(correlation, 4)
     if BANDMF in stats:
         facts["BandMF"] = f"{strategy.spec()}: {steps} whole rounds read along the strategy's columns"
     if scale is not None and (LIKELIHOOD in stats or BANDMF in stats):
@@ -414,7 +502,11 @@ def audit_run_folder(run_dir: Path, *, claimed_epsilon: float | None, delta: flo
                                                       "run is accounted with to test them"}
     mechanism = meta.mechanism
     ceiling = _run_ceiling(meta, facts["steps"], claimed_epsilon, delta)
-    models = score_models(meta, stats, facts)
+    if meta.release == "pipeline-rows":
+        stats, models, facts = _pipeline_family(_transcript_rows(Path(run_dir), len(members)), sampler, stats, facts,
+                                                mechanism, claimed_epsilon, delta)
+    else:
+        models = score_models(meta, stats, facts)
     if headline == "gaussian-run":  # asked for by name: the statistics it can read
         stats = {k: v for k, v in stats.items() if k in models} or stats
     share = (alpha / 2 if sampler is not None else alpha) / len(stats)

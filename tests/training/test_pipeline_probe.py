@@ -32,7 +32,7 @@ def _model_and_texts(seed: int = 0):
 
 
 def _run(tmp_path, bug: str = "none", steps: int = 40, sigma: float = 1.0, batches: bool = True, seed: int = 1,
-         watch: dict | None = None, budget: float = 0.05):
+         watch: dict | None = None, budget: float = 0.05, momentum: float = 0.0):
     """An Opacus (hooks) loop over the probe's texts; ``bug``: "reuse" (each batch for 4 steps) or "aux" (a plain
     SGD step on the batch after each DP step). ``seed`` fixes the model and Opacus' Poisson batches (torch's
     global generator): the sampler audit refuses a correct loop with probability alpha / 2 (2 in 100 seeds of
@@ -49,7 +49,7 @@ def _run(tmp_path, bug: str = "none", steps: int = 40, sigma: float = 1.0, batch
     full = tokenize(tok, texts, SEQ).batch(range(len(texts)))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(full["input_ids"], full["attention_mask"]),
                                          batch_size=B)
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=momentum)
     engine = PrivacyEngine(accountant="prv")
     model, optimizer, loader = engine.make_private(module=model, optimizer=optimizer, data_loader=loader,
                                                    noise_multiplier=sigma, max_grad_norm=1.0)
@@ -89,10 +89,23 @@ def test_a_correct_loop_is_consistent_and_its_canaries_were_sampled_as_accounted
     assert not result.violation, result.verdict
     assert result.sampler.poisson_accounting_valid and result.sampler.sample_rate == pytest.approx(
         engine.accountant.history[-1][1])
-    assert result.score.name == "white-box-pipeline" and result.headline == "gaussian"
+    # the sampler audit passed and plain SGD's steps are independent releases: read through the run's own family
+    assert result.score.name == "white-box-pipeline" and result.headline == "gaussian-run"
     report = json.loads((tmp_path / "probe" / "report" / "report.json").read_text())
     assert report["canary_sampler_audit"]["poisson_accounting_valid"]
+    assert report["context"]["run's family"].startswith("Poisson-subsampled Gaussian at p = ")
     assert oct((tmp_path / "probe" / "canary_batches.jsonl").stat().st_mode & 0o777) == "0o600"  # membership
+
+
+def test_momentum_keeps_the_gaussian_reading_and_says_why(tmp_path):
+    """SGD with momentum 0.9: a row's movement carries the steps before it, so the steps are not the family's
+    independent releases; the probe reads G_mu and the report names the correlation it measured."""
+    probe, engine = _run(tmp_path, momentum=0.9)
+    result = probe.audit(claimed_eps=4.0, delta=1e-5, accountant=engine.accountant)
+    assert result.headline == "gaussian" and not result.violation, result.verdict
+    report = json.loads((tmp_path / "probe" / "report" / "report.json").read_text())
+    assert "its steps are correlated" in report["context"]["run's family"]
+    assert report["context"]["steps' lag-1 correlation"] > 0.5
 
 
 def test_a_side_step_without_clipping_or_noise_is_a_violation_of_the_bound(tmp_path):
