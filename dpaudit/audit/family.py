@@ -40,7 +40,7 @@ of z (the sum, the sum clipped to +-c, the likelihood ratio at a fixed pull a_h)
 member, as above, and the same test applies. A member's pull below 1 / s (a clipped gradient only partly on its
 canary's row) is a member of the family with a larger s: on the safe side again. Valid where each step's reading is
 that step's release alone (memoryless: the probe checks the steps' correlation, audit/whitebox.py) and the noise
-scale is read well (m entries a step; the validity test simulates it, tests/audit/test_family.py).
+scale is read well (m entries a step; the validity test simulates it, tests/audit/test_pipeline_scores.py).
 
 Assumptions, said in every answer: the canaries Poisson-sampled at p (the probes sample them so; the bundled
 white-box runs are Poisson only), Gaussian noise, each member's step contribution at most C (its clipped size),

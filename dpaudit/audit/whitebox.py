@@ -119,7 +119,7 @@ PIPELINE_ROBUST = "row movement, outlying steps clipped"
 PIPELINE_LIKELIHOOD = "row movement, likelihood ratio"
 # The largest lag-1 correlation of the standardised steps at which they are read as independent releases (the run's
 # family, family.py): momentum or Adam's first moment gives beta (0.9 by default); plain SGD gives 0, within
-# 1 / sqrt(m T) (0.003 at m 500, T 200). Validity is tested at this correlation (tests/audit/test_family.py).
+# 1 / sqrt(m T) (0.003 at m 500, T 200). Validity is tested just inside it (tests/audit/test_pipeline_scores.py).
 INDEPENDENT = 0.05
 PULL = 1.0  # the likelihood ratio's pull, in noise units: PULL / sigma, sigma the claim's at the run's p and T
 
@@ -154,7 +154,7 @@ def _pipeline_scores(moves: np.ndarray, rate: float | None = None, pull: float |
     stats = {PIPELINE: raw, PIPELINE_ROBUST: robust}
     if rate is not None and pull is not None:
         stats[PIPELINE_LIKELIHOOD] = llr
-    return stats, _lag_one(raw, cross, squares, first, last[0], moves.shape[0])
+    return stats, (_lag_one(raw, cross, squares, first, last[0], moves.shape[0]) if last is not None else 0.0)
 
 
 def _lag_one(sums, cross, squares, first, last, steps: int) -> float:
@@ -211,8 +211,9 @@ def _pipeline_family(rows, sampler, stats: dict, facts: dict, mechanism, claimed
     pull = claim_pull(claimed_epsilon, delta, rate, steps)
     if pull is not None:
         stats = _pipeline_scores(rows, rate, pull)[0]
-    return stats, pipeline_models(rate, steps, pull), {**facts, "run's family": f"Poisson-subsampled Gaussian at p = {rate:.4g} (the sampler "
-                                                    f"audit's), T = {steps}, steps standardised by their noise"}
+    read = f"Poisson-subsampled Gaussian at p = {rate:.4g} (the sampler audit's), T = {steps}, steps standardised by " \
+           "their noise"
+    return stats, pipeline_models(rate, steps, pull), {**facts, "run's family": read}
 
 
 def _robust_cut(values: np.ndarray) -> tuple[float, float]:

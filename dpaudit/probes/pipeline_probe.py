@@ -245,13 +245,11 @@ class PipelineProbe(WhiteBoxProbe):
                                "(sample_rate=, or accountant=)")
         return rate
 
-    def watch(self, *, delta: float, claimed_eps: float | None = None, accountant=None, sample_rate: float | None = None,
-              **kwargs) -> "PipelineProbe":
+    def watch(self, *, delta: float, claimed_eps: float | None = None, accountant=None,
+              sample_rate: float | None = None, **kwargs) -> "PipelineProbe":
         """As ``WhiteBoxProbe.watch``; ``sample_rate``: as in ``audit``, for every look (the looks then test the
         canaries' inclusions and, where they pass, read the run's own family as the end-of-run audit does)."""
-        if sample_rate is not None:
-            check_number("sample_rate", sample_rate, above=0, at_most=1)
-            self.sample_rate = float(sample_rate)
+        self._keep_rate(sample_rate)
         return super().watch(delta=delta, claimed_eps=claimed_eps, accountant=accountant, **kwargs)
 
     def audit(self, claimed_eps: float | None = None, delta: float | None = None, *, sample_rate: float | None = None,
@@ -261,10 +259,13 @@ class PipelineProbe(WhiteBoxProbe):
         kept for later audits and looks). Where that audit passes and the steps are independent releases (a
         memoryless optimizer: plain SGD), the statistics are read through the run's own family (audit/whitebox.py
         ``_pipeline_family``), else through G_mu."""
+        self._keep_rate(sample_rate)
+        return super().audit(claimed_eps, delta, accountant=accountant, alpha=alpha, report=report)
+
+    def _keep_rate(self, sample_rate) -> None:
         if sample_rate is not None:
             check_number("sample_rate", sample_rate, above=0, at_most=1)
             self.sample_rate = float(sample_rate)
-        return super().audit(claimed_eps, delta, accountant=accountant, alpha=alpha, report=report)
 
     def close(self) -> None:
         super().close()

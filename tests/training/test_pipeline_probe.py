@@ -218,3 +218,20 @@ def test_a_watched_pipeline_probe_makes_the_planned_final_look_after_the_last_st
     looks = [json.loads(line) for line in (tmp_path / "probe" / "running.jsonl").read_text().splitlines()]
     assert [(x["step"], x["final"]) for x in looks] == [(8, False), (16, False), (20, True)]
     assert looks[-1]["alpha"] == pytest.approx(0.025) and probe.alarm is None
+
+
+def test_watch_keeps_the_sample_rate_for_its_looks_and_refuses_a_bad_one(tmp_path):
+    """The looks call audit() without a rate: the one given to watch() is the one their sampler audit (and so the
+    run's-family reading) uses; an audit() with no rate keeps it too."""
+    from dpaudit.core.errors import DPAuditError
+
+    model, tok, _ = _model_and_texts(1)
+    probe = PipelineProbe(model, tok, m=M, out=tmp_path / "probe", secret_seed=3)
+    with pytest.raises(DPAuditError, match="sample_rate"):
+        probe.watch(delta=1e-5, claimed_eps=4.0, sample_rate=2.0)
+    probe.watch(delta=1e-5, claimed_eps=4.0, sample_rate=0.05)
+    probe._batches = open(tmp_path / "log", "a")  # as after observe(batch=): the rate is then asked for
+    assert probe._sampler_rate(None) == 0.05
+    probe._keep_rate(None)
+    assert probe._sampler_rate(None) == 0.05
+    probe._batches.close()
