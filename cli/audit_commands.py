@@ -250,7 +250,9 @@ def audit_transcript(
     headline: HeadlineOpt = "auto",
     sample_rate: Annotated[float | None, typer.Option(
         "--sample-rate", help="A PipelineProbe folder whose batches were logged: the rate the run is accounted with; "
-                              "the member canaries' inclusions are tested against it (half of alpha).")] = None,
+                              "the member canaries' inclusions are tested against it (half of alpha); where they "
+                              "pass and the steps are independent, the scores are read through the run's own "
+                              "family.")] = None,
     report: ReportOpt = None,
     force: ForceOpt = False,
     as_json: JsonOpt = False,
