@@ -381,7 +381,7 @@ def _scalar_likelihood(stats: dict, signs: np.ndarray, x: np.ndarray, rate: floa
 def score_models(meta: Released, stats: dict, facts: dict) -> dict:
     """{statistic: family.ScoreModel} for the statistics the gaussian-run bound can read: the linear ones and the
     likelihood ratio, in a Gaussian run whose canaries are Poisson-sampled at a known rate p < 1 (not the robust
-    statistic, whose cut depends on the transcript; not a pipeline probe's, whose steps are standardised)."""
+    statistic, whose cut depends on the transcript; a pipeline probe's steps are standardised: _pipeline_family)."""
 
     rate = _poisson_rate(meta)
     if rate is None or (meta.mechanism or "gaussian") != "gaussian" or meta.release == "pipeline-rows":
