@@ -136,7 +136,7 @@ def _pipeline_scores(moves: np.ndarray, rate: float | None = None, pull: float |
     m = moves.shape[1]
     block = max(1, BLOCK_VALUES // m)
     raw, robust, llr = np.zeros(m), np.zeros(m), np.zeros(m)
-    cross, squares, first, last, previous = np.zeros(m), np.zeros(m), None, None, None
+    cross, squares, first, previous = np.zeros(m), np.zeros(m), None, None
     for start in range(0, moves.shape[0], block):
         part = np.asarray(moves[start:start + block], float)
         centre = np.median(part, axis=1, keepdims=True)
@@ -150,11 +150,11 @@ def _pipeline_scores(moves: np.ndarray, rate: float | None = None, pull: float |
         cross += (joined[1:] * joined[:-1]).sum(0)
         squares += (z * z).sum(0)
         first = z[0] if first is None else first
-        previous = last = z[-1:]
+        previous = z[-1:]
     stats = {PIPELINE: raw, PIPELINE_ROBUST: robust}
     if rate is not None and pull is not None:
         stats[PIPELINE_LIKELIHOOD] = llr
-    return stats, (_lag_one(raw, cross, squares, first, last[0], moves.shape[0]) if last is not None else 0.0)
+    return stats, (_lag_one(raw, cross, squares, first, previous[0], moves.shape[0]) if first is not None else 0.0)
 
 
 def _lag_one(sums, cross, squares, first, last, steps: int) -> float:
