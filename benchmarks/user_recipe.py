@@ -2,7 +2,7 @@
 and Poisson batches (B 64, T 300, claimed eps 4, m 1000 new-token canaries), over a grid of learning rates and
 secret seeds, several runs at once. Prints each run's bound and AUC, then the median per rate.
 
-    .venv/bin/python benchmarks/user_recipe.py --out /tmp/ur [--lrs 5e-3,2e-2] [--seeds 1,2,3] [--jobs 2]
+    .venv/bin/python benchmarks/user_recipe.py --out /tmp/ur [--lrs model,1e-2] [--seeds 1,2,3] [--jobs 2]
     .venv/bin/python benchmarks/user_recipe.py --ceiling [--batches 64,256,1024]
 
 ``--ceiling``: what a perfect black-box canary could read on this schedule (N 1497: the embedded default's 1000
@@ -12,7 +12,9 @@ model can do with a linear statistic; 9 simulated runs of m = 1000 through the s
 
 ``--share``: where a new-token canary's gradient goes on the embedded default (the whole model trainable, as the
 recipe): the median share of its norm on its secret's own row for prefixes of 1, 2 and 8 random tokens (20
-canaries each), and with the 1-token prefix chosen among the tokenizer's prefix pool for the largest share.
+canaries each, zero rows), behind audit run's one shared prefix with rows at its expected row (what `audit run`
+does where the body trains), and with the 1-token prefix chosen among the tokenizer's prefix pool for the largest
+share.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from pathlib import Path
 def one(out: Path, lr: str, seed: int, extra: list[str]) -> dict:
     folder = out / f"lr{lr}-s{seed}"
     command = [sys.executable, "-m", "dpaudit.cli.main", "audit", "run", "--method", "dp-sgd", "--eps", "4",
-               "--trainable", "full", "--optimizer", "adamw", "-B", "64", "-T", "300", "-m", "1000", "--lr", lr,
-               "--secret-seed", str(seed), "--threads", "2", "--force", "--json", "-o", str(folder), *extra]
+               "--trainable", "full", "--optimizer", "adamw", "-B", "64", "-T", "300", "-m", "1000",
+               *(["--lr", lr] if lr != "model" else []), "--secret-seed", str(seed), "--threads", "2", "--force",
+               "--json", "-o", str(folder), *extra]
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).resolve().parent)  # not the
     # repository root, whose dpaudit/ folder would shadow the installed package (cli/ maps into it at install)
@@ -68,7 +71,7 @@ def gradient_share(canaries: int = 20) -> None:
     import tempfile
     import torch
 
-    from dpaudit.canaries.generate import _prefix_pool, make_canaries
+    from dpaudit.canaries.generate import _prefix_pool, make_canaries, shared_prefix
     from dpaudit.canaries.hf import extend_model
     from dpaudit.models.loading import load_causal_lm
     from dpaudit.workflows.audit_run import embedded_default
@@ -91,6 +94,16 @@ def gradient_share(canaries: int = 20) -> None:
         got = [share(lm, tok(c.text)["input_ids"], s) for c, s in zip(manifest.canaries, secrets)]
         print(f"prefix of {length} random token(s): median share of the norm on the secret's row "
               f"{np.median(got):.3f} ({canaries} canaries)", flush=True)
+    lm, tok = load_causal_lm(base)  # audit run's layout where the body trains: one shared prefix, expected rows
+    manifest = make_canaries(tok, 1000, seed=0, template=shared_prefix(tok, 0), membership_seed=1)
+    shared = extend_model(lm, tok, manifest)
+    lm.train()
+    got = [share(lm, tok(c.text)["input_ids"], s) for c, s in zip(manifest.canaries[:canaries], shared)]
+    print(f"one shared prefix, rows at its expected row (1000 canaries): median share {np.median(got):.3f}",
+          flush=True)
+    lm, tok = load_causal_lm(base)
+    secrets = extend_model(lm, tok, make_canaries(tok, canaries, seed=0, membership_seed=1))
+    lm.train()
     pool = _prefix_pool(tok)  # the 1-token prefix chosen by the share it gives (a public choice, before membership)
     every = np.array([share(lm, [int(t), secrets[0]], secrets[0]) for t in pool])
     print(f"1-token prefix over the whole pool ({len(pool)} tokens): median {np.median(every):.3f}, the best "
@@ -100,7 +113,7 @@ def gradient_share(canaries: int = 20) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out")
-    ap.add_argument("--lrs", default="5e-3,2e-2")
+    ap.add_argument("--lrs", default="model", help="rates, comma-separated; 'model': audit run's own (no --lr)")
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--ceiling", action="store_true", help="only the perfect canary's bound, simulated")

@@ -49,6 +49,14 @@ def _prefix_pool(tokenizer) -> np.ndarray:
     return np.array(pool)
 
 
+def shared_prefix(tokenizer, seed: int = 0) -> str:
+    """One prefix for every canary (a template): a token of the prefix pool drawn from the public seed. Behind one
+    shared prefix, new-token canaries' rows can start where a run that trains the whole model keeps each canary's
+    gradient on its own row (canaries/hf.expected_row)."""
+    pool = _prefix_pool(tokenizer)
+    return tokenizer.decode([int(pool[np.random.default_rng([seed, 3]).integers(len(pool))])])
+
+
 def _clean(text: str) -> bool:
     return bool(text.strip()) and text.isprintable() and "\ufffd" not in text and "<" not in text
 

@@ -6,7 +6,7 @@ import hashlib
 
 from dpaudit.core.errors import DPAuditError
 from dpaudit.canaries.manifest import Manifest, TokenizerIdentity
-from dpaudit.models.extension import add_tokens, add_zero_tokens
+from dpaudit.models.extension import add_tokens, add_new_tokens
 
 
 def tokenizer_identity(tokenizer, name_or_path: str | None = None) -> TokenizerIdentity:
@@ -41,7 +41,33 @@ def extend_tokenizer(tokenizer, manifest: Manifest) -> list[int]:
 
 
 def extend_model(model, tokenizer, manifest: Manifest) -> list[int]:
-    """Add the canary tokens and resize the embeddings: new output rows start at zero, ties are kept."""
-    return add_zero_tokens(model, tokenizer, list(manifest.secrets))
+    """Add the canary tokens and resize the embeddings, ties kept; returns their ids. New output rows start at zero,
+    or, where every canary has one shared prefix (a template), each at ``expected_row`` after it."""
+    row = expected_row(model, tokenizer, manifest.canaries[0].prefix) \
+        if manifest.prefix_kind == "template" and manifest.kind == "new-token" and manifest.canaries else None
+    return add_new_tokens(model, tokenizer, list(manifest.secrets), row)
+
+
+def expected_row(model, tokenizer, prefix: str):
+    """E_{j ~ p(. | prefix)} w_j: the base model's output rows averaged by its next-token distribution after
+    ``prefix``. A new token's loss after the prefix has gradient sum_j p_j w_j - w_secret with respect to the final
+    hidden state, which is zero when every new row starts here (the new tokens' own probability then averages the
+    same row), so at the start a canary's whole gradient lies on the output rows, nearly all on its own (the others
+    take p_j h each): a run that trains the whole model keeps each canary on its own coordinates, as a new-token-only
+    run does, instead of spending most of its clipped norm on the shared body (on the embedded default, the median
+    share of a canary's gradient norm on its own row: 0.27 with zero rows after random 1-token prefixes, 0.999
+    after one shared prefix with rows here). A public function of the base model and the prefix, the same for
+    members and non-members."""
+    import torch
+
+    ids = tokenizer(prefix, add_special_tokens=False)["input_ids"]
+    was = model.training
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids], device=model.device)).logits[0, -1].float()
+        weight = model.get_output_embeddings().weight
+        row = torch.softmax(logits[:weight.shape[0]], -1) @ weight.float()
+    model.train(was)
+    return row.cpu()
 
 

@@ -34,7 +34,10 @@ def make(
         "Random prefix tokens per canary (default 1: a longer prefix is more loss to learn, whose gradient crowds "
         "the secret's row out of the clipped norm)."))] = NEW_TOKEN_PREFIX,
     template: Annotated[Optional[str], typer.Option(
-        "--template", help="Use this text as every canary's prefix instead of random tokens.")] = None,
+        "--template", help="Use this text as every canary's prefix instead of random tokens. `canaries extend` "
+                           "then starts every canary's row at the model's expected output row after it, so when "
+                           "your run trains the whole model (or LoRA with the canaries' rows) a canary's gradient "
+                           "starts on its own row: audit run's layout there.")] = None,
     records: Annotated[int, typer.Option(
         "--records", help="Canary users of this many records (distinct random prefixes, one secret), for a "
                           "user-level audit: at most the run's --records-per-user.")] = 1,
@@ -96,7 +99,8 @@ def extend(
     force: ForceOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Add the canary tokens to a model's tokenizer and embeddings (new output rows zero, ties kept)."""
+    """Add the canary tokens to a model's tokenizer and embeddings (new output rows zero, or behind a --template
+    prefix at the model's expected row after it; ties kept)."""
 
     set_threads(threads)
     refuse_overlap(output, {"model": model, "canary manifest": canaries}, folder_output=True)

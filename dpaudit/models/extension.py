@@ -1,13 +1,14 @@
 """A model folder that adds new tokens to a base model without copying its weights.
 
 An audit run extends the base model with one new token per canary, each with a zero output row (and, tied, a zero
-input row): the extended model is the base's weights plus zero rows, a function of the base's files and the token
-list alone. Written in full it was a second copy of the model (2.4 GB of a 0.5 B model's 4.8 GB written). So the
+input row), or every one at one shared start row (canaries behind one shared prefix: canaries/hf.extend_model): the
+extended model is the base's weights plus those rows, a function of the base's files, the token list and the start
+row alone. Written in full it was a second copy of the model (2.4 GB of a 0.5 B model's 4.8 GB written). So the
 folder holds what readers of a model folder need without the weights (config.json with the extended vocabulary,
-the extended tokenizer) and ``MARKER``: the base's folder, a stamp of its files, and the tokens in order. Loading
-it (models/loading.load_causal_lm) loads the base and adds the tokens again, which gives the same weights to the
-bit (``add_zero_tokens`` only appends rows of zeros). A base whose files changed or went away is refused in one
-line: it would not be the model the run trained from.
+the extended tokenizer) and ``MARKER``: the base's folder, a stamp of its files, the tokens in order and the start
+row (absent: zero; written as exact floats). Loading it (models/loading.load_causal_lm) loads the base and adds the
+tokens again, which gives the same weights to the bit (``add_new_tokens`` only appends rows, zero or that row). A
+base whose files changed or went away is refused in one line: it would not be the model the run trained from.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dpaudit.core.safe_json import load_json_file
 from dpaudit.models.hf import resolve_model_path
 
 MARKER = "dpaudit_added_tokens.json"
-FORMAT = 1
+FORMAT = 2                    # 2: the start row ("row", absent for zero rows); 1: zero rows, still read
 MAX_MARKER_BYTES = 64 << 20   # a token list of a few hundred thousand canaries
 
 
@@ -32,11 +33,13 @@ class AddedTokens:
     """What an extension folder adds, read from its ``MARKER``: the base folder and the tokens, in order."""
     base: Path
     tokens: list[str]
+    row: list[float] | None = None   # where every new output row starts (None: zero)
 
 
-def add_zero_tokens(model, tokenizer, tokens: list[str]) -> list[int]:
+def add_new_tokens(model, tokenizer, tokens: list[str], row=None) -> list[int]:
     """Add ``tokens`` (one new token each) to the tokenizer and the model; returns their ids. New output rows start
-    at zero (logit 0), ties are kept (tied: the new input rows are zero too)."""
+    at zero (logit 0), or each at ``row`` (a vector of the hidden size), the same for members and non-members; ties
+    are kept (tied: the new input rows are the same)."""
     import torch
 
     old = model.get_input_embeddings().weight.shape[0]
@@ -48,9 +51,28 @@ def add_zero_tokens(model, tokenizer, tokens: list[str]) -> list[int]:
         # Zero output rows: every new token starts with logit 0, the same for members and non-members.
         # With tied weights this also zeroes the new input rows (the tie is kept, not broken).
         out.weight[new].zero_()
+        if row is not None:
+            start = torch.as_tensor(row, dtype=torch.float32).flatten()
+            if start.numel() != out.weight.shape[1] or not bool(torch.isfinite(start).all()):
+                raise DPAuditError(f"the new tokens' start row has {start.numel()} numbers (finite?); the model's "
+                                   f"rows have {out.weight.shape[1]}")
+            out.weight[new] = start.to(out.weight.dtype)
         if getattr(out, "bias", None) is not None:
             out.bias[new].zero_()
     return ids
+
+
+def start_row(model, first: int) -> list[float] | None:
+    """The row every new token from id ``first`` on starts at, as exact floats (None: zero rows); refused when the
+    new rows differ, which an extension folder could not rebuild."""
+    import torch
+
+    rows = model.get_output_embeddings().weight.detach()[first:]
+    if not len(rows) or not bool(rows.any()):
+        return None
+    if not bool((rows == rows[0]).all()):
+        raise DPAuditError("the new tokens' rows differ; an extension folder holds one start row for all of them")
+    return rows[0].float().tolist()
 
 
 def add_tokens(tokenizer, tokens: list[str]) -> list[int]:
@@ -66,8 +88,9 @@ def files_stamp(folder: Path) -> list[list]:
 
 
 def save_extension(path: Path, base: Path, model, tokenizer, tokens: list[str]) -> Path:
-    """Write ``path``: ``model`` (the base at ``base`` with ``tokens`` added by ``add_zero_tokens``) as an extension
-    folder: its config and tokenizer, and the marker, but no weights. Written whole or not at all."""
+    """Write ``path``: ``model`` (the base at ``base`` with ``tokens`` added by ``add_new_tokens``) as an extension
+    folder: its config and tokenizer, and the marker (with the new rows' start row), but no weights. Written whole
+    or not at all."""
 
     folder = resolve_model_path(base).resolve()
     if (folder / MARKER).is_file():
@@ -80,8 +103,9 @@ def save_extension(path: Path, base: Path, model, tokenizer, tokens: list[str]) 
         # output folder may move; else by its absolute path
         where = (os.path.relpath(folder, path.resolve().parent / path.name)
                  if path.resolve().parent in folder.parents else str(folder))
+        row = start_row(model, model.get_output_embeddings().weight.shape[0] - len(tokens))
         atomic_write_json(tmp / MARKER, {"format": FORMAT, "base": where, "base_files": files_stamp(folder),
-                                         "tokens": list(tokens)})
+                                         "tokens": list(tokens), **({"row": row} if row is not None else {})})
         mark(tmp)
         follow_umask(tmp)
     return path
@@ -95,8 +119,10 @@ def added_tokens(folder: Path) -> AddedTokens | None:
     if not marker.is_file():
         return None
     data = load_json_file(marker, "added-tokens marker", MAX_MARKER_BYTES)
-    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("base"), str) \
-            or not isinstance(data.get("tokens"), list) or not all(isinstance(t, str) for t in data["tokens"]):
+    row = data.get("row") if isinstance(data, dict) else None
+    if not isinstance(data, dict) or data.get("format") not in (1, FORMAT) or not isinstance(data.get("base"), str) \
+            or not isinstance(data.get("tokens"), list) or not all(isinstance(t, str) for t in data["tokens"]) \
+            or (row is not None and not (isinstance(row, list) and all(isinstance(v, (int, float)) for v in row))):
         raise DPAuditError(f"{marker} is not an added-tokens marker this dpaudit wrote")
     base = (Path(folder) / data["base"]).resolve()   # an absolute "base" stays itself
     if not base.is_dir() or (base / MARKER).is_file():
@@ -106,4 +132,4 @@ def added_tokens(folder: Path) -> AddedTokens | None:
         raise DPAuditError(f"{folder} adds {len(data['tokens'])} tokens to the model at {base}, whose files changed "
                            "since (names, sizes or times); it would not be the model the run started from (run the "
                            "audit again)")
-    return AddedTokens(base=base, tokens=data["tokens"])
+    return AddedTokens(base=base, tokens=data["tokens"], row=row)

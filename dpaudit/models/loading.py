@@ -7,7 +7,7 @@ from pathlib import Path
 
 from dpaudit.core.errors import DPAuditError
 from dpaudit.models.hf import load_tokenizer, refuse_remote_code, require_transformers, resolve_model_path
-from dpaudit.models.extension import add_zero_tokens, added_tokens
+from dpaudit.models.extension import add_new_tokens, added_tokens
 
 
 def load_causal_lm(path: str | Path, dtype=None):
@@ -19,9 +19,9 @@ def load_causal_lm(path: str | Path, dtype=None):
     if not path.is_dir():
         raise DPAuditError(f"checkpoint directory not found: {path}")
     extension = added_tokens(path)
-    if extension is not None:  # a base model plus zero rows for new tokens (models/extension.py)
+    if extension is not None:  # a base model plus rows for new tokens, zero or one start row (models/extension.py)
         model, tokenizer = load_causal_lm(extension.base, dtype)
-        add_zero_tokens(model, tokenizer, extension.tokens)
+        add_new_tokens(model, tokenizer, extension.tokens, extension.row)
         return model, tokenizer
     refuse_remote_code(path)
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):

@@ -41,7 +41,7 @@ from dpaudit.core.validate import check_canaries, check_number
 from dpaudit.probes import probe_folder
 from dpaudit.probes.probe import WhiteBoxProbe, refuse_links
 from dpaudit.probes.transcript import Transcript
-from dpaudit.models.extension import add_zero_tokens
+from dpaudit.models.extension import add_new_tokens
 from dpaudit.probes.health import for_tensors
 
 BUDGET = 0.05  # the share of the training's wall time the canaries' directions may take (refreshed that often)
@@ -87,7 +87,7 @@ class PipelineProbe(WhiteBoxProbe):
         import torch
 
         tokens = [f"<dpaudit-{self.run_id[:8]}-{i}>" for i in range(self.m)]
-        ids = add_zero_tokens(self.model, self.tokenizer, tokens)
+        ids = add_new_tokens(self.model, self.tokenizer, tokens)
         if len(set(ids)) != self.m or min(ids) < self.tokenizer.vocab_size:
             raise DPAuditError("the tokenizer did not take the canary tokens as new tokens")
         with torch.no_grad():  # untied models: the new input rows start at zero too, all alike

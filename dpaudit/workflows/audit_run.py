@@ -32,7 +32,7 @@ from dpaudit.audit.ceiling import run_ceiling
 from dpaudit.audit.gdp import mu_from_epsilon
 from dpaudit.audit.power import power_note
 from dpaudit.audit.whitebox import audit_run_folder
-from dpaudit.canaries.generate import make_canaries, redraw_membership
+from dpaudit.canaries.generate import make_canaries, redraw_membership, shared_prefix
 from dpaudit.canaries.hf import extend_model
 from dpaudit.canaries.insert import insert_canaries
 from dpaudit.core.errors import DPAuditError
@@ -73,11 +73,27 @@ class BlackBoxRecipe:
     logit_step: float | None = None  # DP-SGD, the rate from the model: a member raises its secret's logit this much
     logit_noise: float | None = None  # DP-ZO, the rate and phi from the model (``zo_exposure``)
     examples: int = 1000          # synthetic examples when no data is given
+    body_drift: float | None = None  # DP-SGD where the user trains the body too: canaries behind one shared prefix
+    #                                  and, without --lr, the rate from the model (``drift_rate``)
 
 
-EMBEDDED_RECIPE = BlackBoxRecipe("new-tokens", batch_size=0, steps=3, optimizer="sgd", lr=5.0)
+# Where the user trains the body too (full, LoRA or the embeddings: subsets that train the canaries' rows as well),
+# every canary has one shared prefix and its new row starts at the base's expected output row after it
+# (canaries/hf.expected_row), so a canary's clipped gradient starts on its own row, not on the shared body. The rate
+# (unless given) then keeps the body near where it started: the noise's random walk moves each weight by BODY_DRIFT
+# of the base's typical weight over the run (``drift_rate``; LoRA's adapters move the body less than that), so each
+# canary's hidden state, along which its row learns, stays put. The user's whole-model AdamW recipe on the embedded
+# default (B 64, T 300, claimed eps 4, m 1000; benchmarks/user_recipe.py, secret seeds 1-5): median bound 0.969 (96 %
+# of a perfect canary's 1.014) at this rate (1.9e-4), where random prefixes with zero rows at lr 1e-2 read 0.263.
+# With the shared prefix at lr 1e-2 seeds 1-2 read 0.145 and 0.0: the noise walks each weight 0.17 over the run,
+# three times its size, so the hidden state a row learned along is gone by the end.
+BODY_DRIFT = 1 / 16
+BODY_SUBSETS = ("full", "lora", "embeddings")   # they train the canaries' rows too (training/trainable.py)
+
+EMBEDDED_RECIPE = BlackBoxRecipe("new-tokens", batch_size=0, steps=3, optimizer="sgd", lr=5.0, body_drift=BODY_DRIFT)
 # lr 5 on the embedded default is a logit step of 5 x C x |h| / N = 5 x 1 x 10.3 / ~1500 = 0.034 nats (sgd_exposure)
-PRETRAINED_RECIPE = BlackBoxRecipe("new-tokens", batch_size=0, steps=3, optimizer="sgd", logit_step=0.034)
+PRETRAINED_RECIPE = BlackBoxRecipe("new-tokens", batch_size=0, steps=3, optimizer="sgd", logit_step=0.034,
+                                   body_drift=BODY_DRIFT)
 # DP-ZO: all members share one released scalar a step, so each step adds the other members' clipped differences to a
 # member's noise (white_box_canaries, below): a member's logit separates by about sqrt(2/pi) mu / sqrt(1 + M mu^2 / T)
 # with M members. Steps drown them out (at eps 4: 0.48 predicted at T 300, 0.69 at T 3000); only the canaries' rows
@@ -114,20 +130,26 @@ class ResolvedRecipe:
     logit_noise: float | None    # set: the DP-ZO rate (and phi, unless given) come from it (``zo_exposure``)
     phi: float
     phi_from_model: bool
+    shared_prefix: bool = False  # canaries behind one shared prefix, rows at the expected row (``BODY_DRIFT``)
+    body_drift: float | None = None  # set: the rate comes from the model's weights (``drift_rate``)
 
 
 def resolve_recipe(recipe: BlackBoxRecipe, *, batch_size: int | None = None, examples: int | None = None,
                    trainable: str | None = None, optimizer: str | None = None, steps: int | None = None,
                    lr: float | None = None, phi: float | None = None) -> ResolvedRecipe:
     """What an audit run trains: each choice the user gave (not None), the recipe's for the rest. The recipe's rate
-    fits its own subset and optimizer only, so a user's other subset or optimizer takes the method's default rate;
-    phi from the model only where the recipe reads it and the user gave none."""
+    fits its own subset and optimizer only, so a user's other subset or optimizer takes the method's default rate,
+    except where a DP-SGD run trains the body (``BODY_SUBSETS``: the canaries behind one shared prefix, the rate
+    from the model, ``BODY_DRIFT``); phi from the model only where the recipe reads it and the user gave none."""
     trainable = trainable or recipe.trainable
     optimizer = optimizer or recipe.optimizer
-    logit_step = logit_noise = None
+    logit_step = logit_noise = body_drift = None
+    shared = recipe.body_drift is not None and trainable in BODY_SUBSETS
     if lr is None and trainable == recipe.trainable and optimizer == recipe.optimizer:
         lr, logit_step, logit_noise = recipe.lr, recipe.logit_step, recipe.logit_noise
-    return ResolvedRecipe(
+    elif lr is None and shared:
+        body_drift = recipe.body_drift
+    return ResolvedRecipe(shared_prefix=shared, body_drift=body_drift,
         batch_size=recipe.batch_size if batch_size is None else batch_size,
         examples=recipe.examples if examples is None else examples, trainable=trainable, optimizer=optimizer,
         steps=recipe.steps if steps is None else steps, lr=lr, logit_step=logit_step, logit_noise=logit_noise,
@@ -150,11 +172,13 @@ class AuditRunSettings:
     logit_step: float | None = None  # set: the DP-SGD rate comes from the extended model (``sgd_exposure``)
     logit_noise: float | None = None  # set: the DP-ZO rate and phi come from the extended model (``zo_exposure``)
     phi_from_model: bool = False      # DP-ZO's phi too (the user did not set one)
+    shared_prefix: bool = False       # every canary behind one prefix, its row at the expected row (``BODY_DRIFT``)
+    body_drift: float | None = None   # set: the rate comes from the model's weights (``drift_rate``)
 
     @property
     def fitted(self) -> bool:
         """The recipe reads the model (its rate, and the micro batch unless given: ``_fitted_to_the_model``)."""
-        return self.logit_step is not None or self.logit_noise is not None
+        return self.logit_step is not None or self.logit_noise is not None or self.body_drift is not None
 
 
 def sgd_exposure(h: float, examples: int, clip: float, logit_step: float) -> float:
@@ -181,6 +205,22 @@ def zo_exposure(h: float, examples: int, rate: float, members: float, clip: floa
     phi = 2 * clip / h if phi is None else phi
     spread = h * clip * math.sqrt(steps * max(noise_std ** 2 + rate * members, 1.0))  # at least one C^2 a step
     return logit_noise * 2 * phi * rate * examples / spread, phi
+
+
+def drift_rate(scale: float, steps: int, drift: float, step_noise: float) -> float:
+    """The rate at which the noise's random walk moves each trained weight by ``drift`` x ``scale`` over ``steps``
+    steps (``scale``: ``weight_scale``). Where the noise outweighs each coordinate's gradient, a step moves a weight
+    by lr x ``step_noise`` in standard deviation: 1 for AdamW (it divides each coordinate by its running scale, the
+    noise's own), the noise's standard deviation over the expected batch for SGD (sigma C / B); over T steps the walk
+    reaches lr x ``step_noise`` x sqrt(T) (AdamW's momentum averages the steps, keeping their sum). So
+    lr = drift x scale / (step_noise sqrt(T)). Any rate keeps the claim."""
+    return drift * scale / (step_noise * math.sqrt(steps))
+
+
+def weight_scale(model) -> float:
+    """The median root mean square of the model's weight matrices (2-D tensors, the embeddings included)."""
+    return statistics.median(float(p.detach().float().pow(2).mean().sqrt())
+                             for p in model.parameters() if p.dim() == 2)
 
 
 def prefix_hidden_norm(model, tokenizer, manifest) -> float:
@@ -269,11 +309,16 @@ def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model
         (out / REUSE_STAMP).unlink(missing_ok=True)
         lm, tok = load_causal_lm(base)
         users = dict(records=settings.repeats, held_out=settings.held_out) if settings.held_out else {}
+        template = shared_prefix(tok, settings.seed) if settings.shared_prefix else None
         manifest = make_canaries(tok, settings.canaries, seed=settings.seed, prefix_length=settings.prefix_length,
-                                 name_or_path=str(base), membership_seed=cfg.secret_seed, **users)
+                                 template=template, name_or_path=str(base), membership_seed=cfg.secret_seed, **users)
     else:  # the same secrets and extended model; membership is drawn afresh for every run (canaries/generate.py)
         manifest = redraw_membership(manifest, cfg.secret_seed)
     manifest.save(out / "canaries.json")
+    if settings.shared_prefix:
+        power = {**power, "canary prefix": f"one shared prefix ({manifest.canaries[0].prefix[:20]!r}), each "
+                                           "secret's row starting at the base's expected row after it: the body "
+                                           "trains, and each canary's gradient starts on its own row"}
     if data is None:
         data = out / "public_data.jsonl"
         atomic_write_text(data, "".join(json.dumps({"text": s}) + "\n"
@@ -290,6 +335,7 @@ def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model
         made = {"canaries_sha256": _public_key(manifest)}
         if fitted:  # measured while the model is loaded (reloading SmolLM2-135M for it took 3.7 s on 2 CPU cores)
             made[HIDDEN_NORM] = prefix_hidden_norm(lm, tok, manifest)
+            made[WEIGHT_SCALE] = weight_scale(lm)
         del lm
         atomic_write_json(out / REUSE_STAMP, {**stamp, **made})
     texts = read_texts(train_file, fmt, field)
@@ -297,7 +343,7 @@ def _run_audit(out: Path, cfg: TrainConfig, settings: AuditRunSettings, *, model
         step = step.grown(out / EXTENDED).with_texts(texts, cfg.max_length)
     if fitted:
         cfg, why = _fitted_to_the_model(out / EXTENDED, cfg, settings, manifest, texts,
-                                        _stamped(out, HIDDEN_NORM), step)
+                                        _stamped(out, HIDDEN_NORM), step, _stamped(out, WEIGHT_SCALE))
         power = {**power, **why}
     remove_folder(out / "run")
     result = train(out / EXTENDED, texts, out / "run", cfg, show_progress=show_progress, step=step)
@@ -343,26 +389,38 @@ def _user_audits(model_dir: Path, manifest, extended: Path, record_scores, membe
 
 
 def _fitted_to_the_model(extended: Path, cfg: TrainConfig, settings: AuditRunSettings, manifest,
-                         texts, h: float | None = None, step: StepCheck | None = None) -> tuple[TrainConfig, dict]:
-    """``cfg`` at the recipe's rate for this model (DP-SGD: ``sgd_exposure``; DP-ZO: ``zo_exposure``, phi too
-    unless the user set it) and, unless the user set one, at a micro batch that fits the memory (full batches of a
-    pretrained model: 1500 examples of a 135M model are ~45 GB at once). Returns the report's lines on it.
-    ``h``: |h| (``prefix_hidden_norm``) when already measured; else the extended model is loaded for it.
-    ``step``: the run's pre-flight check of the extended model and ``texts`` (else one is made)."""
+                         texts, h: float | None = None, step: StepCheck | None = None,
+                         scale: float | None = None) -> tuple[TrainConfig, dict]:
+    """``cfg`` at the recipe's rate for this model (DP-SGD: ``sgd_exposure``, or ``drift_rate`` where the body
+    trains; DP-ZO: ``zo_exposure``, phi too unless the user set it) and, unless the user set one, at a micro batch
+    that fits the memory (full batches of a pretrained model: 1500 examples of a 135M model are ~45 GB at once).
+    Returns the report's lines on it. ``h``, ``scale``: |h| (``prefix_hidden_norm``) and ``weight_scale`` when
+    already measured; else the extended model is loaded for them. ``step``: the run's pre-flight check of the
+    extended model and ``texts`` (else one is made)."""
 
-    if h is None:
+    if h is None or scale is None:
         lm, tok = load_causal_lm(extended)
-        h = prefix_hidden_norm(lm, tok, manifest)
+        h, scale = prefix_hidden_norm(lm, tok, manifest), weight_scale(lm)
         del lm
     n = len(texts)
     where = f"|h| = {h:.3g} at the canaries' prefixes, N = {n}, C = {cfg.clip:g}"
-    if settings.logit_step is not None:
+    rate = (cfg.batch_size or n) / n
+    if settings.body_drift is not None:
+        step_noise = 1.0 if cfg.optimizer == "adamw" else _noise_std(cfg, rate, n) * cfg.clip / (rate * n)
+        why = {}  # no noise (the non-private baseline with SGD): the method's rate
+        if step_noise > 0:
+            lr = drift_rate(scale, cfg.steps, settings.body_drift, step_noise)
+            why = {"learning rate": f"{lr:.4g}, from the model: the noise walks each weight {settings.body_drift:g} "
+                                    f"of the weights' typical size ({scale:.3g}) over {cfg.steps} steps of "
+                                    f"{cfg.optimizer}, so the hidden state along which each canary's row learns "
+                                    "stays put"}
+            cfg = dataclasses.replace(cfg, lr=lr)
+    elif settings.logit_step is not None:
         lr = sgd_exposure(h, n, cfg.clip, settings.logit_step)
         why = {"learning rate": f"{lr:.4g}, from the model: a member raises its secret's logit by "
                                 f"{settings.logit_step:g} nats a step ({where})"}
         cfg = dataclasses.replace(cfg, lr=lr)
     else:
-        rate = (cfg.batch_size or n) / n
         noise = _noise_std(cfg, rate, n)
         members = len(manifest.canaries) * manifest.inclusion_probability * settings.repeats
         lr, phi = zo_exposure(h, n, rate, members, cfg.clip, noise, cfg.steps, settings.logit_noise,
@@ -400,7 +458,8 @@ def _ceiling(cfg, result, claimed, group):
 EXTENDED = "extended_model"          # the base plus the canaries' tokens, as an extension folder (models/extension.py)
 REUSE_STAMP = "extended_model.json"  # what canaries.json and extended_model/ were made from
 HIDDEN_NORM = "prefix_hidden_norm"   # in the stamp: |h| of the extended model at the canaries' prefixes
-_MADE = ("canaries_sha256", HIDDEN_NORM)  # the stamp's entries that were made, not compared
+WEIGHT_SCALE = "weight_scale"        # ... and its weights' typical size (``weight_scale``)
+_MADE = ("canaries_sha256", HIDDEN_NORM, WEIGHT_SCALE)  # the stamp's entries that were made, not compared
 
 
 def _stamped(out: Path, key: str) -> float | None:
@@ -415,12 +474,14 @@ def _stamped(out: Path, key: str) -> float | None:
 
 def _extension_stamp(base: Path, settings: AuditRunSettings) -> dict:
     """What the canaries and the extended model depend on: the base model's files (the folder it resolves to,
-    its files' names, sizes and modification times: a changed file is a new model) and the canary settings (count, seed, prefix length).
+    its files' names, sizes and modification times: a changed file is a new model) and the canary settings (count,
+    seed, prefix length, a shared prefix).
     The same stamp is the same secrets and prefixes; membership is drawn afresh for each run."""
 
     folder = resolve_model_path(base).resolve()  # a hub cache's snapshot, a GGUF's converted folder
-    return {"format": 2, "base": str(Path(base).resolve()), "folder": str(folder), "files": files_stamp(folder),
+    return {"format": 3, "base": str(Path(base).resolve()), "folder": str(folder), "files": files_stamp(folder),
             "canaries": settings.canaries, "seed": settings.seed, "prefix_length": settings.prefix_length,
+            **({"prefix": "shared"} if settings.shared_prefix else {}),
             **({"users": [settings.repeats, settings.held_out]} if settings.held_out else {})}
 
 

@@ -107,6 +107,45 @@ def test_extension_adds_tokens_zero_rows_and_keeps_ties(tiny_model_dir, tmp_path
     check_tokenizer_matches(tok, manifest, "the extended model")
 
 
+def _gradient_shares(model, tok, canary, secret: int) -> tuple[float, float]:
+    """(on its secret's own row, on the body: every tensor but the embeddings): shares of one canary's squared
+    loss-gradient norm, the whole model trainable."""
+    model.zero_grad()
+    x = torch.tensor([tok(canary.text, add_special_tokens=False)["input_ids"]])
+    torch.nn.functional.cross_entropy(model(input_ids=x).logits[0, :-1].float(), x[0, 1:]).backward()
+    rows = model.get_output_embeddings().weight
+    total = sum(float((q.grad.float() ** 2).sum()) for q in model.parameters() if q.grad is not None)
+    body = sum(float((q.grad.float() ** 2).sum()) for q in model.parameters() if q.grad is not None and q is not rows)
+    return float((rows.grad[secret].float() ** 2).sum()) / total, body / total
+
+
+def test_behind_one_shared_prefix_a_canarys_gradient_starts_on_its_own_row(tiny_model_dir):
+    """Issue 70, item 1: where every canary has one shared prefix, its new row starts at the base's expected output
+    row after it (``expected_row``), so the loss gradient into the body is zero at the start and a whole-model run
+    puts a canary's clipped gradient on its own row (the rest: the other rows' p_j h). Random prefixes with zero
+    rows send part of it into the body (the test can fail)."""
+    from dpaudit.canaries.generate import shared_prefix
+    from dpaudit.canaries.hf import expected_row
+
+    shares = {}
+    for layout in ("shared", "random"):
+        model, tok = load_causal_lm(tiny_model_dir)
+        template = shared_prefix(tok, seed=0) if layout == "shared" else None
+        manifest = make_canaries(tok, 40, seed=0, template=template)
+        row = expected_row(model, tok, manifest.canaries[0].prefix)
+        ids = extend_model(model, tok, manifest)
+        out = model.get_output_embeddings().weight.detach()
+        if layout == "shared":
+            assert manifest.prefix_kind == "template" and len({c.prefix for c in manifest.canaries}) == 1
+            assert torch.equal(out[ids[0]], row) and bool((out[ids] == out[ids[0]]).all()) and bool(row.any())
+        else:
+            assert not bool(out[ids].any())
+        model.train()
+        shares[layout] = [_gradient_shares(model, tok, c, s) for c, s in zip(manifest.canaries[:5], ids)]
+    assert min(own for own, _ in shares["shared"]) > 0.98
+    assert max(body for _, body in shares["shared"]) < 1e-6 < 0.02 < min(body for _, body in shares["random"])
+
+
 def test_manifest_from_another_tokenizer_is_refused(tokenizer):
     from dpaudit.models.embedded import build_tokenizer
 

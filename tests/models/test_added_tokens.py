@@ -9,7 +9,7 @@ import torch
 
 from dpaudit.core.atomic import save_model_folder
 from dpaudit.core.errors import DPAuditError
-from dpaudit.models.extension import MARKER, add_zero_tokens, save_extension
+from dpaudit.models.extension import MARKER, add_new_tokens, save_extension
 from dpaudit.models.loading import load_causal_lm
 
 TOKENS = ["<dpaudit_canary_a>", "<dpaudit_canary_b>", "<dpaudit_canary_c>"]
@@ -17,7 +17,7 @@ TOKENS = ["<dpaudit_canary_a>", "<dpaudit_canary_b>", "<dpaudit_canary_c>"]
 
 def _extended(base, folder, full=None):
     model, tok = load_causal_lm(base)
-    ids = add_zero_tokens(model, tok, TOKENS)
+    ids = add_new_tokens(model, tok, TOKENS)
     save_extension(folder, base, model, tok, TOKENS)
     if full is not None:
         save_model_folder(full, model, tok)
@@ -39,6 +39,34 @@ def test_an_extension_loads_as_the_full_extended_model(tiny_model_dir, tmp_path)
     assert sa.keys() == sb.keys()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert float(a.get_output_embeddings().weight[ids].detach().abs().sum()) == 0.0
+
+
+def test_an_extension_with_a_start_row_loads_it_to_the_bit(tiny_model_dir, tmp_path):
+    """Issue 70: new rows may all start at one row (canaries behind a shared prefix); the marker holds it as exact
+    floats, and the extension loads as the model written in full. A marker of format 1 (zero rows) is still read;
+    rows that differ cannot be written as an extension."""
+    import json
+
+    model, tok = load_causal_lm(tiny_model_dir)
+    row = torch.randn(model.get_output_embeddings().weight.shape[1]) / 3
+    ids = add_new_tokens(model, tok, TOKENS, row)
+    save_extension(tmp_path / "ext", tiny_model_dir, model, tok, TOKENS)
+    save_model_folder(tmp_path / "full", model, tok)
+    a, _ = load_causal_lm(tmp_path / "ext")
+    b, _ = load_causal_lm(tmp_path / "full")
+    assert torch.equal(a.get_output_embeddings().weight[ids], row.expand(len(ids), -1))
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    marker = json.loads((tmp_path / "ext" / MARKER).read_text())
+    marker.pop("row")
+    (tmp_path / "ext" / MARKER).write_text(json.dumps({**marker, "format": 1}))
+    old, _ = load_causal_lm(tmp_path / "ext")
+    assert not bool(old.get_output_embeddings().weight[ids].any())
+    with torch.no_grad():
+        model.get_output_embeddings().weight[ids[0]] += 1
+    with pytest.raises(DPAuditError, match="rows differ"):
+        save_extension(tmp_path / "ext2", tiny_model_dir, model, tok, TOKENS)
+    with pytest.raises(DPAuditError, match="start row"):
+        add_new_tokens(load_causal_lm(tiny_model_dir)[0], tok, ["<dpaudit_canary_d>"], row[:3])
 
 
 def test_an_extension_loads_in_bf16(tiny_model_dir, tmp_path):

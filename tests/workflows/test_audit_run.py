@@ -230,6 +230,60 @@ def test_an_audit_runs_choices_are_the_users_where_given_else_its_recipes():
     assert not given.phi_from_model and given.phi == 0.01
 
 
+def test_where_the_body_trains_canaries_share_a_prefix_and_the_rate_keeps_the_body_put():
+    """Issue 70, item 1: a black-box DP-SGD run whose user trains the body (full, LoRA, embeddings: the canaries'
+    rows train too) puts its canaries behind one shared prefix and, without --lr, takes the rate at which the noise
+    walks each weight BODY_DRIFT of the base's typical weight (``drift_rate``). Not for subsets that
+    never train the rows (bias), the new-token recipe itself, DP-ZO, or a white-box run."""
+    from dpaudit.workflows.audit_run import (
+        BODY_DRIFT, EMBEDDED_RECIPE, PRETRAINED_RECIPE, ZERO_ORDER_RECIPE, black_box_recipe, drift_rate,
+        resolve_recipe,
+    )
+
+    full = resolve_recipe(EMBEDDED_RECIPE, trainable="full", optimizer="adamw")
+    assert full.shared_prefix and full.body_drift == BODY_DRIFT and full.lr is None
+    given = resolve_recipe(PRETRAINED_RECIPE, trainable="embeddings", lr=1e-3)
+    assert given.shared_prefix and given.body_drift is None and given.lr == 1e-3
+    lora = resolve_recipe(PRETRAINED_RECIPE, trainable="lora")
+    assert lora.shared_prefix and lora.body_drift == BODY_DRIFT
+    for recipe, trainable in ((EMBEDDED_RECIPE, "bias"), (EMBEDDED_RECIPE, None), (ZERO_ORDER_RECIPE, "full"),
+                              (black_box_recipe(True, True, False), "full")):
+        other = resolve_recipe(recipe, trainable=trainable)
+        assert not other.shared_prefix and other.body_drift is None
+    # AdamW (a step moves a weight about lr): the walk lr sqrt(T) is the drift's share of the weights' size
+    assert drift_rate(0.05, 400, 1 / 16, 1.0) * 20 == pytest.approx(0.05 / 16)
+    assert drift_rate(0.05, 400, 1 / 16, 0.01) == pytest.approx(100 * drift_rate(0.05, 400, 1 / 16, 1.0))
+
+
+def test_a_whole_model_audit_run_trains_its_shared_prefix_canaries_at_the_rate_from_the_model(tiny_model_dir,
+                                                                                             tmp_path):
+    """Issue 70, item 1, end to end: `audit run --trainable full` (black-box DP-SGD) makes its canaries behind one
+    shared prefix, starts every secret's row at the base's expected row after it (the extension folder holds that
+    row and rebuilds it to the bit), trains at ``drift_rate`` of the model's weights, and says both in its report."""
+    import math
+
+    from dpaudit.canaries.hf import expected_row
+    from dpaudit.canaries.manifest import load_manifest
+    from dpaudit.models.loading import load_causal_lm
+    from dpaudit.workflows.audit_run import BODY_DRIFT, drift_rate, weight_scale
+
+    out = dpaudit("audit", "run", "--out", tmp_path / "a", "--model", tiny_model_dir, "--method", "dp-sgd",
+                  "--eps", "8", "-m", "20", "--examples", "40", "-T", "4", "-B", "8", "--secret-seed", "1",
+                  "--trainable", "full", "--optimizer", "adamw", "--threads", "1", "--json", timeout=600)
+    assert out.returncode in (0, 1), out.stderr
+    context = json.loads(out.stdout)["context"]
+    manifest = load_manifest(tmp_path / "a" / "canaries.json")
+    assert manifest.prefix_kind == "template" and "one shared prefix" in context["canary prefix"]
+    base, tok = load_causal_lm(tiny_model_dir)
+    row = expected_row(base, tok, manifest.canaries[0].prefix)
+    extended, tok = load_causal_lm(tmp_path / "a" / "extended_model")
+    ids = tok.convert_tokens_to_ids(list(manifest.secrets))
+    assert bool((extended.get_output_embeddings().weight[ids] == row).all())
+    lr = drift_rate(weight_scale(extended), 4, BODY_DRIFT, 1.0)  # AdamW: the walk over T = 4 steps is 2 lr
+    assert context["learning rate"].startswith(f"{lr:.4g}, from the model")
+    assert math.isclose(2 * lr, BODY_DRIFT * weight_scale(extended))
+
+
 def test_the_pretrained_recipe_micro_batches_within_max_memory_instead_of_refusing(tiny_model_dir, tmp_path):
     """Issue 67, item 23: `audit run --model M --max-memory X` was refused before the folder existed ("a step ...
     needs about 38.2 GB, over --max-memory 3 GB") where the recipe itself would have micro-batched the full batch
