@@ -65,8 +65,6 @@ def add_new_tokens(model, tokenizer, tokens: list[str], row=None) -> list[int]:
 def start_row(model, first: int) -> list[float] | None:
     """The row every new token from id ``first`` on starts at, as exact floats (None: zero rows); refused when the
     new rows differ, which an extension folder could not rebuild."""
-    import torch
-
     rows = model.get_output_embeddings().weight.detach()[first:]
     if not len(rows) or not bool(rows.any()):
         return None
