@@ -406,8 +406,9 @@ def _fitted_to_the_model(extended: Path, cfg: TrainConfig, settings: AuditRunSet
     where = f"|h| = {h:.3g} at the canaries' prefixes, N = {n}, C = {cfg.clip:g}"
     rate = (cfg.batch_size or n) / n
     if settings.body_drift is not None:
-        step_noise = 1.0 if cfg.optimizer == "adamw" else _noise_std(cfg, rate, n) * cfg.clip / (rate * n)
-        why = {}  # no noise (the non-private baseline with SGD): the method's rate
+        step_noise = 0.0 if not cfg.private else 1.0 if cfg.optimizer == "adamw" else \
+            _noise_std(cfg, rate, n) * cfg.clip / (rate * n)
+        why = {}  # no noise (the non-private baseline): the method's rate
         if step_noise > 0:
             lr = drift_rate(scale, cfg.steps, settings.body_drift, step_noise)
             why = {"learning rate": f"{lr:.4g}, from the model: the noise walks each weight {settings.body_drift:g} "
