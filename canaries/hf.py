@@ -58,16 +58,12 @@ def expected_row(model, tokenizer, prefix: str):
     share of a canary's gradient norm on its own row: 0.27 with zero rows after random 1-token prefixes, 0.999
     after one shared prefix with rows here). A public function of the base model and the prefix, the same for
     members and non-members."""
-    import torch
-
-    ids = tokenizer(prefix, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(prefix, add_special_tokens=False, return_tensors="pt")["input_ids"].to(model.device)
     was = model.training
     model.eval()
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids], device=model.device)).logits[0, -1].float()
-        weight = model.get_output_embeddings().weight
-        row = torch.softmax(logits[:weight.shape[0]], -1) @ weight.float()
+    logits = model(input_ids=ids).logits[0, -1].detach().float()  # one short forward; nothing is stepped
     model.train(was)
-    return row.cpu()
+    weight = model.get_output_embeddings().weight.detach().float()
+    return (logits[:weight.shape[0]].softmax(-1) @ weight).cpu()
 
 
