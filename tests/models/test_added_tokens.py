@@ -65,8 +65,9 @@ def test_an_extension_with_a_start_row_loads_it_to_the_bit(tiny_model_dir, tmp_p
         model.get_output_embeddings().weight[ids[0]] += 1
     with pytest.raises(DPAuditError, match="rows differ"):
         save_extension(tmp_path / "ext2", tiny_model_dir, model, tok, TOKENS)
+    fresh, fresh_tok = load_causal_lm(tiny_model_dir)
     with pytest.raises(DPAuditError, match="start row"):
-        add_new_tokens(load_causal_lm(tiny_model_dir)[0], tok, ["<dpaudit_canary_d>"], row[:3])
+        add_new_tokens(fresh, fresh_tok, TOKENS, row[:3])
 
 
 def test_an_extension_loads_in_bf16(tiny_model_dir, tmp_path):
