@@ -300,9 +300,10 @@ def audit_run(
                             "black-box audit (DP-SGD: each canary's whole clipped gradient on its row; DP-ZO: each "
                             "canary's difference moves its own row alone; scored by its loss drop from the base "
                             "model, at a rate set from the model's hidden-state norm, micro-batched to fit the "
-                            "memory); full otherwise. Black-box DP-SGD with full, lora or embeddings and no "
-                            "--lr: the rate at which the noise walks each weight 1/16 of the weights' typical "
-                            "size over the run, so the body a canary's row learns along stays put.")] = None,
+                            "memory); full otherwise. Black-box DP-SGD with full, lora or embeddings, its "
+                            "canaries behind one shared prefix (see --prefix-length), and no --lr: the rate at "
+                            "which the noise walks each weight 1/16 of the weights' typical size over the run, so "
+                            "the body a canary's row learns along stays put.")] = None,
     bf16: Bf16Opt = False,
     per_sample_grads: PerSampleGradsOpt = "ghost", micro_batch: MicroBatchOpt = 0,
     max_memory: TrainMaxMemoryOpt = None, shard: ShardOpt = False,
@@ -329,9 +330,9 @@ def audit_run(
     prefix_length: Annotated[Optional[int], typer.Option(
         "--prefix-length", help="Random tokens before each canary's secret (default 1: a longer prefix is more loss "
                                 "to learn, whose gradient crowds the secret's row out of the clipped norm). Black-box "
-                                "DP-SGD with --trainable full, lora or embeddings: by default one shared prefix "
-                                "token, each secret's row starting at the base's expected row after it, so a "
-                                "canary's gradient starts on its own row.")] = None,
+                                "DP-SGD with --trainable full, lora or embeddings: unless this is given (or the "
+                                "canaries are users), one shared prefix token, each secret's row starting at the "
+                                "base's expected row after it, so a canary's gradient starts on its own row.")] = None,
     unsafe_disable_noise: Annotated[bool, typer.Option(
         "--unsafe-disable-noise", hidden=True, help="Testing only: claim eps but add no noise.")] = False,
     unit: UnitOpt = "example", records_per_user: RecordsOpt = None, user_sampling: UserSamplingOpt = None,
@@ -388,12 +389,14 @@ def audit_run(
     refuse_overlap(out, {"model": model, "dataset": data}, folder_output=True)
     if prefix_length is not None and not 1 <= prefix_length <= 64:
         raise DPAuditError(f"--prefix-length must be in [1, 64], got {prefix_length}")
+    # the shared-prefix layout, and with it the drift rate (measured only with it), unless the canaries are users
+    # (each of several prefixes) or the user chose the prefix's length
+    shared = recipe.shared_prefix and not held_out and prefix_length is None
     settings = AuditRunSettings(canaries=canaries or 1000, repeats=repeat, held_out=held_out,
                                 examples=recipe.examples, seed=seed,
                                 prefix_length=prefix_length or NEW_TOKEN_PREFIX, logit_step=recipe.logit_step,
                                 logit_noise=recipe.logit_noise, phi_from_model=recipe.phi_from_model,
-                                shared_prefix=recipe.shared_prefix and not held_out and prefix_length is None,
-                                body_drift=recipe.body_drift)
+                                shared_prefix=shared, body_drift=recipe.body_drift if shared else None)
     audit, result, summary = run_audit(out, cfg, settings, model=model, data=data, data_format=data_format,
                                        field=field, force=force, show_progress=not as_json)
     if not as_json:

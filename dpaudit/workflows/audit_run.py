@@ -149,11 +149,12 @@ def resolve_recipe(recipe: BlackBoxRecipe, *, batch_size: int | None = None, exa
         lr, logit_step, logit_noise = recipe.lr, recipe.logit_step, recipe.logit_noise
     elif lr is None and shared:
         body_drift = recipe.body_drift
-    return ResolvedRecipe(shared_prefix=shared, body_drift=body_drift,
+    return ResolvedRecipe(
         batch_size=recipe.batch_size if batch_size is None else batch_size,
         examples=recipe.examples if examples is None else examples, trainable=trainable, optimizer=optimizer,
         steps=recipe.steps if steps is None else steps, lr=lr, logit_step=logit_step, logit_noise=logit_noise,
-        phi=1e-3 if phi is None else phi, phi_from_model=phi is None and logit_noise is not None)
+        phi=1e-3 if phi is None else phi, phi_from_model=phi is None and logit_noise is not None,
+        shared_prefix=shared, body_drift=body_drift)
 
 
 USER_HELD_OUT = 4  # held-out records of a black-box canary user by default: the user-inference score averages them

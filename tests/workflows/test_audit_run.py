@@ -282,6 +282,16 @@ def test_a_whole_model_audit_run_trains_its_shared_prefix_canaries_at_the_rate_f
     lr = drift_rate(weight_scale(extended), 4, BODY_DRIFT, 1.0)  # AdamW: the walk over T = 4 steps is 2 lr
     assert context["learning rate"].startswith(f"{lr:.4g}, from the model")
     assert math.isclose(2 * lr, BODY_DRIFT * weight_scale(extended))
+    # a prefix length the user chose: random prefixes, zero rows, and the method's rate (the rule was measured only
+    # with the shared prefix)
+    out = dpaudit("audit", "run", "--out", tmp_path / "b", "--model", tiny_model_dir, "--method", "dp-sgd",
+                  "--eps", "8", "-m", "20", "--examples", "40", "-T", "4", "-B", "8", "--secret-seed", "1",
+                  "--trainable", "full", "--optimizer", "adamw", "--prefix-length", "1", "--threads", "1", "--json",
+                  timeout=600)
+    assert out.returncode in (0, 1), out.stderr
+    context = json.loads(out.stdout)["context"]
+    assert "canary prefix" not in context and "learning rate" not in context
+    assert load_manifest(tmp_path / "b" / "canaries.json").prefix_kind == "random-tokens"
 
 
 def test_the_pretrained_recipe_micro_batches_within_max_memory_instead_of_refusing(tiny_model_dir, tmp_path):
