@@ -11,8 +11,9 @@ What it does, and why each part is there:
   ``out/canaries.json``), and returns a copy of the dataset with the members inserted, in the dataset's own row
   format (plain text, chat ``messages``, or ``prompt``/``completion``; a ``datasets.Dataset`` or a list of dicts).
   Canary kinds: ``existing`` (default): a random span of the tokenizer's own vocabulary after a random prefix, so
-  no vocabulary resize and a LoRA with frozen embeddings still trains it; ``new-token``: one new token (the
-  model must be extended, ``dpaudit canaries extend``, and its rows must train).
+  no vocabulary resize and a LoRA with frozen embeddings still trains it; ``new-token``: one new token behind one
+  shared prefix (``audit.extend(model)`` adds the tokens, each row at the base's expected row after the prefix, and
+  makes the rows train beside a LoRA's adapters), or behind random prefixes (``prefix="random"``).
 - ``on_train_begin`` checks, on the live model and the Trainer's own dataset and collator (never by drawing from
   its data loader, which would move the user's random state), that the canaries will train: new-token rows
   trainable, the secret's labels not masked (-100) after collation, the secret not cut by truncation or packing,
@@ -31,6 +32,7 @@ Under ZeRO-3 or FSDP (weights sharded), scoring in the callback is skipped: the 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -40,7 +42,7 @@ import torch
 
 from dpaudit.core.errors import DPAuditError, PrivacyViolation
 from dpaudit.core.validate import check_canaries
-from dpaudit.integrations.hf_preflight import preflight_problems
+from dpaudit.integrations.hf_preflight import preflight_problems, rows_train
 from dpaudit.integrations.hf_rows import canary_row, contexts, row_format as find_format, rows_of
 from dpaudit.training.distributed import launch_rank
 from dpaudit.audit.analysis import analyse, check_audit_parameters
@@ -48,7 +50,9 @@ from dpaudit.audit.claims import held_claim
 from dpaudit.audit.power import power_note
 from dpaudit.audit.report import decided_by, write_report
 from dpaudit.audit.roc import summarise
-from dpaudit.canaries.generate import make_canaries, make_existing_canaries, redraw_membership, split_secret
+from dpaudit.canaries.generate import (make_canaries, make_existing_canaries, redraw_membership, shared_prefix,
+                                       split_secret)
+from dpaudit.canaries.hf import extend_model
 from dpaudit.canaries.manifest import CANARY_USER, KINDS, is_canary_user, load_manifest
 from dpaudit.core.atomic import atomic_write_json, atomic_write_text
 from dpaudit.core.lock import MARKER, mark, remove_folder
@@ -59,6 +63,7 @@ from dpaudit.models.loading import load_causal_lm
 from dpaudit.probes.probe import ON_VIOLATION, STOP_ALPHA, WhiteBoxProbe
 from dpaudit.probes.opacus_seams import hooked_accountant
 from dpaudit.probes.probe_opacus import loader_sample_rate
+from dpaudit.training.new_tokens import add_new_token_rows, new_token_parameters
 from dpaudit.workflows.scoring import secret_losses
 
 try:  # transformers is the `train` extra; the class is defined either way so that the import error is one line
@@ -79,6 +84,14 @@ REPEATS = (1, 4, 16)     # exposure tiers (memaudit's, and Carlini et al.'s repe
 SECRET_LENGTH = 32       # an existing canary's secret span in tokens: each token adds to the member's loss drop
 CONTROLS_DEFAULT = 100   # a TPR at 1 % FPR needs >= 100 non-members to mean anything (memaudit's floor too)
 PREFLIGHT = ("refuse", "warn", "off")
+# New-token canaries' prefixes: one shared prefix, each row at the base's expected row after it (``extend``), or a
+# random 1-token prefix each. Shared by default: a fine-tune trains the body too, and there a canary's clipped
+# gradient behind a random prefix went mostly to the body (a median 27 % of its norm on its own row, against 99.9 %
+# behind the shared prefix: benchmarks/user_recipe.py --share, and canaries/hf.expected_row for why).
+PREFIXES = ("shared", "random")
+SAME_START = ("the secret's loss (less the base's, where a base is at hand): every canary is a new token behind one "
+              "shared prefix, its row starting at the same expected row, so the base's loss is the same for each and "
+              "the loss alone is already calibrated")
 HEADLINE_WHY = {
     "loss-vs-base": "the secret's loss drop from the base model: it removes how hard each canary is to begin with, "
                     "so members separate from non-members at far lower leakage than with the loss alone",
@@ -129,7 +142,7 @@ class DPAuditCallback(TrainerCallback):
     @classmethod
     def prepare(cls, tokenizer, train_dataset, *, m: int = 1000, out, claimed_eps: float | None = None,
                 delta: float | None = None, kind: str = "existing", repeats=REPEATS, text_field: str | None = None,
-                secret_length: int = SECRET_LENGTH, controls: int = CONTROLS_DEFAULT,
+                secret_length: int = SECRET_LENGTH, controls: int = CONTROLS_DEFAULT, prefix: str = "shared",
                 canary_budget: float = CANARY_BUDGET, preflight: str = "refuse",
                 reference=None, regurgitation: bool = False, alpha: float = 0.05, seed: int = 0,
                 secret_seed: int | None = None, white_box_m: int = WHITE_BOX_M, on_violation: str = "stop",
@@ -149,11 +162,16 @@ class DPAuditCallback(TrainerCallback):
         look that reads VIOLATION, writes its report and "stop"s the Trainer, "warn"s, or "raise"s; "off": no looks.
         ``user_column`` (a user-level run: ``opacus_trainer(user_column=...)``): each member's copies are one canary
         user, whose id (dpaudit-canary-N) they carry in that column; ``records_per_user``: the claim's k, so a tier
-        of at most k copies is held to the user-level claim itself."""
+        of at most k copies is held to the user-level claim itself.
+        ``prefix`` (``kind="new-token"``): ``"shared"``, one prefix for every canary, each row starting at the base's
+        expected row after it (``extend``): the body a fine-tune trains then takes almost none of a canary's
+        gradient; or ``"random"``, a random 1-token prefix each, rows at zero."""
 
         repeats = _tiers(repeats)
         _check_arguments(m, kind, secret_length, canary_budget, preflight, claimed_eps, delta, alpha)
 
+        if prefix not in PREFIXES:
+            raise DPAuditError(f"prefix must be one of {', '.join(PREFIXES)}, got {prefix!r}")
         if on_violation not in (*ON_VIOLATION, "off"):
             raise DPAuditError(f"on_violation must be one of {', '.join(ON_VIOLATION)} or off, got {on_violation!r}")
         if isinstance(white_box_m, bool) or not isinstance(white_box_m, int) or white_box_m < 0 or white_box_m == 1:
@@ -184,11 +202,13 @@ class DPAuditCallback(TrainerCallback):
             manifest = load_manifest(out / MANIFEST)  # a resumed Trainer: the same canaries and membership
             control = load_manifest(out / CONTROLS) if (out / CONTROLS).is_file() else None
             if len(manifest.canaries) != m or manifest.kind != kind or \
-                    (len(control.canaries) if control else 0) != controls:
+                    (len(control.canaries) if control else 0) != controls or \
+                    (kind == "new-token" and (manifest.prefix_kind == "template") != (prefix == "shared")):
                 raise DPAuditError(f"{out} holds {len(manifest.canaries)} {manifest.kind} canaries; prepare again with "
-                                   "the same m, kind and controls (a resumed run keeps its canaries), or a new folder")
+                                   "the same m, kind, prefix and controls (a resumed run keeps its canaries), or a new "
+                                   "folder")
         else:
-            manifest, control = _make(tokenizer, m, kind, seed, secret_seed, secret_length, controls)
+            manifest, control = _make(tokenizer, m, kind, seed, secret_seed, secret_length, controls, prefix)
             _new_folder(out)
             manifest.save(out / MANIFEST)
             if control is not None:
@@ -218,6 +238,23 @@ class DPAuditCallback(TrainerCallback):
         for line in audit.power_notes.values():
             print(f"dpaudit: warning: {line}")
         return audit, rebuild([both[i] for i in order])
+
+    # -- the model ---------------------------------------------------------------------------------------
+    def extend(self, model) -> list[int]:
+        """``kind="new-token"``: add the canary tokens to the tokenizer and ``model`` (the embeddings resized, ties
+        kept; behind the shared prefix each new output row starts at the base's expected row after it, else at zero)
+        and, where the embeddings are frozen (a LoRA), make the canaries' rows train as parameters of their own
+        beside the adapters (training/new_tokens.py: plain embedding and linear modules, which ``opacus_trainer``'s
+        per-example clipping handles, tied pairs included). Call it after ``get_peft_model`` and before the dataset
+        is tokenised. Returns the canaries' token ids. The embeddings were resized, so a PEFT checkpoint saves them
+        and these rows with the adapters (peft's ``save_embedding_layers``), and a resumed run gets the rows back;
+        ``dpaudit.training.new_tokens.merge(model)`` folds them into the embeddings for export."""
+        if self.manifest.kind != "new-token":
+            raise DPAuditError("extend() is for kind='new-token' canaries; the existing kind needs no new tokens")
+        ids = extend_model(model, self.tokenizer, self.manifest)
+        if not rows_train(model, ids):
+            add_new_token_rows(model.get_base_model() if hasattr(model, "get_base_model") else model, ids)
+        return ids
 
     # -- the Trainer's events ----------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kwargs):
@@ -335,6 +372,9 @@ class DPAuditCallback(TrainerCallback):
             return eps, f"{type(accountant).__name__}.get_epsilon(delta={self.settings.delta:g}) after the steps taken"
         return None, "none (no claimed_eps, and no Opacus accountant on the optimizer)"
 
+    def _one_start(self) -> bool:
+        return self.manifest.kind == "new-token" and self.manifest.prefix_kind == "template"
+
     def _context(self, args, state, steps, claimed, source, score) -> dict:
         planned = int(state.max_steps or 0)
         return {
@@ -344,7 +384,9 @@ class DPAuditCallback(TrainerCallback):
             "steps run": f"{steps} of {planned}" + (" (stopped early)" if planned and steps < planned else ""),
             **({"resumed at step": self.resumed_at} if self.resumed_at else {}),
             "claimed eps": claimed, "claimed eps from": source, "delta": self.settings.delta,
-            "headline score": score, "why this score": HEADLINE_WHY[score],
+            "headline score": score, "why this score": HEADLINE_WHY[score] if not self._one_start() else SAME_START,
+            **({"canary prefix": f"one shared prefix ({self.manifest.canaries[0].prefix[:20]!r}), each secret's row "
+                                 "starting at the base's expected row after it"} if self._one_start() else {}),
             **{f"preflight warning {i + 1}": p for i, p in enumerate(self.preflight_notes)},
             **self.power_notes,
         }
@@ -424,12 +466,14 @@ def _check_arguments(m, kind, secret_length, budget, preflight, claimed_eps, del
     check_audit_parameters(alpha, delta, claimed_eps)
 
 
-def _make(tokenizer, m: int, kind: str, seed: int, secret_seed: int | None, secret_length: int, controls: int):
+def _make(tokenizer, m: int, kind: str, seed: int, secret_seed: int | None, secret_length: int, controls: int,
+          prefix: str = "shared"):
     """(canaries, controls or None): canaries public (from ``seed``), membership secret (OS entropy unless
     ``secret_seed``); controls drawn with them (distinct secrets, the same distribution), never members."""
 
+    template = shared_prefix(tokenizer, seed) if prefix == "shared" else None
     manifest = (make_existing_canaries(tokenizer, m + controls, seed=seed, secret_length=secret_length)
-                if kind == "existing" else make_canaries(tokenizer, m, seed=seed))
+                if kind == "existing" else make_canaries(tokenizer, m, seed=seed, template=template))
     control = None
     if controls:
         control = replace(manifest, canaries=[replace(c, member=False) for c in manifest.canaries[m:]])
@@ -492,7 +536,7 @@ def score_canaries(model, tokenizer, manifest, settings: _Settings, controls=Non
     losses = _losses(model, tokenizer, manifest, pairs)
     base = None
     if hasattr(model, "disable_adapter") and hasattr(model, "peft_config"):
-        with model.disable_adapter():
+        with model.disable_adapter(), _rows_at_start(model):
             base = _losses(model, tokenizer, manifest, pairs)
     elif settings.reference is not None:
         reference, _ = load_causal_lm(Path(settings.reference))
@@ -501,6 +545,23 @@ def score_canaries(model, tokenizer, manifest, settings: _Settings, controls=Non
     score = "loss-vs-base" if base is not None else "neg-loss"
     scores = base - losses if base is not None else -losses
     return scores[:m], np.array([c.member for c in manifest.canaries[:m]]), score, scores[m:]
+
+
+@contextlib.contextmanager
+def _rows_at_start(model):
+    """The canaries' own rows (``extend`` on a LoRA) back at their start, zero, for the base's losses: they are no
+    adapter, so ``disable_adapter()`` leaves them trained, and a base that kept them would take the signal away."""
+    rows = new_token_parameters(model)
+    kept = [r.detach().clone() for r in rows]
+    with torch.no_grad():
+        for r in rows:
+            r.zero_()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for r, k in zip(rows, kept):
+                r.copy_(k)
 
 
 @dataclass

@@ -5,6 +5,8 @@ each secret span indexed by its first token (O(tokens)); only rows holding a mem
 
 from __future__ import annotations
 
+import torch
+
 from dpaudit.integrations.hf_rows import contexts
 from dpaudit.canaries.generate import split_secret
 
@@ -17,11 +19,12 @@ def preflight_problems(model, tokenizer, manifest, settings, train_dataloader) -
         if any(i is None or i == tokenizer.unk_token_id for i in ids):
             problems.append("the new-token canaries are not in the tokenizer: extend the model first "
                             "(dpaudit canaries extend), or use kind='existing'")
-        elif not _rows_train(model, ids):
+        elif not rows_train(model, ids):
             problems.append("the new-token canaries' embedding and output rows are frozen (a standard LoRA config "
                             "freezes them), so the canaries never train and the audit would read 'consistent' with "
-                            "nothing behind it: add trainable_token_indices (or modules_to_save=['embed_tokens', "
-                            "'lm_head']) to the LoRA config, or use kind='existing'")
+                            "nothing behind it: call audit.extend(model) after get_peft_model (it makes their rows "
+                            "train), add trainable_token_indices (or modules_to_save=['embed_tokens', 'lm_head']) to "
+                            "the LoRA config, or use kind='existing'")
     dataset = getattr(train_dataloader, "dataset", None)
     collate = getattr(train_dataloader, "collate_fn", None)
     if dataset is None or collate is None:
@@ -40,13 +43,18 @@ def _batch_size(loader) -> int:
     return 8
 
 
-def _rows_train(model, ids) -> bool:
+def rows_train(model, ids) -> bool:
     """Whether a trainable parameter holds the rows of token ``ids`` (input or output side): a whole trainable
-    embedding or output matrix (also PEFT's modules_to_save copy), or PEFT trainable tokens covering them."""
+    embedding or output matrix (also PEFT's modules_to_save copy), PEFT trainable tokens covering them, or rows of
+    their own (training/new_tokens.py, as ``DPAuditCallback.extend`` makes them on a LoRA)."""
     vocab = max(ids) + 1
     for layer in (model.get_input_embeddings(), model.get_output_embeddings()):
         if layer is None:
             continue
+        own = getattr(layer, "ids", None)
+        if isinstance(own, torch.Tensor) and getattr(layer, "rows", None) is not None and \
+                layer.rows.weight.requires_grad and set(ids) <= set(own.tolist()):
+            return True
         if any(p.requires_grad and p.dim() == 2 and p.shape[0] >= vocab for p in layer.parameters()):
             return True
         indices = getattr(getattr(layer, "token_adapter", None), "token_indices", None) or {}

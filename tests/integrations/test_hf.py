@@ -150,6 +150,75 @@ def test_lora_freezes_new_token_rows_so_new_token_canaries_are_refused_and_exist
     assert "inserted 4 times" in report["context"]["claim audited (black-box)"] and report["claimed_epsilon"] == 4.0
 
 
+def test_new_token_canaries_behind_one_shared_prefix_train_beside_a_lora_in_an_opacus_trainer(tiny_model_dir,
+                                                                                                 tmp_path):
+    """audit.extend(model) after get_peft_model: the canaries share one prefix, their output rows start at the base's
+    expected row after it, and their rows train beside the adapters under opacus_trainer's per-example clipping;
+    the base score takes the rows back to their start (disable_adapter() alone would leave them trained)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import DataCollatorForLanguageModeling, TrainingArguments
+
+    from dpaudit.canaries.hf import expected_row
+    from dpaudit.integrations.hf import DPAuditCallback, opacus_trainer
+    from dpaudit.training.new_tokens import new_token_parameters
+
+    model, tok = _model(tiny_model_dir)
+    audit, rows = DPAuditCallback.prepare(tok, [{"text": t} for t in TEXTS], m=40, repeats=1, controls=0,
+                                          kind="new-token", out=tmp_path / "audit", claimed_eps=0.25, delta=1e-5,
+                                          secret_seed=5, white_box_m=0)
+    prefixes = {c.prefix for c in audit.manifest.canaries}
+    assert len(prefixes) == 1 and audit.manifest.prefix_kind == "template"
+    start = expected_row(model, tok, prefixes.pop())
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    ids = audit.extend(model)
+    head = model.get_output_embeddings().base.weight
+    assert torch.allclose(head[ids], start.expand(len(ids), -1), atol=1e-6)  # each row at the expected row
+    (rows_param,) = new_token_parameters(model)  # the tiny model is tied: one parameter, two uses
+    assert rows_param.requires_grad and not rows_param.any()
+    # SGD: without noise AdamW would scale every row's small shared gradient (each new token's probability at every
+    # position of every example) up to a full step, members' and non-members' alike
+    args = TrainingArguments(output_dir=str(tmp_path / "hf-out"), per_device_train_batch_size=32, max_steps=40,
+                             learning_rate=1.0, optim="sgd", save_strategy="no", report_to=[], use_cpu=True,
+                             disable_tqdm=True, seed=0, logging_steps=1000)
+    opacus_trainer(model=model, args=args, train_dataset=_tokenised(tok, rows),
+                   data_collator=DataCollatorForLanguageModeling(tok, mlm=False), callbacks=[audit],
+                   noise_multiplier=0.0, max_grad_norm=1.0).train()   # no noise: the members must show
+    report = json.loads((tmp_path / "audit" / "report" / "report.json").read_text())
+    assert report["context"]["headline score"] == "loss-vs-base"
+    assert "one shared prefix" in report["context"]["canary prefix"]
+    assert report["auc"] > 0.85 and report["violation"]
+    assert rows_param.any()  # trained, and put back after the base's losses were read at their start
+
+
+def test_a_resumed_lora_run_gets_its_canary_rows_back_from_the_checkpoint(tiny_model_dir, tmp_path):
+    """audit.extend(model) resized the embeddings, so the PEFT checkpoint holds them and the canaries' own rows beside
+    the adapters (peft's save_embedding_layers), and a resumed run reads them back; rows restarted at zero would make
+    the audit read less than the run leaked."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from dpaudit.integrations.hf import DPAuditCallback
+    from dpaudit.training.new_tokens import new_token_parameters
+
+    def attempt(**train):
+        model, tok = _model(tiny_model_dir)
+        audit, rows = DPAuditCallback.prepare(tok, [{"text": t} for t in TEXTS], m=40, repeats=1, controls=0,
+                                              kind="new-token", out=tmp_path / "audit", claimed_eps=1.0, delta=1e-5,
+                                              secret_seed=6)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                 task_type="CAUSAL_LM"))
+        audit.extend(model)
+        _trainer(model, tok, _tokenised(tok, rows), tmp_path, audit, max_steps=4, save_strategy="steps",
+                 save_steps=4).train(**train)
+        return audit, new_token_parameters(model)[0].detach().clone()
+
+    _, trained = attempt()
+    assert trained.any()
+    audit, resumed = attempt(resume_from_checkpoint=str(tmp_path / "hf-out" / "checkpoint-4"))  # no step left
+    assert audit.resumed_at == 4 and torch.equal(resumed, trained)
+
+
 def test_the_preflight_refuses_members_the_trainer_never_sees_and_secrets_cut_by_truncation(tiny_model_dir,
                                                                                              tmp_path):
     from dpaudit.integrations.hf import DPAuditCallback
