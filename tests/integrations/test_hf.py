@@ -165,7 +165,7 @@ def test_new_token_canaries_behind_one_shared_prefix_train_beside_a_lora_in_an_o
 
     model, tok = _model(tiny_model_dir)
     audit, rows = DPAuditCallback.prepare(tok, [{"text": t} for t in TEXTS], m=40, repeats=1, controls=0,
-                                          kind="new-token", out=tmp_path / "audit", claimed_eps=0.25, delta=1e-5,
+                                          kind="new-token", out=tmp_path / "audit", claimed_eps=1.0, delta=1e-5,
                                           secret_seed=5, white_box_m=0)
     prefixes = {c.prefix for c in audit.manifest.canaries}
     assert len(prefixes) == 1 and audit.manifest.prefix_kind == "template"
@@ -187,8 +187,27 @@ def test_new_token_canaries_behind_one_shared_prefix_train_beside_a_lora_in_an_o
     report = json.loads((tmp_path / "audit" / "report" / "report.json").read_text())
     assert report["context"]["headline score"] == "loss-vs-base"
     assert "one shared prefix" in report["context"]["canary prefix"]
-    assert report["auc"] > 0.85 and report["violation"]
+    assert report["auc"] > 0.85  # members above non-members (at the null: 0.5, standard error 0.09 at m = 40)
     assert rows_param.any()  # trained, and put back after the base's losses were read at their start
+
+
+def test_new_token_prefixes_are_shared_by_default_random_on_request_and_nothing_else(tiny_model_dir, tmp_path):
+    from dpaudit.integrations.hf import DPAuditCallback
+
+    _, tok = _model(tiny_model_dir)
+    data = [{"text": t} for t in TEXTS]
+    shared, _ = DPAuditCallback.prepare(tok, data, m=20, repeats=1, kind="new-token", out=tmp_path / "s",
+                                        claimed_eps=1.0, delta=1e-5)
+    random, _ = DPAuditCallback.prepare(tok, data, m=20, repeats=1, kind="new-token", prefix="random",
+                                        out=tmp_path / "r", claimed_eps=1.0, delta=1e-5)
+    assert len({c.prefix for c in shared.manifest.canaries}) == 1
+    assert len({c.prefix for c in random.manifest.canaries}) > 1 and random.manifest.prefix_kind == "random-tokens"
+    with pytest.raises(DPAuditError, match="prefix must be one of shared, random"):
+        DPAuditCallback.prepare(tok, data, m=20, kind="new-token", prefix="template", out=tmp_path / "x",
+                                claimed_eps=1.0, delta=1e-5)
+    with pytest.raises(DPAuditError, match="same m, kind, prefix"):   # a resumed run keeps its canaries' layout
+        DPAuditCallback.prepare(tok, data, m=20, repeats=1, kind="new-token", prefix="random", out=tmp_path / "s",
+                                claimed_eps=1.0, delta=1e-5)
 
 
 def test_a_resumed_lora_run_gets_its_canary_rows_back_from_the_checkpoint(tiny_model_dir, tmp_path):
