@@ -5,10 +5,9 @@ each secret span indexed by its first token (O(tokens)); only rows holding a mem
 
 from __future__ import annotations
 
-import torch
-
 from dpaudit.integrations.hf_rows import contexts
 from dpaudit.canaries.generate import split_secret
+from dpaudit.training.new_tokens import NewTokenEmbedding, NewTokenHead
 
 
 def preflight_problems(model, tokenizer, manifest, settings, train_dataloader) -> list[str]:
@@ -18,7 +17,7 @@ def preflight_problems(model, tokenizer, manifest, settings, train_dataloader) -
         ids = tokenizer.convert_tokens_to_ids(manifest.secrets)
         if any(i is None or i == tokenizer.unk_token_id for i in ids):
             problems.append("the new-token canaries are not in the tokenizer: extend the model first "
-                            "(dpaudit canaries extend), or use kind='existing'")
+                            "(audit.extend(model), or dpaudit canaries extend), or use kind='existing'")
         elif not rows_train(model, ids):
             problems.append("the new-token canaries' embedding and output rows are frozen (a standard LoRA config "
                             "freezes them), so the canaries never train and the audit would read 'consistent' with "
@@ -51,9 +50,8 @@ def rows_train(model, ids) -> bool:
     for layer in (model.get_input_embeddings(), model.get_output_embeddings()):
         if layer is None:
             continue
-        own = getattr(layer, "ids", None)
-        if isinstance(own, torch.Tensor) and getattr(layer, "rows", None) is not None and \
-                layer.rows.weight.requires_grad and set(ids) <= set(own.tolist()):
+        if isinstance(layer, (NewTokenEmbedding, NewTokenHead)) and layer.rows.weight.requires_grad and \
+                set(ids) <= set(layer.ids.tolist()):
             return True
         if any(p.requires_grad and p.dim() == 2 and p.shape[0] >= vocab for p in layer.parameters()):
             return True
