@@ -40,10 +40,11 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import DataCollatorForLanguageModeling, TrainingArguments, logging
+    from callback_whitebox import train   # a sibling script (benchmarks/ is the script's own folder)
+    from transformers import logging
 
     from dpaudit.api import calibrate
-    from dpaudit.integrations.hf import DPAuditCallback, opacus_trainer
+    from dpaudit.integrations.hf import DPAuditCallback
     from dpaudit.models.corpus import sentences
     from dpaudit.models.loading import load_causal_lm
     from dpaudit.workflows.audit_run import BODY_DRIFT, drift_rate, embedded_default, weight_scale
@@ -69,24 +70,17 @@ def main() -> None:
                 audit.extend(model)
             rate = args.batch / len(data)
             sigma = calibrate(args.eps, delta=delta, p=rate, steps=args.steps).sigma
-            settings = TrainingArguments(output_dir=str(Path(tmp) / f"out{seed}"),
-                                         per_device_train_batch_size=args.batch, max_steps=args.steps,
-                                         learning_rate=lr, lr_scheduler_type=args.schedule, logging_steps=10**6, save_strategy="no", report_to=[],
-                                         disable_tqdm=True, seed=seed, use_cpu=True)
-            trainer = opacus_trainer(noise_multiplier=sigma, max_grad_norm=1.0, model=model, args=settings,
-                                     train_dataset=[dict(tok(r["text"], truncation=True, max_length=128))
-                                                    for r in data],
-                                     data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
-                                     callbacks=[audit])
-            trainer.train()
+            train(model, tok, data, audit, Path(tmp) / f"out{seed}", batch=args.batch, steps=args.steps, lr=lr,
+                  sigma=sigma, seed=seed, lr_scheduler_type=args.schedule)
             result = audit.result
             bounds.append(result.epsilon_lower_bound)
-            print(json.dumps({"kind": args.kind, "seed": seed, "lr": float(f"{lr:.4g}"), "schedule": args.schedule, "sigma": round(sigma, 4),
-                              "p": round(rate, 4), "bound": round(result.epsilon_lower_bound, 3),
+            print(json.dumps({"kind": args.kind, "seed": seed, "lr": float(f"{lr:.4g}"), "schedule": args.schedule,
+                              "sigma": round(sigma, 4), "p": round(rate, 4),
+                              "bound": round(result.epsilon_lower_bound, 3),
                               "auc": round(result.roc.auc, 3), "score": result.score.name,
                               "seconds": round(time.perf_counter() - start, 1)}), flush=True)
-    print(f"{args.kind} canaries, lr {args.lr} ({args.schedule}): median bound of {len(bounds)} {statistics.median(bounds):.3f} "
-          f"(the schedule's ceiling 1.014: user_recipe.py --ceiling)")
+    print(f"{args.kind} canaries, lr {args.lr} ({args.schedule}): median bound of {len(bounds)} "
+          f"{statistics.median(bounds):.3f} (the schedule's ceiling 1.014: user_recipe.py --ceiling)")
 
 
 if __name__ == "__main__":

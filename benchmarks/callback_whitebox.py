@@ -24,6 +24,22 @@ import warnings
 from pathlib import Path
 
 
+def train(model, tok, data, audit, out: Path, *, batch: int, steps: int, lr: float, sigma: float, seed: int,
+          **more) -> None:
+    """One ``opacus_trainer`` run (C 1, Poisson batches of expected size ``batch``) of ``model`` on the callback's
+    rows of text ``data``, audited by ``audit``; ``more``: further TrainingArguments."""
+    from transformers import DataCollatorForLanguageModeling, TrainingArguments
+
+    from dpaudit.integrations.hf import opacus_trainer
+
+    settings = TrainingArguments(output_dir=str(out), per_device_train_batch_size=batch, max_steps=steps,
+                                 learning_rate=lr, logging_steps=10**6, save_strategy="no", report_to=[],
+                                 disable_tqdm=True, seed=seed, use_cpu=True, **more)
+    opacus_trainer(noise_multiplier=sigma, max_grad_norm=1.0, model=model, args=settings,
+                   train_dataset=[dict(tok(r["text"], truncation=True, max_length=128)) for r in data],
+                   data_collator=DataCollatorForLanguageModeling(tok, mlm=False), callbacks=[audit]).train()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--eps", type=float, nargs="+", default=[4.0, 8.0])
@@ -41,9 +57,9 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     import torch
     from opacus.accountants.utils import get_noise_multiplier
-    from transformers import DataCollatorForLanguageModeling, TrainingArguments, logging
+    from transformers import logging
 
-    from dpaudit.integrations.hf import DPAuditCallback, opacus_trainer
+    from dpaudit.integrations.hf import DPAuditCallback
     from dpaudit.models.corpus import sentences
     from dpaudit.models.embedded import build_model, build_tokenizer
 
@@ -85,16 +101,8 @@ def main() -> None:
                                                       delta=delta, secret_seed=seed, canary_budget=1.0, **extra)
                 torch.manual_seed(seed)
                 model = make_model()
-                settings = TrainingArguments(output_dir=str(Path(tmp) / "out"), per_device_train_batch_size=args.batch,
-                                             max_steps=args.steps, learning_rate=1e-3, logging_steps=10**6,
-                                             save_strategy="no", report_to=[], disable_tqdm=True, seed=seed,
-                                             use_cpu=True)
-                trainer = opacus_trainer(noise_multiplier=sigma, max_grad_norm=1.0, model=model, args=settings,
-                                         train_dataset=[dict(tok(r["text"], truncation=True, max_length=128))
-                                                        for r in data],
-                                         data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
-                                         callbacks=[audit])
-                trainer.train()
+                train(model, tok, data, audit, Path(tmp) / "out", batch=args.batch, steps=args.steps, lr=1e-3,
+                      sigma=sigma, seed=seed)
                 white = audit.white_box
                 claimed = white.claimed_epsilon
                 row = {"eps_target": eps, "seed": seed, "sigma": sigma, "p": p, "steps": args.steps,
