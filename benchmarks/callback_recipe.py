@@ -11,7 +11,7 @@ against the base through ``disable_adapter``). ``--kind new-token``: new tokens 
 the base's expected row, made trainable beside the adapters by ``audit.extend(model)``. ``--lr drift``: the rate
 `audit run` picks where the body trains (``drift_rate``: the noise walks each weight 1/16 of the base's typical
 weight over the run); a number: that rate. ``--schedule``: the Trainer's rate schedule (default linear decay, the
-Trainer's own; ``constant`` as `audit run`). The Trainer's other defaults are kept (AdamW, no warm-up or decay).
+Trainer's own; ``constant`` as `audit run`). The Trainer's other defaults are kept (AdamW, no warm-up, no weight decay).
 """
 
 from __future__ import annotations
